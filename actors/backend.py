@@ -1,0 +1,107 @@
+"""The contract between a node and its model backend (stub, llamacpp, torch).
+
+A backend owns one contiguous layer range of one model and the Hot KV State of every session on it. The node
+calls ``step`` from a single worker thread with a *batch* of work items from different sessions (continuous
+batching): prefill chunks and one-position decode steps mixed. Everything else (HTTP, ordering, sampling policy
+of when to stop, detokenization into UTF-8 text) is the node's job, not the backend's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+
+from schemas.node import BackendInfo, LayerRange
+from schemas.session import Prompt, SamplingParams
+
+Hidden = npt.NDArray[np.float32]
+"""Hidden states of ``n`` positions: shape ``(n, *hidden_shape)``, float32."""
+
+
+@dataclasses.dataclass(slots=True)
+class StepInput:
+    """One session's share of a batched forward pass through this node's layers."""
+
+    session_id: str
+    start_position: int
+    tokens: list[int] | None = None
+    """Token ids, on the head only."""
+    hidden: Hidden | None = None
+    """Incoming hidden states, on every hop but the head."""
+    sample: bool = False
+    """On the tail: sample a token after the last position (last prefill chunk, every decode step)."""
+
+    @property
+    def n_positions(self) -> int:
+        if self.tokens is not None:
+            return len(self.tokens)
+        assert self.hidden is not None
+        return int(self.hidden.shape[0])
+
+
+@dataclasses.dataclass(slots=True)
+class StepOutput:
+    hidden: Hidden | None = None
+    """Hidden states after this node's last layer (every hop but the tail)."""
+    token: int | None = None
+    """The sampled token (tail, when asked)."""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """A model shard. Methods other than ``info``-like properties are called from the node's worker thread."""
+
+    @property
+    def info(self) -> BackendInfo: ...
+
+    @property
+    def layers(self) -> LayerRange: ...
+
+    @property
+    def is_head(self) -> bool: ...
+
+    @property
+    def is_tail(self) -> bool: ...
+
+    @property
+    def max_sessions(self) -> int:
+        """How many sessions may hold KV at once."""
+        ...
+
+    @property
+    def max_batch_tokens(self) -> int:
+        """Most positions one ``step`` call may carry across all sessions."""
+        ...
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """Head only: apply the chat template (for messages) and tokenize. Raises ``BadRequestError``."""
+        ...
+
+    def open_session(self, session_id: str, *, prompt_tokens: list[int], sampling: SamplingParams) -> None:
+        """Reserve a KV slot; on the tail also set up the sampler (penalties see the prompt tokens)."""
+        ...
+
+    def step(self, batch: list[StepInput]) -> list[StepOutput]:
+        """One forward pass over this node's layers for every item, appending each position to its session's KV."""
+        ...
+
+    def token_bytes(self, token: int) -> bytes:
+        """Tail: the raw bytes a token stands for (may be part of a UTF-8 character)."""
+        ...
+
+    def is_end_of_generation(self, token: int) -> bool:
+        """Tail: EOS / end-of-turn."""
+        ...
+
+    def close_session(self, session_id: str) -> None:
+        """Free the session's KV. Must be idempotent."""
+        ...
+
+    def kv_bytes_in_use(self) -> int: ...
+
+    def close(self) -> None:
+        """Release the model. Idempotent."""
+        ...

@@ -1,0 +1,60 @@
+"""Connecting to NATS with optional credentials, with reconnects on so a NATS server restart is survived."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import nats
+from nats.aio.client import Client as NATS
+
+from schemas.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+async def connect(
+    url: str,
+    *,
+    name: str,
+    user: str | None = None,
+    password: str | None = None,
+    token: str | None = None,
+    creds: str | None = None,
+    connect_timeout: float = 5.0,
+) -> NATS:
+    """Connect to one or more comma-separated NATS URLs; credentials are passed through and never logged."""
+    servers = [u.strip() for u in url.split(",") if u.strip()]
+
+    async def on_error(exc: Exception) -> None:
+        log.warning("nats error (%s): %s", name, type(exc).__name__)
+
+    async def on_disconnect() -> None:
+        log.info("nats disconnected (%s)", name)
+
+    async def on_reconnect() -> None:
+        log.info("nats reconnected (%s)", name)
+
+    options: dict[str, Any] = dict(
+        servers=servers, name=name, connect_timeout=connect_timeout, allow_reconnect=True,
+        max_reconnect_attempts=-1, reconnect_time_wait=0.5, error_cb=on_error,
+        disconnected_cb=on_disconnect, reconnected_cb=on_reconnect,
+    )
+    if user is not None:
+        options.update(user=user, password=password)
+    if token is not None:
+        options["token"] = token
+    if creds is not None:
+        options["user_credentials"] = creds
+    return await nats.connect(**options)
+
+
+async def connect_settings(settings: Settings, *, name: str) -> NATS:
+    return await connect(
+        settings.nats_url,
+        name=name,
+        user=settings.nats_user,
+        password=settings.nats_password.get_secret_value() if settings.nats_password else None,
+        token=settings.nats_token.get_secret_value() if settings.nats_token else None,
+        creds=str(settings.nats_creds) if settings.nats_creds else None,
+    )

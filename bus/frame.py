@@ -1,0 +1,107 @@
+"""Binary activation frames: a fixed little-endian header, hop stamps, then raw tensor bytes.
+
+Layout (all little-endian; docs/protocol.md has the table)::
+
+    0   4  magic "SRF1"
+    4   1  kind            0 prefill, 1 decode
+    5   1  dtype           0 f32, 1 f16
+    6   1  flags           bit 0: the tail samples after this frame
+    7   1  n_dims          dims of one position's hidden state (1..4)
+    8  16  session id      raw uuid bytes
+    24  4  step            decode step (0 during prefill)
+    28  4  start position
+    32  4  n positions
+    36  1  n stamps
+    37  3  reserved (zero)
+    40     n_dims x u32 dims, then n_stamps x (u32 hop, u32 compute_us, u32 queue_us), then the payload
+"""
+
+from __future__ import annotations
+
+import struct
+import uuid
+
+import numpy as np
+import numpy.typing as npt
+
+from schemas.frame import MAGIC, MAX_DIMS, FrameHeader, FrameKind, HopStamp, WireDType
+
+_FIXED = struct.Struct("<4sBBBB16sIIIB3x")
+_STAMP = struct.Struct("<III")
+_NP_DTYPE = {WireDType.F32: np.dtype("<f4"), WireDType.F16: np.dtype("<f2")}
+MAX_STAMPS = 64
+
+
+class FrameDecodeError(ValueError):
+    """The bytes are not a valid frame; the message says exactly what is wrong."""
+
+
+def session_bytes(session_id: str) -> bytes:
+    """A session id (32 hex chars) as the 16 raw bytes the frame carries."""
+    try:
+        return uuid.UUID(hex=session_id).bytes
+    except ValueError as exc:
+        raise ValueError(f"session id {session_id!r} is not a 32-digit hex uuid") from exc
+
+
+def session_str(raw: bytes) -> str:
+    return uuid.UUID(bytes=raw).hex
+
+
+def header_size(n_dims: int, n_stamps: int) -> int:
+    return _FIXED.size + 4 * n_dims + _STAMP.size * n_stamps
+
+
+def encode(header: FrameHeader, hidden: npt.NDArray[np.floating]) -> bytes:
+    """Serialize ``hidden`` (shape ``(n_positions, *position_shape)``) under ``header``, converting to its dtype."""
+    expected = (header.n_positions, *header.position_shape)
+    if tuple(hidden.shape) != expected:
+        raise ValueError(f"hidden states have shape {tuple(hidden.shape)}, header says {expected}")
+    if not 1 <= len(header.position_shape) <= MAX_DIMS:
+        raise ValueError(f"position shape must have 1..{MAX_DIMS} dims, got {header.position_shape}")
+    if len(header.stamps) > MAX_STAMPS:
+        raise ValueError(f"at most {MAX_STAMPS} hop stamps")
+    flags = 1 if header.sample else 0
+    parts = [
+        _FIXED.pack(MAGIC, int(header.kind), int(header.dtype), flags, len(header.position_shape), header.session_id,
+                    header.step, header.start_position, header.n_positions, len(header.stamps)),
+        struct.pack(f"<{len(header.position_shape)}I", *header.position_shape),
+    ]
+    parts.extend(_STAMP.pack(s.hop_index, s.compute_us, s.queue_us) for s in header.stamps)
+    parts.append(np.ascontiguousarray(hidden, dtype=_NP_DTYPE[header.dtype]).tobytes())
+    return b"".join(parts)
+
+
+def decode(data: bytes) -> tuple[FrameHeader, npt.NDArray[np.float32]]:
+    """Parse a frame; the hidden states come back as float32 ``(n_positions, *position_shape)``."""
+    if len(data) < _FIXED.size:
+        raise FrameDecodeError(f"frame is {len(data)} bytes, shorter than the {_FIXED.size}-byte fixed header")
+    magic, kind, dtype, flags, n_dims, sid, step, start, n_pos, n_stamps = _FIXED.unpack_from(data, 0)
+    if magic != MAGIC:
+        raise FrameDecodeError(f"bad magic {magic!r}, expected {MAGIC!r}")
+    try:
+        frame_kind, wire_dtype = FrameKind(kind), WireDType(dtype)
+    except ValueError as exc:
+        raise FrameDecodeError(f"unknown frame kind {kind} or dtype {dtype}") from exc
+    if not 1 <= n_dims <= MAX_DIMS:
+        raise FrameDecodeError(f"n_dims {n_dims} outside 1..{MAX_DIMS}")
+    if n_pos < 1:
+        raise FrameDecodeError("frame carries no positions")
+    hsize = header_size(n_dims, n_stamps)
+    if len(data) < hsize:
+        raise FrameDecodeError(f"frame is {len(data)} bytes, header alone needs {hsize}")
+    shape = struct.unpack_from(f"<{n_dims}I", data, _FIXED.size)
+    if any(d == 0 for d in shape):
+        raise FrameDecodeError(f"position shape {shape} has a zero dimension")
+    stamps = tuple(HopStamp(*_STAMP.unpack_from(data, _FIXED.size + 4 * n_dims + _STAMP.size * i))
+                   for i in range(n_stamps))
+    header = FrameHeader(session_id=sid, kind=frame_kind, dtype=wire_dtype, start_position=start,
+                         n_positions=n_pos, position_shape=tuple(shape), step=step, sample=bool(flags & 1),
+                         stamps=stamps)
+    payload = memoryview(data)[hsize:]
+    if len(payload) != header.payload_bytes:
+        raise FrameDecodeError(
+            f"payload is {len(payload)} bytes; {n_pos} positions of {tuple(shape)} {wire_dtype.label} need "
+            f"{header.payload_bytes}")
+    hidden = np.frombuffer(payload, dtype=_NP_DTYPE[wire_dtype]).reshape((n_pos, *shape))
+    return header, hidden.astype(np.float32, copy=False)

@@ -1,0 +1,73 @@
+"""Every NATS subject and JetStream bucket swarmroute uses, in one place.
+
+Namespace first, identifiers last, so monitoring tools subscribe with wildcards such as
+``swarmroute.telemetry.>``. docs/protocol.md documents each subject's payload.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _check_token(value: str, what: str) -> str:
+    if not _TOKEN.match(value):
+        raise ValueError(f"{what} {value!r} is not a valid subject token (letters, digits, '-' and '_' only)")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Subjects:
+    namespace: str = "swarmroute"
+    """First token of every subject; lets several deployments share one NATS."""
+
+    def __post_init__(self) -> None:
+        _check_token(self.namespace, "namespace")
+
+    @property
+    def route_request(self) -> str:
+        """Request/reply: RouteRequest -> RouteReply, served by trackers in queue group ``tracker``."""
+        return f"{self.namespace}.tracker.route"
+
+    @property
+    def registry_bucket(self) -> str:
+        """JetStream KV bucket of NodeAdvertisement keyed by node id; entries expire when heartbeats stop."""
+        return f"{self.namespace}_nodes"
+
+    def registry_key_subject(self, node_id: str = "*") -> str:
+        """The subject a KV put lands on: subscribe to it to watch node health without JetStream."""
+        return f"$KV.{self.registry_bucket}.{node_id}"
+
+    def telemetry(self, session_id: str = "*") -> str:
+        """GenerationTelemetry snapshots of one session (``*`` for all)."""
+        return f"{self.namespace}.telemetry.{_wild_or(session_id, 'session id')}"
+
+    @property
+    def telemetry_all(self) -> str:
+        return f"{self.namespace}.telemetry.>"
+
+    def tokens(self, session_id: str) -> str:
+        """TokenEvent then one SessionEnd, published by the session's head for the gateway."""
+        return f"{self.namespace}.tokens.{_wild_or(session_id, 'session id')}"
+
+    def node_events(self, node_id: str = "*") -> str:
+        """Node lifecycle notes (started, stopping) for operators' tools."""
+        return f"{self.namespace}.node.{_wild_or(node_id, 'node id')}.events"
+
+    def artifact_progress(self, node_id: str = "*") -> str:
+        """Artifact fetch progress of one node."""
+        return f"{self.namespace}.artifacts.progress.{_wild_or(node_id, 'node id')}"
+
+    def artifact_peers(self, model_id: str = "*") -> str:
+        """Seeders announce themselves here (torrent peer address) for a model artifact."""
+        return f"{self.namespace}.artifacts.peers.{_wild_or(model_id, 'model id')}"
+
+    def artifact_peer_query(self, model_id: str) -> str:
+        """Request/reply: who seeds this artifact? Every seeder answers with its peer address."""
+        return f"{self.namespace}.artifacts.who.{_check_token(model_id, 'model id')}"
+
+
+def _wild_or(value: str, what: str) -> str:
+    return value if value in ("*", ">") else _check_token(value, what)

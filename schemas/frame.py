@@ -1,0 +1,73 @@
+"""The activation frame header: what travels, in binary, ahead of the hidden-state bytes of one hop.
+
+The layout is fixed-size little-endian so that a node in any language can parse it without msgpack (see
+docs/protocol.md). ``bus.frame`` encodes and decodes it; this module only describes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+MAGIC = b"SRF1"
+MAX_DIMS = 4
+
+
+class WireDType(enum.IntEnum):
+    F32 = 0
+    F16 = 1
+
+    @property
+    def itemsize(self) -> int:
+        return 4 if self is WireDType.F32 else 2
+
+    @property
+    def label(self) -> str:
+        return "f32" if self is WireDType.F32 else "f16"
+
+    @classmethod
+    def parse(cls, label: str) -> WireDType:
+        try:
+            return {"f32": cls.F32, "f16": cls.F16}[label]
+        except KeyError:
+            raise ValueError(f"unknown wire dtype {label!r}: expected f32 or f16") from None
+
+
+class FrameKind(enum.IntEnum):
+    PREFILL = 0
+    DECODE = 1
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HopStamp:
+    """Compute and queue time one hop spent on this step; appended by every hop, read by the head."""
+
+    hop_index: int
+    compute_us: int
+    queue_us: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FrameHeader:
+    """One hop's worth of hidden states: ``n_positions`` rows of ``position_shape`` starting at ``start_position``.
+
+    ``sample`` tells the tail to sample a token after this frame (the last prefill chunk, and every decode step).
+    ``step`` is the decode step (0 for prefill chunks, which are ordered by ``start_position``).
+    """
+
+    session_id: bytes  # 16 raw bytes (uuid)
+    kind: FrameKind
+    dtype: WireDType
+    start_position: int
+    n_positions: int
+    position_shape: tuple[int, ...]
+    step: int = 0
+    sample: bool = False
+    stamps: tuple[HopStamp, ...] = ()
+
+    @property
+    def payload_bytes(self) -> int:
+        n = self.n_positions * self.dtype.itemsize
+        for d in self.position_shape:
+            n *= d
+        return n

@@ -1,0 +1,76 @@
+"""What a node tells the swarm about itself: its shard, its backend and its free capacity."""
+
+from __future__ import annotations
+
+import time
+
+from pydantic import Field, model_validator
+
+from schemas.base import WireModel
+
+
+class LayerRange(WireModel):
+    """A contiguous, half-open range of transformer layers ``[start, end)``."""
+
+    start: int = Field(ge=0)
+    end: int = Field(gt=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> LayerRange:
+        if self.end <= self.start:
+            raise ValueError(f"layer range end ({self.end}) must be greater than start ({self.start})")
+        return self
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def __str__(self) -> str:
+        return f"[{self.start}, {self.end})"
+
+
+class BackendInfo(WireModel):
+    """Backend metadata shown in advertisements, telemetry and ``/v1/models``."""
+
+    kind: str = Field(description="stub | llamacpp | torch")
+    model_name: str = ""
+    architecture: str = ""
+    file_type: str = Field(default="", description="quantization / dtype, e.g. Q4_K_M")
+    n_layers: int = Field(ge=1, description="layers of the whole model, not of this shard")
+    hidden_size: int = Field(ge=1)
+    hidden_shape: list[int] = Field(description="shape of one position's hidden state on the wire, e.g. [640]")
+    n_vocab: int = 0
+    context_length: int = Field(ge=1, description="context per session this node serves")
+    threads: int = 0
+    version: str = Field(default="", description="backend library version, e.g. llama.cpp build")
+    artifact_sha256: str = ""
+    wire_dtype: str = Field(default="f32", description="dtype of activation frames this node emits: f32 or f16")
+
+
+class Capacity(WireModel):
+    """How many sessions a node can take and how many it holds now."""
+
+    max_sessions: int = Field(ge=1)
+    active_sessions: int = Field(default=0, ge=0)
+    max_context: int = Field(ge=1, description="tokens of context per session")
+    kv_bytes_in_use: int = 0
+
+    @property
+    def free_sessions(self) -> int:
+        return max(0, self.max_sessions - self.active_sessions)
+
+
+class NodeAdvertisement(WireModel):
+    """A node's heartbeat: republished every few seconds into the registry, which expires it when it stops."""
+
+    node_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_-]+$")
+    endpoint: str = Field(description="base URL of the node's binary HTTP API, e.g. http://127.0.0.1:9101")
+    model_id: str = Field(min_length=1, description="content-derived model id (or a name for the stub)")
+    layers: LayerRange
+    is_head: bool
+    is_tail: bool
+    backend: BackendInfo
+    capacity: Capacity
+    verified: bool = Field(default=True, description="the node checked its shard against the artifact manifest")
+    manifest_id: str = ""
+    started_at: float = Field(default_factory=time.time)
+    sent_at: float = Field(default_factory=time.time)

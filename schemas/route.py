@@ -1,0 +1,54 @@
+"""Route selection: what the gateway asks the tracker and what it gets back."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from schemas.base import WireModel
+from schemas.node import LayerRange
+
+
+class RouteRequest(WireModel):
+    """Ask the tracker for an Inference Route serving ``model``; ``exclude`` lists node ids to avoid."""
+
+    model: str = Field(min_length=1)
+    session_id: str = Field(min_length=1, max_length=64)
+    exclude: list[str] = Field(default_factory=list)
+
+
+class Hop(WireModel):
+    """One node of a route, in order: hop 0 is the head (token lookup), the last hop is the tail (sampling)."""
+
+    node_id: str
+    endpoint: str
+    layers: LayerRange
+
+
+class Route(WireModel):
+    """An ordered list of hops whose layer ranges cover ``[0, n_layers)`` exactly. Sticky for the session."""
+
+    session_id: str
+    model_id: str
+    n_layers: int
+    hidden_shape: list[int]
+    hops: list[Hop] = Field(min_length=1)
+
+    @property
+    def head(self) -> Hop:
+        return self.hops[0]
+
+    @property
+    def tail(self) -> Hop:
+        return self.hops[-1]
+
+    def describe(self) -> str:
+        return " -> ".join(f"{h.node_id}{h.layers}" for h in self.hops)
+
+
+class RouteReply(WireModel):
+    """The tracker's answer: a route, or an error (status + message) such as the uncovered layers."""
+
+    route: Route | None = None
+    error: str | None = None
+    status: int = 200
+    uncovered: list[LayerRange] = Field(default_factory=list)

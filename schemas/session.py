@@ -1,0 +1,127 @@
+"""Route Session lifecycle and the messages that open, drive and end one."""
+
+from __future__ import annotations
+
+import enum
+from typing import Literal
+
+from pydantic import Field
+
+from schemas.base import WireModel
+from schemas.route import Route
+
+CONTEXT_CAP = 131_072
+"""The product's hard context cap (128K tokens), whatever a backend could do."""
+
+
+class SessionPhase(enum.StrEnum):
+    """routing -> prefill -> decode -> complete | failed | cancelled. The last three are terminal."""
+
+    ROUTING = "routing"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    COMPLETE = "complete"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (SessionPhase.COMPLETE, SessionPhase.FAILED, SessionPhase.CANCELLED)
+
+
+class SamplingParams(WireModel):
+    """Sampling as llama.cpp supports it; temperature 0 means greedy."""
+
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0, description="0 disables")
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    seed: int | None = None
+    repeat_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    penalty_last_n: int = Field(default=64, ge=0)
+
+
+class Prompt(WireModel):
+    """What the head tokenizes: raw text (completions) or chat messages (the head applies the chat template)."""
+
+    text: str | None = None
+    messages: list[dict[str, object]] | None = None
+    add_generation_prompt: bool = True
+
+
+class TokenizeReply(WireModel):
+    tokens: list[int]
+
+
+class SessionOpen(WireModel):
+    """Sent by the gateway to every hop, tail first, head last; the head then drives prefill and decode.
+
+    Every hop gets the whole route (it needs its successor, and the head needs every node for telemetry).
+    """
+
+    session_id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    route: Route
+    hop_index: int = Field(ge=0)
+    prompt_tokens: list[int] = Field(min_length=1, description="head: to embed; tail: for penalties and counts")
+    max_tokens: int = Field(ge=1)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    stop: list[str] = Field(default_factory=list, max_length=16)
+    ignore_eos: bool = False
+    prefill_chunk: int = Field(default=256, ge=1, le=8192)
+
+
+class SessionOpened(WireModel):
+    session_id: str
+    node_id: str
+    prompt_tokens: int
+
+
+FinishReason = Literal["stop", "length"]
+
+
+class TokenEvent(WireModel):
+    """A sampled token on its way back from the tail to the head, and from the head to the gateway (NATS).
+
+    ``text`` is the new, complete UTF-8 text this token finishes (possibly empty while a character is incomplete,
+    or while a stop string might still be forming).
+    """
+
+    session_id: str
+    seq: int = Field(ge=0, description="0 for the first generated token; gaps mean a lost message")
+    token: int
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    hop_timings: list[HopTiming] = Field(default_factory=list)
+
+
+class HopTiming(WireModel):
+    """What one hop spent on one step, carried back along the ring."""
+
+    node_id: str
+    compute_ms: float
+    queue_ms: float = 0.0
+
+
+class FailureReason(WireModel):
+    """Why a session failed: which node, in which phase, and what was observed."""
+
+    node_id: str | None = None
+    phase: SessionPhase
+    kind: Literal["unreachable", "timeout", "http_error", "backend_error", "cancelled", "protocol", "internal"]
+    message: str
+
+
+class SessionEnd(WireModel):
+    """Published on the token subject when a session ends for any reason; the gateway stops reading then."""
+
+    session_id: str
+    phase: SessionPhase
+    finish_reason: FinishReason | None = None
+    failure: FailureReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+TokenEvent.model_rebuild()

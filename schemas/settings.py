@@ -1,0 +1,81 @@
+"""The one place that reads the environment (``SWARMROUTE_*``). Everything else receives a ``Settings``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def _default_home() -> Path:
+    return Path.home() / ".cache" / "swarmroute"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SWARMROUTE_", use_attribute_docstrings=True, extra="ignore")
+
+    home: Path = Field(default_factory=_default_home)
+    """Where prepared models, artifact stores and embedded NATS state live."""
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    """NATS server(s) to join; comma-separated for a cluster."""
+
+    nats_user: str | None = None
+    """NATS user name, when the server requires one."""
+
+    nats_password: SecretStr | None = None
+    """NATS password; never logged."""
+
+    nats_token: SecretStr | None = None
+    """NATS token auth; never logged."""
+
+    nats_creds: Path | None = None
+    """NATS credentials file (JWT + nkey seed)."""
+
+    namespace: str = Field(default="swarmroute", pattern=r"^[A-Za-z0-9_-]+$")
+    """First token of every subject, so several deployments can share one NATS."""
+
+    bind_host: str = "127.0.0.1"
+    """Address servers listen on; loopback unless an operator opens it."""
+
+    gateway_port: int = Field(default=8000, ge=0, le=65535)
+    """Gateway HTTP port."""
+
+    api_keys: list[SecretStr] = Field(default_factory=list)
+    """Bearer keys the gateway accepts; empty means no authentication."""
+
+    heartbeat_s: float = Field(default=2.0, gt=0)
+    """How often nodes republish their advertisement."""
+
+    registry_ttl_s: float = Field(default=6.0, gt=0)
+    """A node missing heartbeats for this long leaves the registry."""
+
+    hop_timeout_s: float = Field(default=10.0, gt=0)
+    """Longest a hop may take to accept and compute one frame before the route is declared failed."""
+
+    first_token_timeout_s: float = Field(default=120.0, gt=0)
+    """Longest the gateway waits for prefill to produce the first token (long prompts on slow nodes)."""
+
+    token_timeout_s: float = Field(default=15.0, gt=0)
+    """Longest the gateway waits between two tokens before it declares the route stalled."""
+
+    session_idle_ttl_s: float = Field(default=120.0, gt=0)
+    """A node frees a session's KV after this long without frames."""
+
+    prefill_chunk: int = Field(default=256, ge=1, le=8192)
+    """Prompt tokens per prefill frame."""
+
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    """Largest HTTP request body the gateway accepts."""
+
+    max_frame_bytes: int = Field(default=256 * 1024 * 1024, ge=1024)
+    """Largest activation frame a node accepts."""
+
+    default_max_tokens: int = Field(default=512, ge=1)
+    """max_tokens when the request gives none (bounded again by the context left)."""
+
+    telemetry_interval_s: float = Field(default=0.1, gt=0)
+    """Minimum spacing of telemetry snapshots during decode (phase changes are always sent)."""
+
+    log_level: str = "info"
