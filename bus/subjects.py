@@ -32,6 +32,11 @@ class Subjects:
         return f"{self.namespace}.tracker.route"
 
     @property
+    def models_request(self) -> str:
+        """Request/reply: empty -> ModelsReply (what live nodes serve), served by trackers in queue group ``tracker``."""
+        return f"{self.namespace}.tracker.models"
+
+    @property
     def registry_bucket(self) -> str:
         """JetStream KV bucket of NodeAdvertisement keyed by node id; entries expire when heartbeats stop."""
         return f"{self.namespace}_nodes"

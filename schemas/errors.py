@@ -14,7 +14,8 @@ One mapper (``gateway.errors``, and the node's own handler) turns them into Open
     ├── CapacityError (429, Retry-After)
     ├── NoRouteError (503)          no set of live nodes covers every layer
     ├── RouteFailedError (502)      a route node died or stopped answering mid-session
-    └── BackendError (500)          the model backend failed
+    ├── BackendError (500)          the model backend failed
+    └── ArtifactError (500)         a model artifact is missing, truncated or fails its hashes
 """
 
 from __future__ import annotations
@@ -27,16 +28,22 @@ class SwarmrouteError(Exception):
     error_type: str = "server_error"
     code: str = "internal_error"
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 details: dict[str, object] | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.details = details
         if code is not None:
             self.code = code
 
     def to_body(self) -> dict[str, object]:
-        """The OpenAI error body: ``{"error": {"message", "type", "param", "code"}}``."""
-        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+        """The OpenAI error body: ``{"error": {"message", "type", "param", "code"}}`` (+ ``failure`` details)."""
+        error: dict[str, object] = {"message": self.message, "type": self.error_type, "param": self.param,
+                                    "code": self.code}
+        if self.details:
+            error.update(self.details)
+        return {"error": error}
 
 
 class BadRequestError(SwarmrouteError):
@@ -107,6 +114,14 @@ class BackendError(SwarmrouteError):
     status = 500
     error_type = "server_error"
     code = "backend_error"
+
+
+class ArtifactError(SwarmrouteError):
+    """A model artifact (manifest, GGUF, shard) is missing, truncated, or does not match its manifest's hashes."""
+
+    status = 500
+    error_type = "server_error"
+    code = "artifact_error"
 
 
 def error_from_body(status: int, body: object) -> SwarmrouteError:

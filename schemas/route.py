@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from schemas.base import WireModel
-from schemas.node import LayerRange
+from schemas.node import BackendInfo, LayerRange
 
 
 class RouteRequest(WireModel):
@@ -31,6 +31,7 @@ class Route(WireModel):
     model_id: str
     n_layers: int
     hidden_shape: list[int]
+    context_length: int = Field(ge=1, description="smallest per-session context among the hops")
     hops: list[Hop] = Field(min_length=1)
 
     @property
@@ -52,3 +53,19 @@ class RouteReply(WireModel):
     error: str | None = None
     status: int = 200
     uncovered: list[LayerRange] = Field(default_factory=list)
+
+
+class ServedModel(WireModel):
+    """A model some live nodes serve; ``complete`` when their verified ranges cover every layer."""
+
+    id: str
+    name: str = ""
+    n_layers: int
+    complete: bool = False
+    nodes: list[str] = Field(default_factory=list)
+    layer_ranges: list[LayerRange] = Field(default_factory=list)
+    backend: BackendInfo | None = None
+
+
+class ModelsReply(WireModel):
+    models: list[ServedModel] = Field(default_factory=list)

@@ -18,9 +18,6 @@ class RouteHopView(WireModel):
     health: Literal["ok", "slow", "failed", "unknown"] = "ok"
     last_compute_ms: float | None = None
     mean_compute_ms: float | None = None
-    mean_link_ms: float | None = Field(
-        default=None, description="time on the link into this hop (transfer + HTTP), the step's wall time minus compute"
-    )
 
 
 class PrefillProgress(WireModel):
@@ -41,6 +38,9 @@ class GenerationTelemetry(WireModel):
     generated_tokens: int = 0
     tokens_per_s: float = Field(default=0.0, description="rolling decode rate over the last few seconds")
     ttft_ms: float | None = None
+    hop_overhead_ms: float | None = Field(
+        default=None, description="mean per-link cost of a decode step: (step wall time - compute on every hop) / links"
+    )
     elapsed_ms: float = 0.0
     failure: FailureReason | None = None
     finish_reason: str | None = None

@@ -79,7 +79,11 @@ class StubBackend:
                          .astype(np.float32) for il in range(config.layer_start, config.layer_end)}
         self._embed = _rng(config.model, "embed").standard_normal((VOCAB, self._dim)).astype(np.float32)
         self._unembed = _rng(config.model, "unembed").standard_normal((self._dim, VOCAB)).astype(np.float32)
-        self._unembed[:, EOS] -= 4.0  # keeps EOS rare so streams have length, without forbidding it
+        # Only printable ASCII, newline and EOS can be sampled, so stub text is valid UTF-8 and readable in tests;
+        # EOS is damped to keep streams long without forbidding it.
+        self._mask = np.full(VOCAB, -np.inf)
+        self._mask[[10, *range(32, 127)]] = 0.0
+        self._mask[EOS] = -6.0
         self._sessions: dict[str, _Session] = {}
         self._lock = threading.Lock()
 
@@ -169,13 +173,13 @@ class StubBackend:
         return StepOutput(token=self._sample(s, out[-1]) if item.sample else None)
 
     def _sample(self, s: _Session, h: Hidden) -> int:
-        logits = (h @ self._unembed).astype(np.float64)
+        logits = (h @ self._unembed).astype(np.float64) + self._mask
         p = s.sampling
         if p.temperature == 0.0:
             return int(np.argmax(logits))
         assert s.rng is not None
         logits = logits / p.temperature
-        probs = np.exp(logits - logits.max())
+        probs = np.exp(logits - logits.max())  # exp(-inf) = 0 keeps masked tokens out
         probs /= probs.sum()
         if p.top_k:
             cutoff = np.sort(probs)[-min(p.top_k, VOCAB)]

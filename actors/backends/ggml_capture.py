@@ -1,0 +1,259 @@
+"""Copy one layer's output (the residual stream) out of a running llama.cpp graph.
+
+libllama has no API to run a layer range and hand back hidden states: ``llama_get_embeddings*`` returns
+``result_norm`` (after ``output_norm``), not a residual. What it does have is the scheduler's eval callback
+(``llama_context_params.cb_eval``): before computing each graph node the scheduler asks (``ask=True``) whether
+the caller wants that node's data; for a node the caller claims, it computes everything up to it, synchronizes and
+calls again (``ask=False``) with the data ready. Every layer's output is named ``l_out-<il>``, so claiming that
+node and copying it out gives the hidden states after layer ``il``; returning ``False`` from the ``ask=False``
+call cancels the rest of the scheduler split, which skips ``output_norm`` and the lm_head on a CPU-only context.
+
+Usage (low-level llama-cpp-python API)::
+
+    capture = LayerCapture(layer_index=n_layer - 1, n_embd=llama_model_n_embd(model))
+    params = llama_context_default_params()
+    params.kv_unified = True        # rows then come back in batch order
+    capture.install(params)         # keep ``capture`` alive as long as the context
+    ctx = llama_init_from_model(model, params)
+    capture.arm(batch.n_tokens)     # every row must be requested as an output (batch.logits[i] = 1)
+    llama_decode(ctx, batch)        # may run several ubatches: their rows are appended in order
+    hidden = capture.take()         # float32, shape (batch.n_tokens, n_embd)
+
+Row count and order: llama.cpp prunes the last layer of a model to the rows requested as outputs before its
+post-attention norm, so when ``layer_index`` is the model's last layer only output rows exist (request all). With
+``kv_unified=True`` the batch is split into ubatches in batch order; with ``kv_unified=False`` and several
+sequences, rows come grouped by sequence instead, which this class cannot undo.
+
+Cost: the scheduler calls back for every graph node (~17 per layer for gemma3), so the ``ask=True`` path is a
+single 8-byte load and integer compare before a full name check; the copy runs once per ubatch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+import numpy as np
+
+from actors.backend import Hidden
+from schemas.errors import BackendError
+
+_GGML_TYPE_F32 = 0
+_GGML_MAX_DIMS = 4
+_GGML_MAX_SRC = 10
+_GGML_MAX_OP_PARAMS = 64
+_GGML_MAX_NAME = 64
+_F32_BYTES = 4
+
+
+class _TensorHead(ctypes.Structure):
+    """``struct ggml_tensor`` up to ``name`` (ggml.h at llama.cpp 0c1e57098); checked at runtime by ``_ggml()``."""
+
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("buffer", ctypes.c_void_p),
+        ("ne", ctypes.c_int64 * _GGML_MAX_DIMS),
+        ("nb", ctypes.c_size_t * _GGML_MAX_DIMS),
+        ("op", ctypes.c_int),
+        ("op_params", ctypes.c_int32 * (_GGML_MAX_OP_PARAMS // 4)),
+        ("flags", ctypes.c_int32),
+        ("src", ctypes.c_void_p * _GGML_MAX_SRC),
+        ("view_src", ctypes.c_void_p),
+        ("view_offs", ctypes.c_size_t),
+        ("data", ctypes.c_void_p),
+        ("name", ctypes.c_char * _GGML_MAX_NAME),
+    ]
+
+
+_NAME_OFFSET: int = _TensorHead.name.offset  # type: ignore[attr-defined]
+
+
+class _InitParams(ctypes.Structure):
+    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Ggml:
+    """The few libggml-base functions llama-cpp-python does not bind."""
+
+    tensor_get: Callable[[int, int, int, int], None]
+    """``ggml_backend_tensor_get(tensor, dst, offset, size)``: works for host and device buffers alike."""
+
+
+def _library_path() -> Path:
+    return Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"
+
+
+@functools.cache
+def _ggml() -> _Ggml:
+    """Bind libggml-base (the copy libllama already loaded) and check ``_TensorHead`` against the real layout."""
+    lib = ctypes.CDLL(str(_library_path()))
+    lib.ggml_init.argtypes, lib.ggml_init.restype = [_InitParams], ctypes.c_void_p
+    lib.ggml_free.argtypes, lib.ggml_free.restype = [ctypes.c_void_p], None
+    lib.ggml_tensor_overhead.argtypes, lib.ggml_tensor_overhead.restype = [], ctypes.c_size_t
+    lib.ggml_new_tensor_2d.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    lib.ggml_new_tensor_2d.restype = ctypes.c_void_p
+    lib.ggml_set_name.argtypes, lib.ggml_set_name.restype = [ctypes.c_void_p, ctypes.c_char_p], ctypes.c_void_p
+    lib.ggml_get_name.argtypes, lib.ggml_get_name.restype = [ctypes.c_void_p], ctypes.c_void_p
+    lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+    lib.ggml_backend_tensor_get.restype = None
+    _check_layout(lib)
+    return _Ggml(tensor_get=lib.ggml_backend_tensor_get)
+
+
+def _check_layout(lib: ctypes.CDLL) -> None:
+    # The hot path reads the name and shape straight from the struct: a different ggml build must fail loudly here,
+    # not compare garbage.
+    ctx = lib.ggml_init(_InitParams(mem_size=4 * lib.ggml_tensor_overhead(), mem_buffer=None, no_alloc=True))
+    if not ctx:
+        raise BackendError("ggml_init failed while checking the ggml_tensor layout")
+    try:
+        t = lib.ggml_new_tensor_2d(ctx, _GGML_TYPE_F32, 3, 5)
+        lib.ggml_set_name(t, b"l_out-7")
+        head = _TensorHead.from_address(t)
+        ok = (lib.ggml_get_name(t) == t + _NAME_OFFSET and head.name == b"l_out-7" and head.type == _GGML_TYPE_F32
+              and list(head.ne) == [3, 5, 1, 1] and list(head.nb) == [4, 12, 60, 60])
+    finally:
+        lib.ggml_free(ctx)
+    if not ok:
+        raise BackendError(f"ggml_tensor layout of {_library_path()} differs from the one ggml_capture was written for")
+
+
+@dataclasses.dataclass(slots=True)
+class CaptureStats:
+    """What a ``LayerCapture`` did since it was made (or since ``reset_stats``)."""
+
+    captures: int = 0
+    """Tensors copied out: one per ubatch."""
+    rows: int = 0
+    """Hidden-state rows copied out."""
+    bytes: int = 0
+    copy_seconds: float = 0.0
+    """Time spent in the ``ask=False`` path (shape checks + copy), not the per-node name checks."""
+    ask_calls: int = 0
+    """Name checks (``ask=True`` calls); counted only when the capture was made with ``count_asks=True``."""
+
+
+class LayerCapture:
+    """Claims the ``l_out-<layer_index>`` node of every graph a llama.cpp context computes and copies it out.
+
+    One instance per context, used from the thread that calls ``llama_decode``. The ``callback`` must stay
+    referenced for as long as the context lives (ctypes frees the trampoline with the object).
+    """
+
+    def __init__(self, layer_index: int, n_embd: int, *, stop_after: bool = True, count_asks: bool = False) -> None:
+        """``layer_index`` is numbered as the loaded model numbers its layers (a shard GGUF counts from 0).
+
+        ``stop_after``: cancel the rest of the graph once the layer is copied (skips ``output_norm`` + lm_head and,
+        in a full model, the later layers and their KV writes). ``count_asks``: count name checks in ``stats``,
+        at the price of a counter increment per graph node.
+        """
+        if layer_index < 0 or n_embd <= 0:
+            raise ValueError(f"bad layer_index {layer_index} or n_embd {n_embd}")
+        self.layer_index = layer_index
+        self.n_embd = n_embd
+        self.stop_after = stop_after
+        self.stats = CaptureStats()
+        self._ggml = _ggml()
+        self._key = f"l_out-{layer_index}".encode() + b"\0"
+        self._out: Hidden | None = None
+        self._filled = 0
+        self._error: str | None = None
+        self._callback = llama_cpp.ggml_backend_sched_eval_callback(self._make_callback(count_asks))
+
+    @property
+    def callback(self) -> Any:
+        """The ctypes function pointer for ``llama_context_params.cb_eval`` (a ``ggml_backend_sched_eval_callback``)."""
+        return self._callback
+
+    def install(self, params: llama_cpp.llama_context_params) -> None:
+        """Put the callback into context params (before ``llama_init_from_model``)."""
+        params.cb_eval = self._callback
+        params.cb_eval_user_data = None
+
+    @property
+    def armed(self) -> bool:
+        return self._out is not None
+
+    def arm(self, n_rows: int) -> None:
+        """Expect ``n_rows`` rows (all ubatches of the next decode together); drops any earlier partial capture."""
+        if n_rows <= 0:
+            raise ValueError(f"n_rows must be positive, got {n_rows}")
+        self._out = np.empty((n_rows, self.n_embd), dtype=np.float32)
+        self._filled = 0
+        self._error = None
+
+    def take(self) -> Hidden:
+        """The captured rows, shape ``(n_rows, n_embd)``; disarms. Raises ``BackendError`` if incomplete or failed."""
+        out, filled, error = self._out, self._filled, self._error
+        self._out, self._filled, self._error = None, 0, None
+        if out is None:
+            raise BackendError("LayerCapture.take() without arm()")
+        if error is not None:
+            raise BackendError(f"capture of l_out-{self.layer_index} failed: {error}")
+        if filled != out.shape[0]:
+            raise BackendError(f"captured {filled} of {out.shape[0]} rows of l_out-{self.layer_index} "
+                               "(were all rows requested as outputs, and does the layer exist?)")
+        return out
+
+    def reset_stats(self) -> None:
+        self.stats = CaptureStats()
+
+    def _make_callback(self, count_asks: bool) -> Callable[[int, bool, int | None], bool]:
+        # Locals, not attributes: this runs for every graph node. The first 8 bytes of the name settle almost every
+        # node ("l_out-<il>\0" is at least 8 bytes); only "l_out-1x"-like names reach the full compare.
+        key, n_key, name_offset = self._key, len(self._key), _NAME_OFFSET
+        prefix = int.from_bytes(key[:8], "little")
+        load_u64, string_at, on_claimed = ctypes.c_uint64.from_address, ctypes.string_at, self._copy
+
+        def on_eval(tensor: int, ask: bool, _user_data: int | None) -> bool:
+            if ask:
+                name = tensor + name_offset
+                return load_u64(name).value == prefix and string_at(name, n_key) == key
+            return on_claimed(tensor)
+
+        def on_eval_counting(tensor: int, ask: bool, _user_data: int | None) -> bool:
+            if ask:
+                self.stats.ask_calls += 1
+                name = tensor + name_offset
+                return load_u64(name).value == prefix and string_at(name, n_key) == key
+            return on_claimed(tensor)
+
+        return on_eval_counting if count_asks else on_eval
+
+    def _copy(self, tensor: int) -> bool:
+        """The ``ask=False`` call: returns whether the scheduler should go on computing the graph."""
+        out = self._out
+        if out is None:
+            return True
+        started = time.perf_counter()
+        try:
+            rows = self._check(_TensorHead.from_address(tensor), out.shape[0] - self._filled)
+            dst = out[self._filled:self._filled + rows]
+            self._ggml.tensor_get(tensor, dst.ctypes.data, 0, dst.nbytes)
+        except Exception as e:  # noqa: BLE001 - an exception cannot cross the C callback; take() reports it
+            self._error = f"{type(e).__name__}: {e}"
+            return False
+        self._filled += rows
+        s = self.stats
+        s.captures, s.rows, s.bytes = s.captures + 1, s.rows + rows, s.bytes + dst.nbytes
+        s.copy_seconds += time.perf_counter() - started
+        return not self.stop_after
+
+    def _check(self, head: _TensorHead, room: int) -> int:
+        n_embd, rows = head.ne[0], head.ne[1]
+        if head.type != _GGML_TYPE_F32:
+            raise BackendError(f"l_out-{self.layer_index} has ggml type {head.type}, expected F32")
+        if n_embd != self.n_embd or head.ne[2] != 1 or head.ne[3] != 1:
+            raise BackendError(f"l_out-{self.layer_index} has shape {list(head.ne)}, expected [{self.n_embd}, rows]")
+        if head.nb[0] != _F32_BYTES or head.nb[1] != _F32_BYTES * n_embd:
+            raise BackendError(f"l_out-{self.layer_index} is not contiguous (nb={list(head.nb)})")
+        if rows > room:
+            raise BackendError(f"l_out-{self.layer_index} brought {rows} rows with room for {room} (arm() too small)")
+        return int(rows)

@@ -1,0 +1,187 @@
+"""One contiguous layer range of a transformers causal LM, built from transformers' own modules.
+
+The whole model is laid out on the ``meta`` device (no memory), then only this range's modules are given real
+tensors: the token embeddings on the head, decoder layers ``[start, end)``, the final norm and LM head on the tail.
+Layers keep their *global* index, so each one picks its own attention kind (sliding or full), rotary base and
+cache slot exactly as in the full model. A session's cache is a transformers ``DynamicCache`` laid out for every
+layer, in which foreign layers are ``DummyLayer`` placeholders that hold nothing (and raise if ever written).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers.cache_utils import DummyLayer, DynamicCache, DynamicLayer, get_layer_types_and_kwargs
+from transformers.masking_utils import (
+    create_causal_mask,
+    create_chunked_causal_mask,
+    create_sliding_window_causal_mask,
+)
+
+from actors.backends.torch_store import TensorSource
+from schemas.errors import BackendError
+
+_MASKS: dict[str, Any] = {
+    "full_attention": create_causal_mask,
+    "sliding_attention": create_sliding_window_causal_mask,
+    "chunked_attention": create_chunked_causal_mask,
+}
+
+
+class Shard:
+    """The modules of layers ``[start, end)`` and the forward pass through them."""
+
+    def __init__(self, config: PretrainedConfig, start: int, end: int, tensors: TensorSource,
+                 dtype: torch.dtype = torch.float32) -> None:
+        self.n_layers = int(config.num_hidden_layers)
+        if not 0 <= start < end <= self.n_layers:
+            raise ValueError(f"layer range [{start}, {end}) not within 0..{self.n_layers}")
+        self.start, self.end, self.dtype = start, end, dtype
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+        self.config = skeleton.config
+        base = getattr(skeleton, skeleton.base_model_prefix)
+        for attr in ("embed_tokens", "layers", "norm", "rotary_emb"):
+            if not hasattr(base, attr):
+                raise BackendError(f"torch backend: {type(skeleton).__name__} has no {attr}; architecture unsupported")
+        prefix = f"{skeleton.base_model_prefix}."
+        self.layer_types, _ = get_layer_types_and_kwargs(self.config)
+        unsupported = {self.layer_types[i] for i in range(start, end)} - set(_MASKS)
+        if unsupported:
+            raise BackendError(f"torch backend: layer kinds {sorted(unsupported)} are not supported")
+
+        self.embed: nn.Module | None = None
+        if self.is_head:
+            self.embed = _materialize(base.embed_tokens, f"{prefix}embed_tokens.", tensors, dtype)
+        self.layers = {i: _materialize(base.layers[i], f"{prefix}layers.{i}.", tensors, dtype)
+                       for i in range(start, end)}
+        self.norm: nn.Module | None = None
+        self.lm_head: nn.Module | None = None
+        if self.is_tail:
+            self.norm = _materialize(base.norm, f"{prefix}norm.", tensors, dtype)
+            self.lm_head = self._materialize_head(skeleton, prefix, tensors)
+        # Rotary tables are computed, not loaded: build them for real instead of materializing the meta copy.
+        self.rotary = type(base.rotary_emb)(config=self.config)
+        self._rotary_by_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
+        self._kinds = sorted({self.layer_types[i] for i in range(start, end)})
+        self._first_of_kind = {k: min(i for i in range(start, end) if self.layer_types[i] == k) for k in self._kinds}
+        del skeleton, base
+
+    @property
+    def is_head(self) -> bool:
+        return self.start == 0
+
+    @property
+    def is_tail(self) -> bool:
+        return self.end == self.n_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.hidden_size)
+
+    def _materialize_head(self, skeleton: nn.Module, prefix: str, tensors: TensorSource) -> nn.Module:
+        lm_head = skeleton.get_output_embeddings()
+        tied = bool(self.config.get_text_config().tie_word_embeddings)
+        if tied and self.embed is not None:
+            lm_head.weight = self.embed.weight  # same tensor: a whole-model node holds the matrix once
+            return lm_head
+        source = f"{prefix}embed_tokens." if tied else "lm_head."
+        return _materialize(lm_head, source, tensors, self.dtype)
+
+    def new_cache(self) -> DynamicCache:
+        """A per-session KV cache for this range only; foreign layers are empty placeholders."""
+        cache = DynamicCache(config=self.config)
+        for i in range(self.n_layers):
+            if not self.start <= i < self.end:
+                cache.layers[i] = DummyLayer()
+        return cache
+
+    def embed_tokens(self, tokens: list[int]) -> torch.Tensor:
+        if self.embed is None:
+            raise BackendError("this shard has no embeddings (not the head)")
+        with torch.inference_mode():
+            out: torch.Tensor = self.embed(torch.tensor([tokens], dtype=torch.long))
+        return out
+
+    def forward(self, hidden: torch.Tensor, start_position: int, cache: DynamicCache | None) -> torch.Tensor:
+        """Run ``hidden`` (``(1, n, hidden_size)``, positions ``start_position..``) through the layers.
+
+        With a cache, its layers are appended to; without one (the benchmark's recompute baseline) the call must
+        carry the whole sequence from position 0.
+        """
+        hidden = hidden.to(self.dtype)
+        n = hidden.shape[1]
+        positions = torch.arange(start_position, start_position + n, dtype=torch.long).unsqueeze(0)
+        with torch.inference_mode():
+            # Masks read each kind's cache length, so build them all before any layer appends to the cache.
+            masks = {kind: _MASKS[kind](config=self.config, inputs_embeds=hidden, attention_mask=None, cache=cache,
+                                        position_ids=positions,
+                                        layer_idx=self._first_of_kind[kind] if cache is not None else None)
+                     for kind in self._kinds}
+            rope = {kind: self._rope(hidden, positions, kind) for kind in self._kinds}
+            for i, layer in self.layers.items():
+                kind = self.layer_types[i]
+                out = layer(hidden, attention_mask=masks[kind], position_embeddings=rope[kind],
+                            position_ids=positions, cache=cache)
+                hidden = out[0] if isinstance(out, tuple) else out
+        return hidden
+
+    def _rope(self, hidden: torch.Tensor, positions: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._rotary_by_type:
+            return self.rotary(hidden, positions, kind)  # type: ignore[no-any-return]
+        return self.rotary(hidden, positions)  # type: ignore[no-any-return]
+
+    def logits(self, hidden_last: torch.Tensor) -> torch.Tensor:
+        """Vocabulary logits (float32, shape ``(vocab,)``) for one position's final hidden state ``(hidden_size,)``."""
+        if self.norm is None or self.lm_head is None:
+            raise BackendError("this shard has no LM head (not the tail)")
+        with torch.inference_mode():
+            logits = self.lm_head(self.norm(hidden_last.to(self.dtype).view(1, 1, -1)))[0, 0].float()
+            softcap = getattr(self.config, "final_logit_softcapping", None)
+            if softcap:
+                logits = torch.tanh(logits / softcap) * softcap
+        return logits
+
+    def parameter_bytes(self) -> int:
+        """Bytes of weights this shard holds (a tied head shared with the embeddings counts once)."""
+        seen: dict[int, int] = {}
+        modules = [m for m in (self.embed, self.norm, self.lm_head) if m is not None] + list(self.layers.values())
+        for module in modules:
+            for p in module.parameters():
+                seen[p.data_ptr()] = p.numel() * p.element_size()
+        return sum(seen.values())
+
+
+def cache_bytes(cache: DynamicCache) -> int:
+    total = 0
+    for layer in cache.layers:
+        if isinstance(layer, DynamicLayer) and layer.is_initialized and layer.keys is not None:
+            total += layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+    return total
+
+
+def _materialize(module: nn.Module, prefix: str, tensors: TensorSource, dtype: torch.dtype) -> nn.Module:
+    """Give a meta ``module`` real tensors read under ``prefix``; nothing else of the model is touched."""
+    local_names = list(module.state_dict().keys())
+    loaded = tensors.read([prefix + name for name in local_names])
+    state = {name: _cast(loaded[prefix + name], dtype) for name in local_names}
+    module.load_state_dict(state, strict=True, assign=True)
+    for owner_name, owner in module.named_modules():
+        for buffer_name, buffer in list(owner.named_buffers(recurse=False)):
+            if buffer.device.type != "meta":
+                continue
+            # Non-persistent buffers are not in checkpoints: recompute the ones we know, refuse the rest.
+            if buffer_name == "embed_scale" and hasattr(owner, "scalar_embed_scale"):
+                owner.embed_scale = torch.tensor(float(owner.scalar_embed_scale))
+            else:
+                raise BackendError(f"torch backend: cannot materialize buffer {owner_name}.{buffer_name}")
+    module.eval()
+    return module
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor.to(dtype) if tensor.is_floating_point() else tensor

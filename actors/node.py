@@ -1,0 +1,344 @@
+"""The node actor: serves one shard over binary HTTP, keeps each session's Hot KV State, heartbeats on NATS.
+
+HTTP API (docs/protocol.md has the full contract)::
+
+    GET    /health                          liveness
+    GET    /v1/info                         this node's advertisement
+    POST   /v1/tokenize                     head: Prompt -> token ids
+    POST   /v1/sessions                     open (SessionOpen); the head starts prefill at once
+    GET    /v1/sessions/{id}                position and counters of one session
+    POST   /v1/sessions/{id}/frames         binary activation frame (every hop but the head)
+    POST   /v1/sessions/{id}/tokens         head: the tail's sampled token (TokenEvent)
+    POST   /v1/sessions/{id}/failure        head: a downstream hop reports a failure (FailureReason)
+    DELETE /v1/sessions/{id}                free the session (idempotent)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from types import TracebackType
+
+from nats.aio.client import Client as NATS
+from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route as HttpRoute
+
+from actors.backend import Backend
+from actors.engine import StepEngine
+from bus.httpserver import HttpServer
+from actors.registry import open_registry
+from actors.route_session import RouteSession
+from actors.runtime import NodeRuntime
+from bus import codec
+from bus import frame as frames
+from bus.connection import connect_settings
+from bus.nodeclient import FRAME_CONTENT_TYPE, NodeClient
+from bus.subjects import Subjects
+from schemas.errors import (
+    BadRequestError,
+    CapacityError,
+    ContextLengthError,
+    FrameError,
+    PayloadTooLargeError,
+    SessionNotFoundError,
+    SwarmrouteError,
+)
+from schemas.frame import WireDType
+from schemas.node import Capacity, NodeAdvertisement
+from schemas.session import CONTEXT_CAP, FailureReason, Prompt, SessionOpen, SessionOpened, TokenEvent, TokenizeReply
+from schemas.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class NodeConfig:
+    node_id: str
+    """Unique in the swarm; also the registry key."""
+
+    model_id: str
+    """What the tracker matches route requests against (content-derived id for GGUF artifacts)."""
+
+    host: str = "127.0.0.1"
+    """Listen address of the node's HTTP API."""
+
+    port: int = 0
+    """Listen port; 0 picks a free one."""
+
+    advertise_url: str | None = None
+    """Base URL peers should use, when it differs from the listen address (NAT, containers)."""
+
+    wire_dtype: str = "f32"
+    """Activation dtype this node sends: f32 (bit-exact) or f16 (half the bytes)."""
+
+    manifest_id: str = ""
+    """Artifact manifest this node's shard was verified against."""
+
+    verified: bool = True
+    """Whether the shard passed verification; unverified nodes are never routed to."""
+
+
+class Node:
+    """An async context manager; ``stop()`` is safe to call twice."""
+
+    def __init__(self, config: NodeConfig, backend: Backend, settings: Settings, *, nc: NATS | None = None) -> None:
+        self.config = config
+        self.backend = backend
+        self.settings = settings
+        self.subjects = Subjects(settings.namespace)
+        self.engine = StepEngine(backend)
+        self.sessions: dict[str, RouteSession] = {}
+        self.server = HttpServer(self._app(), config.host, config.port)
+        self._nc = nc
+        self._own_nc = nc is None
+        self._client = NodeClient(timeout_s=settings.hop_timeout_s)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._kv: object | None = None
+        self._started = False
+        self._stopped = False
+        self.runtime: NodeRuntime | None = None
+        self.hidden_shape = tuple(backend.info.hidden_shape)
+
+    @property
+    def endpoint(self) -> str:
+        return self.config.advertise_url or self.server.url
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------------
+
+    async def start(self) -> Node:
+        if self._started:
+            return self
+        self._started = True
+        if self._nc is None:
+            self._nc = await connect_settings(self.settings, name=f"node-{self.config.node_id}")
+        self.runtime = NodeRuntime(node_id=self.config.node_id, engine=self.engine, client=self._client,
+                                   publish=self._publish, subjects=self.subjects, settings=self.settings,
+                                   wire_dtype=WireDType.parse(self.config.wire_dtype))
+        await self.engine.start()
+        await self.server.start()
+        self._kv = await open_registry(self._nc, self.subjects, self.settings.registry_ttl_s)
+        await self._heartbeat_once()
+        self._tasks = [asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
+                       asyncio.create_task(self._sweep_loop(), name="idle-sweep")]
+        log.info("node %s serving layers %s of %s at %s", self.config.node_id, self.backend.layers,
+                 self.config.model_id, self.endpoint)
+        return self
+
+    async def stop(self) -> None:
+        if self._stopped or not self._started:
+            self._stopped = True
+            return
+        self._stopped = True
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._kv is not None:
+            with contextlib.suppress(Exception):
+                await self._kv.delete(self.config.node_id)  # type: ignore[attr-defined]
+        for session in list(self.sessions.values()):
+            await session.close()
+        await self.server.stop()
+        await self.engine.stop()
+        await self._client.aclose()
+        if self._own_nc and self._nc is not None:
+            with contextlib.suppress(Exception):
+                await self._nc.drain()
+
+    async def __aenter__(self) -> Node:
+        return await self.start()
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        await self.stop()
+
+    # ---- NATS --------------------------------------------------------------------------------------------------
+
+    async def _publish(self, subject: str, model: BaseModel) -> None:
+        assert self._nc is not None
+        await self._nc.publish(subject, codec.encode(model))
+
+    def advertisement(self) -> NodeAdvertisement:
+        info = self.backend.info
+        capacity = Capacity(max_sessions=self.backend.max_sessions, active_sessions=len(self.sessions),
+                            max_context=min(info.context_length, CONTEXT_CAP),
+                            kv_bytes_in_use=self.backend.kv_bytes_in_use())
+        return NodeAdvertisement(node_id=self.config.node_id, endpoint=self.endpoint, model_id=self.config.model_id,
+                                 layers=self.backend.layers, is_head=self.backend.is_head,
+                                 is_tail=self.backend.is_tail, backend=info, capacity=capacity,
+                                 verified=self.config.verified, manifest_id=self.config.manifest_id)
+
+    async def _heartbeat_once(self) -> None:
+        assert self._kv is not None
+        await self._kv.put(self.config.node_id, codec.encode(self.advertisement()))  # type: ignore[attr-defined]
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_s)
+            try:
+                await self._heartbeat_once()
+            except Exception as exc:  # noqa: BLE001 - a NATS outage must not kill the node; retry next beat
+                log.warning("heartbeat failed: %s", type(exc).__name__)
+
+    async def _sweep_loop(self) -> None:
+        ttl = self.settings.session_idle_ttl_s
+        while True:
+            await asyncio.sleep(min(ttl / 4, 5.0))
+            cutoff = time.monotonic() - ttl
+            for session in [s for s in self.sessions.values() if s.last_activity < cutoff]:
+                log.info("freeing idle session %s", session.id)
+                await session.close()
+
+    # ---- sessions ----------------------------------------------------------------------------------------------
+
+    async def _session_closed(self, session: RouteSession) -> None:
+        if self.sessions.get(session.id) is session:
+            del self.sessions[session.id]
+        with contextlib.suppress(Exception):
+            await self.engine.call(self.backend.close_session, session.id)
+
+    async def open_session(self, request: SessionOpen) -> SessionOpened:
+        if request.session_id in self.sessions:
+            raise BadRequestError(f"session {request.session_id} is already open on node {self.config.node_id}")
+        hops = request.route.hops
+        if request.hop_index >= len(hops) or hops[request.hop_index].node_id != self.config.node_id:
+            raise BadRequestError(f"hop {request.hop_index} of the route is not node {self.config.node_id}")
+        if hops[request.hop_index].layers != self.backend.layers:
+            raise BadRequestError(f"route expects layers {hops[request.hop_index].layers} from node "
+                                  f"{self.config.node_id}, which serves {self.backend.layers}")
+        n_ctx = min(self.backend.info.context_length, CONTEXT_CAP)
+        if len(request.prompt_tokens) + request.max_tokens > n_ctx:
+            raise ContextLengthError(f"prompt ({len(request.prompt_tokens)} tokens) + max_tokens "
+                                     f"({request.max_tokens}) exceed the context of {n_ctx} tokens")
+        if len(self.sessions) >= self.backend.max_sessions:
+            raise CapacityError(f"node {self.config.node_id} is full ({self.backend.max_sessions} sessions)",
+                                retry_after=1.0)
+        await self.engine.call(lambda: self.backend.open_session(
+            request.session_id, prompt_tokens=request.prompt_tokens, sampling=request.sampling))
+        assert self.runtime is not None
+        session = RouteSession(self.runtime, request, is_head=request.hop_index == 0,
+                               is_tail=request.hop_index == len(hops) - 1, hidden_shape=self.hidden_shape,
+                               on_closed=self._session_closed)
+        self.sessions[request.session_id] = session
+        session.start()
+        return SessionOpened(session_id=request.session_id, node_id=self.config.node_id,
+                             prompt_tokens=len(request.prompt_tokens))
+
+    def _get(self, session_id: str) -> RouteSession:
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise SessionNotFoundError(f"session {session_id} is not open on node {self.config.node_id}")
+        return session
+
+    # ---- HTTP --------------------------------------------------------------------------------------------------
+
+    def _app(self) -> Starlette:
+        routes = [
+            HttpRoute("/health", self._health, methods=["GET"]),
+            HttpRoute("/v1/info", self._info, methods=["GET"]),
+            HttpRoute("/v1/tokenize", self._tokenize, methods=["POST"]),
+            HttpRoute("/v1/sessions", self._open, methods=["POST"]),
+            HttpRoute("/v1/sessions/{sid}", self._status, methods=["GET"]),
+            HttpRoute("/v1/sessions/{sid}", self._close, methods=["DELETE"]),
+            HttpRoute("/v1/sessions/{sid}/frames", self._frame, methods=["POST"]),
+            HttpRoute("/v1/sessions/{sid}/tokens", self._token, methods=["POST"]),
+            HttpRoute("/v1/sessions/{sid}/failure", self._failure, methods=["POST"]),
+        ]
+        return Starlette(routes=routes, exception_handlers={SwarmrouteError: _error_response,
+                                                            ValidationError: _validation_response})
+
+    async def _body(self, request: Request, limit: int) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise PayloadTooLargeError(f"request body of {declared} bytes exceeds the limit of {limit}")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise PayloadTooLargeError(f"request body exceeds the limit of {limit} bytes")
+        return bytes(body)
+
+    async def _json(self, request: Request, model: type[BaseModel]) -> BaseModel:
+        body = await self._body(request, self.settings.max_body_bytes)
+        try:
+            return model.model_validate_json(body)
+        except ValidationError as exc:
+            raise BadRequestError(f"invalid {model.__name__}: {_summarize(exc)}") from None
+
+    async def _health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok", "node_id": self.config.node_id, "sessions": len(self.sessions)})
+
+    async def _info(self, request: Request) -> Response:
+        return JSONResponse(self.advertisement().model_dump(mode="json"))
+
+    async def _tokenize(self, request: Request) -> Response:
+        prompt = await self._json(request, Prompt)
+        if not self.backend.is_head:
+            raise BadRequestError(f"node {self.config.node_id} is not a head: it has no tokenizer input")
+        tokens = await self.engine.call(self.backend.tokenize, prompt)
+        return JSONResponse(TokenizeReply(tokens=tokens).model_dump(mode="json"))
+
+    async def _open(self, request: Request) -> Response:
+        open_request = await self._json(request, SessionOpen)
+        assert isinstance(open_request, SessionOpen)
+        opened = await self.open_session(open_request)
+        return JSONResponse(opened.model_dump(mode="json"), status_code=201)
+
+    async def _status(self, request: Request) -> Response:
+        s = self._get(request.path_params["sid"])
+        return JSONResponse({"session_id": s.id, "position": s.position, "phase": s.phase.value,
+                             "frames_received": s.frames_received, "bytes_received": s.bytes_received,
+                             "positions_received": s.positions_received})
+
+    async def _close(self, request: Request) -> Response:
+        session = self.sessions.get(request.path_params["sid"])
+        if session is not None:
+            await session.close()
+        return JSONResponse({"closed": session is not None})
+
+    async def _frame(self, request: Request) -> Response:
+        session = self._get(request.path_params["sid"])
+        if request.headers.get("content-type", FRAME_CONTENT_TYPE) != FRAME_CONTENT_TYPE:
+            raise FrameError(f"frames must be sent as {FRAME_CONTENT_TYPE}")
+        body = await self._body(request, self.settings.max_frame_bytes)
+        try:
+            header, hidden = frames.decode(body)
+        except frames.FrameDecodeError as exc:
+            raise FrameError(str(exc)) from None
+        position = await session.on_frame(header, hidden, len(body))
+        return JSONResponse({"position": position})
+
+    async def _token(self, request: Request) -> Response:
+        session = self._get(request.path_params["sid"])
+        event = await self._json(request, TokenEvent)
+        assert isinstance(event, TokenEvent)
+        if not session.is_head:
+            raise BadRequestError("tokens go to the session's head")
+        session.on_token(event)
+        return Response(status_code=204)
+
+    async def _failure(self, request: Request) -> Response:
+        session = self._get(request.path_params["sid"])
+        reason = await self._json(request, FailureReason)
+        assert isinstance(reason, FailureReason)
+        session.on_failure_report(reason)
+        return Response(status_code=204)
+
+
+def _summarize(exc: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors()[:5])
+
+
+async def _error_response(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, SwarmrouteError)
+    headers = {"retry-after": f"{max(1, round(exc.retry_after))}"} if isinstance(exc, CapacityError) else None
+    return JSONResponse(exc.to_body(), status_code=exc.status, headers=headers)
+
+
+async def _validation_response(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ValidationError)
+    return await _error_response(request, BadRequestError(_summarize(exc)))

@@ -1,0 +1,312 @@
+"""One Route Session as seen by one node: its local KV position, frame handling, and — on the head — the driver.
+
+The ring: the head embeds and runs its layers, then sends the hidden state to the next hop; each hop appends the
+positions to its own KV and forwards; the tail samples and posts the token straight back to the head, which starts
+the next step. The gateway only listens (NATS), so it is never on the per-token path.
+
+Frames for one session leave a node in order through a per-session outbox. A node answers a frame only after it has
+computed it, so an upstream hop learns at once if its successor died mid-compute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from actors.backend import Hidden, StepInput, StepOutput
+from actors.engine import StepTiming
+from actors.generation import Generation
+from actors.runtime import NodeRuntime
+from actors.telemetry import TelemetryPublisher
+from bus import frame as frames
+from bus.nodeclient import HopError
+from schemas.errors import BackendError, FrameError, SwarmrouteError
+from schemas.frame import FrameHeader, FrameKind, HopStamp
+from schemas.route import Hop
+from schemas.session import FailureReason, HopTiming, SessionEnd, SessionOpen, SessionPhase, TokenEvent
+
+log = logging.getLogger(__name__)
+
+
+class SessionFailed(Exception):
+    def __init__(self, reason: FailureReason) -> None:
+        super().__init__(reason.message)
+        self.reason = reason
+
+
+class RouteSession:
+    def __init__(self, rt: NodeRuntime, request: SessionOpen, *, is_head: bool, is_tail: bool,
+                 hidden_shape: tuple[int, ...], on_closed: Callable[[RouteSession], Awaitable[None]]) -> None:
+        self.rt = rt
+        self.request = request
+        self.id = request.session_id
+        self.raw_id = frames.session_bytes(self.id)
+        self.route = request.route
+        self.hop_index = request.hop_index
+        self.is_head, self.is_tail = is_head, is_tail
+        self.hidden_shape = hidden_shape
+        self.position = 0
+        self.phase = SessionPhase.PREFILL
+        self.closed = False
+        self.last_activity = time.monotonic()
+        self.frames_received = 0
+        self.bytes_received = 0
+        self.positions_received = 0
+        self._on_closed = on_closed
+        self._next: Hop | None = None if is_tail else self.route.hops[self.hop_index + 1]
+        self._outbox: asyncio.Queue[Callable[[], Awaitable[None]]] = asyncio.Queue()
+        self._sender: asyncio.Task[None] | None = None
+        self._frame_lock = asyncio.Lock()
+        self.generation: Generation | None = None
+        if is_tail:
+            backend = rt.engine.backend
+            self.generation = Generation(max_tokens=request.max_tokens, stops=request.stop,
+                                         ignore_eos=request.ignore_eos, token_bytes=backend.token_bytes,
+                                         is_eog=backend.is_end_of_generation)
+        self._events: asyncio.Queue[TokenEvent | FailureReason] = asyncio.Queue()
+        self._driver: asyncio.Task[None] | None = None
+        self.telemetry: TelemetryPublisher | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if not (self.is_head and self.is_tail):
+            self._sender = asyncio.create_task(self._send_loop(), name=f"outbox-{self.id[:8]}")
+        if self.is_head:
+            self.telemetry = TelemetryPublisher(
+                self.route, lambda snap: self.rt.publish(self.rt.subjects.telemetry(self.id), snap),
+                interval_s=self.rt.settings.telemetry_interval_s)
+            self._driver = asyncio.create_task(self._drive(), name=f"drive-{self.id[:8]}")
+
+    async def close(self) -> None:
+        """Free the KV and stop every task. Idempotent; safe from within the session's own tasks."""
+        if self.closed:
+            return
+        self.closed = True
+        current = asyncio.current_task()
+        for task in (self._driver, self._sender):
+            if task is not None and task is not current:
+                task.cancel()
+        await self._on_closed(self)
+
+    def touch(self) -> None:
+        self.last_activity = time.monotonic()
+
+    # ---- frames (every hop but the head) ---------------------------------------------------------------------
+
+    async def on_frame(self, header: FrameHeader, hidden: Hidden, nbytes: int) -> int:
+        """Validate, compute and queue the forward of one frame; returns the new KV position."""
+        if header.session_id != self.raw_id:
+            raise FrameError(f"frame is for session {frames.session_str(header.session_id)}, not {self.id}")
+        if self.is_head:
+            raise FrameError("the head takes tokens, not frames")
+        if header.position_shape != self.hidden_shape:
+            raise FrameError(f"frame position shape {list(header.position_shape)} does not match this model's "
+                             f"{list(self.hidden_shape)}")
+        async with self._frame_lock:
+            if header.start_position != self.position:
+                raise FrameError(f"frame starts at position {header.start_position}; session {self.id} is at "
+                                 f"{self.position}", code="position_mismatch")
+            if self.position + header.n_positions > self.rt.engine.backend.info.context_length:
+                raise FrameError(f"frame would grow the session past the context of "
+                                 f"{self.rt.engine.backend.info.context_length} tokens")
+            self.touch()
+            self.frames_received += 1
+            self.bytes_received += nbytes
+            self.positions_received += header.n_positions
+            if header.kind is FrameKind.DECODE:
+                self.phase = SessionPhase.DECODE
+            item = StepInput(self.id, header.start_position, hidden=hidden, sample=header.sample and self.is_tail)
+            try:
+                out, timing = await self._compute(item)
+            except SessionFailed as failed:
+                asyncio.create_task(self._report(failed.reason))
+                raise BackendError(failed.reason.message) from None
+            stamps = (*header.stamps, self._stamp(timing))
+            if self.is_tail:
+                if header.sample:
+                    assert out.token is not None
+                    self._queue_token(out.token, stamps)
+            else:
+                assert out.hidden is not None
+                self._queue_frame(header.kind, header.start_position, out.hidden, header.sample, header.step, stamps)
+            return self.position
+
+    async def _compute(self, item: StepInput) -> tuple[StepOutput, StepTiming]:
+        try:
+            out, timing = await self.rt.engine.submit(item)
+        except SwarmrouteError:
+            raise
+        except Exception as exc:
+            raise SessionFailed(FailureReason(node_id=self.rt.node_id, phase=self.phase, kind="backend_error",
+                                              message=f"backend failed on node {self.rt.node_id}: {exc!r}")) from exc
+        self.position += item.n_positions
+        return out, timing
+
+    def _stamp(self, timing: StepTiming) -> HopStamp:
+        return HopStamp(self.hop_index, int(timing.compute_ms * 1000), int(timing.queue_ms * 1000))
+
+    # ---- outbound, in order ----------------------------------------------------------------------------------
+
+    def _queue_frame(self, kind: FrameKind, start: int, hidden: Hidden, sample: bool, step: int,
+                     stamps: tuple[HopStamp, ...]) -> None:
+        header = FrameHeader(session_id=self.raw_id, kind=kind, dtype=self.rt.wire_dtype, start_position=start,
+                             n_positions=int(hidden.shape[0]), position_shape=self.hidden_shape, step=step,
+                             sample=sample, stamps=stamps)
+        data = frames.encode(header, hidden)
+        nxt = self._next
+        assert nxt is not None
+        timeout = self.rt.settings.hop_timeout_s
+        self._outbox.put_nowait(lambda: self.rt.client.send_frame(nxt.node_id, nxt.endpoint, self.id, data,
+                                                                  timeout=timeout))
+
+    def _queue_token(self, token: int, stamps: tuple[HopStamp, ...]) -> None:
+        assert self.generation is not None
+        text, finish = self.generation.accept(token)
+        timings = [HopTiming(node_id=self.route.hops[s.hop_index].node_id, compute_ms=s.compute_us / 1000,
+                             queue_ms=s.queue_us / 1000) for s in stamps if s.hop_index < len(self.route.hops)]
+        event = TokenEvent(session_id=self.id, seq=self.generation.count - 1, token=token, text=text,
+                           finish_reason=finish, hop_timings=timings)
+        if self.is_head:
+            self._events.put_nowait(event)
+            return
+        head = self.route.head
+        timeout = self.rt.settings.hop_timeout_s
+        self._outbox.put_nowait(lambda: self.rt.client.send_token(head.node_id, head.endpoint, event, timeout=timeout))
+        if finish is not None:
+            self.phase = SessionPhase.COMPLETE
+
+    async def _send_loop(self) -> None:
+        while True:
+            send = await self._outbox.get()
+            try:
+                await send()
+            except HopError as exc:
+                await self._report(FailureReason(node_id=exc.node, phase=self.phase, kind=exc.kind, message=str(exc)))
+                return
+
+    async def _report(self, reason: FailureReason) -> None:
+        """A hop failed: the head fails the session; any other node tells the head, or NATS if the head is gone."""
+        if self.is_head:
+            self._events.put_nowait(reason)
+            return
+        head = self.route.head
+        try:
+            await self.rt.client.report_failure(head.node_id, head.endpoint, self.id, reason)
+        except HopError:
+            end = SessionEnd(session_id=self.id, phase=SessionPhase.FAILED, failure=reason)
+            await self.rt.publish(self.rt.subjects.tokens(self.id), end)
+        await self.close()
+
+    def on_failure_report(self, reason: FailureReason) -> None:
+        """Head: a downstream node reported a failure."""
+        self._events.put_nowait(reason)
+
+    def on_token(self, event: TokenEvent) -> None:
+        """Head: the tail posted a sampled token."""
+        self.touch()
+        self._events.put_nowait(event)
+
+    # ---- the head's driver -----------------------------------------------------------------------------------
+
+    async def _drive(self) -> None:
+        assert self.telemetry is not None
+        try:
+            await self.telemetry.set_phase(SessionPhase.PREFILL)
+            await self._prefill()
+            await self._decode()
+        except SessionFailed as failed:
+            await self._fail(failed.reason)
+        except asyncio.CancelledError:
+            raise
+        except SwarmrouteError as exc:
+            await self._fail(FailureReason(node_id=self.rt.node_id, phase=self.phase, kind="backend_error",
+                                           message=exc.message))
+        except Exception as exc:
+            log.exception("session %s failed on its head", self.id)
+            await self._fail(FailureReason(node_id=self.rt.node_id, phase=self.phase, kind="internal",
+                                           message=f"{type(exc).__name__}: {exc}"))
+
+    async def _prefill(self) -> None:
+        assert self.telemetry is not None
+        tokens = self.request.prompt_tokens
+        chunk = self.request.prefill_chunk
+        for start in range(0, len(tokens), chunk):
+            part = tokens[start:start + chunk]
+            last = start + len(part) >= len(tokens)
+            out, timing = await self._compute(StepInput(self.id, start, tokens=part, sample=last and self.is_tail))
+            self.touch()
+            if self.is_tail:
+                if last:
+                    assert out.token is not None
+                    self._queue_token(out.token, (self._stamp(timing),))
+            else:
+                assert out.hidden is not None
+                self._queue_frame(FrameKind.PREFILL, start, out.hidden, last, 0, (self._stamp(timing),))
+            await self.telemetry.prefill_progress(start + len(part), len(tokens))
+
+    async def _decode(self) -> None:
+        assert self.telemetry is not None
+        step_started: float | None = None
+        while True:
+            event = await self._next_event()
+            wall_ms = (time.perf_counter() - step_started) * 1e3 if step_started is not None else None
+            self.phase = SessionPhase.DECODE
+            await self.rt.publish(self.rt.subjects.tokens(self.id), event)
+            await self.telemetry.token(event.hop_timings, wall_ms)
+            if event.finish_reason is not None:
+                await self._complete(event)
+                return
+            step_started = time.perf_counter()
+            out, timing = await self._compute(StepInput(self.id, self.position, tokens=[event.token],
+                                                        sample=self.is_tail))
+            if self.is_tail:
+                assert out.token is not None
+                self._queue_token(out.token, (self._stamp(timing),))
+            else:
+                assert out.hidden is not None
+                self._queue_frame(FrameKind.DECODE, self.position - 1, out.hidden, True, event.seq + 1,
+                                  (self._stamp(timing),))
+
+    async def _next_event(self) -> TokenEvent:
+        first = self.telemetry is not None and self.telemetry.generated == 0
+        timeout = self.rt.settings.first_token_timeout_s if first else self.rt.settings.token_timeout_s
+        try:
+            item = await asyncio.wait_for(self._events.get(), timeout)
+        except TimeoutError:
+            raise SessionFailed(await self._diagnose_stall(timeout)) from None
+        if isinstance(item, FailureReason):
+            raise SessionFailed(item)
+        return item
+
+    async def _diagnose_stall(self, waited: float) -> FailureReason:
+        """No token in time: name the first hop that does not answer, else the route as a whole."""
+        for hop in self.route.hops[1:]:
+            if not await self.rt.client.probe(hop.node_id, hop.endpoint):
+                return FailureReason(node_id=hop.node_id, phase=self.phase, kind="timeout",
+                                     message=f"node {hop.node_id} stopped answering; no token for {waited:g}s")
+        return FailureReason(node_id=None, phase=self.phase, kind="timeout",
+                             message=f"no token from the route for {waited:g}s although every hop answers")
+
+    async def _complete(self, event: TokenEvent) -> None:
+        assert self.telemetry is not None and event.finish_reason is not None
+        self.phase = SessionPhase.COMPLETE
+        await self.telemetry.complete(event.finish_reason)
+        end = SessionEnd(session_id=self.id, phase=SessionPhase.COMPLETE, finish_reason=event.finish_reason,
+                         prompt_tokens=len(self.request.prompt_tokens), completion_tokens=event.seq + 1)
+        await self.rt.publish(self.rt.subjects.tokens(self.id), end)
+        await self.close()
+
+    async def _fail(self, reason: FailureReason) -> None:
+        assert self.telemetry is not None
+        log.warning("session %s failed: %s", self.id, reason.message)
+        self.phase = SessionPhase.FAILED
+        await self.telemetry.fail(reason)
+        end = SessionEnd(session_id=self.id, phase=SessionPhase.FAILED, failure=reason,
+                         prompt_tokens=len(self.request.prompt_tokens),
+                         completion_tokens=self.telemetry.generated)
+        await self.rt.publish(self.rt.subjects.tokens(self.id), end)
+        await self.close()
+

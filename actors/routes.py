@@ -1,0 +1,92 @@
+"""Route selection: the cheapest ordered chain of live nodes whose contiguous layer ranges cover every layer.
+
+Cost is one per hop (each hop adds a network link to every token) plus the node's load, so a route prefers fewer,
+emptier nodes. Nodes without free capacity are used only to tell "busy" (429) from "not covered" (503).
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+
+from schemas.errors import CapacityError, ModelNotFoundError, NoRouteError
+from schemas.node import LayerRange, NodeAdvertisement
+from schemas.route import Hop, Route
+
+
+def serves(advert: NodeAdvertisement, model: str) -> bool:
+    return model in (advert.model_id, advert.backend.model_name)
+
+
+def uncovered_layers(adverts: list[NodeAdvertisement], n_layers: int) -> list[LayerRange]:
+    covered = sorted((a.layers.start, a.layers.end) for a in adverts)
+    gaps: list[LayerRange] = []
+    reach = 0
+    for start, end in covered:
+        if start > reach:
+            gaps.append(LayerRange(start=reach, end=start))
+        reach = max(reach, end)
+    if reach < n_layers:
+        gaps.append(LayerRange(start=reach, end=n_layers))
+    return gaps
+
+
+def _cheapest_chain(adverts: list[NodeAdvertisement], n_layers: int,
+                    pending: dict[str, int], rng: random.Random) -> list[NodeAdvertisement] | None:
+    by_start: dict[int, list[NodeAdvertisement]] = {}
+    for a in adverts:
+        by_start.setdefault(a.layers.start, []).append(a)
+    best: dict[int, float] = {0: 0.0}
+    back: dict[int, tuple[int, NodeAdvertisement]] = {}
+    heap: list[tuple[float, int]] = [(0.0, 0)]
+    while heap:
+        cost, at = heapq.heappop(heap)
+        if at == n_layers:
+            break
+        if cost > best.get(at, float("inf")):
+            continue
+        for a in by_start.get(at, []):
+            used = a.capacity.active_sessions + pending.get(a.node_id, 0)
+            step = 1.0 + used / a.capacity.max_sessions + rng.random() * 1e-3  # jitter spreads equal choices
+            end = a.layers.end
+            if end <= n_layers and cost + step < best.get(end, float("inf")):
+                best[end] = cost + step
+                back[end] = (at, a)
+                heapq.heappush(heap, (cost + step, end))
+    if n_layers not in back:
+        return None
+    chain: list[NodeAdvertisement] = []
+    at = n_layers
+    while at != 0:
+        at, a = back[at]
+        chain.append(a)
+    return chain[::-1]
+
+
+def select_route(adverts: list[NodeAdvertisement], model: str, session_id: str, *,
+                 exclude: frozenset[str] = frozenset(), pending: dict[str, int] | None = None,
+                 rng: random.Random | None = None) -> Route:
+    """Pick the route, or raise ModelNotFoundError (404), NoRouteError naming the uncovered layers (503),
+    or CapacityError when every full route is busy (429)."""
+    pending = pending or {}
+    rng = rng or random.Random()
+    candidates = [a for a in adverts if serves(a, model) and a.verified and a.node_id not in exclude]
+    if not candidates:
+        raise ModelNotFoundError(f"no live node serves model {model!r}")
+    n_layers = max(a.backend.n_layers for a in candidates)
+    candidates = [a for a in candidates if a.backend.n_layers == n_layers]
+    gaps = uncovered_layers(candidates, n_layers)
+    if gaps:
+        names = ", ".join(str(g) for g in gaps)
+        raise NoRouteError(f"no full route for model {model!r}: layers {names} of {n_layers} are not served by any "
+                           f"live, verified node")
+    free = [a for a in candidates if a.capacity.free_sessions - pending.get(a.node_id, 0) > 0]
+    chain = _cheapest_chain(free, n_layers, pending, rng)
+    if chain is None:
+        if _cheapest_chain(candidates, n_layers, {}, rng) is None:
+            raise NoRouteError(f"no chain of contiguous layer ranges covers [0, {n_layers}) for model {model!r}")
+        raise CapacityError(f"every route for model {model!r} is at capacity", retry_after=1.0)
+    return Route(session_id=session_id, model_id=chain[0].model_id, n_layers=n_layers,
+                 hidden_shape=list(chain[0].backend.hidden_shape),
+                 context_length=min(a.capacity.max_context for a in chain),
+                 hops=[Hop(node_id=a.node_id, endpoint=a.endpoint, layers=a.layers) for a in chain])

@@ -1,0 +1,28 @@
+"""What a node's sessions share: the backend engine, the HTTP client to other nodes, NATS publishing, settings."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Awaitable, Callable
+
+from pydantic import BaseModel
+
+from actors.engine import StepEngine
+from bus.nodeclient import NodeClient
+from bus.subjects import Subjects
+from schemas.frame import WireDType
+from schemas.settings import Settings
+
+PublishModel = Callable[[str, BaseModel], Awaitable[None]]
+
+
+@dataclasses.dataclass
+class NodeRuntime:
+    node_id: str
+    engine: StepEngine
+    client: NodeClient
+    publish: PublishModel
+    """Publish a wire model on a NATS subject (msgpack)."""
+    subjects: Subjects
+    settings: Settings
+    wire_dtype: WireDType = WireDType.F32

@@ -1,0 +1,120 @@
+"""A minimal keep-alive HTTP/1.1 client for the per-token path (frames and tokens), on raw asyncio streams.
+
+A general HTTP client costs about a millisecond per request in Python; a decode step crosses every hop once, so
+the hot path uses this instead: one write per request (headers and body together, TCP_NODELAY), Content-Length
+framing only (what the node server sends), pooled connections per peer. Control requests keep using httpx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from urllib.parse import urlsplit
+
+_MAX_HEADER = 16 * 1024
+
+
+class LinkError(Exception):
+    """Transport failure; ``timeout`` tells a stall from an unreachable or vanished peer."""
+
+    def __init__(self, message: str, *, timeout: bool = False) -> None:
+        super().__init__(message)
+        self.timeout = timeout
+
+
+class HttpLink:
+    """Pooled connections to one peer (``http://host:port``)."""
+
+    def __init__(self, base_url: str, *, max_idle: int = 8) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"hop links speak plain http://host:port, got {base_url!r}")
+        self.host = parts.hostname
+        self.port = parts.port or 80
+        self._host_header = parts.netloc.encode()
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self._max_idle = max_idle
+
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        reader, writer = await asyncio.open_connection(self.host, self.port)
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return reader, writer
+
+    def _checkout(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        while self._idle:
+            reader, writer = self._idle.pop()
+            if not reader.at_eof() and not writer.is_closing():
+                return reader, writer
+            writer.close()
+        return None
+
+    async def post(self, path: str, body: bytes, content_type: str, timeout: float) -> tuple[int, bytes]:
+        """POST and return (status, body). Raises LinkError on connection failure or timeout."""
+        try:
+            return await asyncio.wait_for(self._post(path, body, content_type), timeout)
+        except TimeoutError:
+            raise LinkError(f"no answer within {timeout:g}s", timeout=True) from None
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
+            raise LinkError(f"{type(exc).__name__}: {exc}") from None
+
+    async def _post(self, path: str, body: bytes, content_type: str) -> tuple[int, bytes]:
+        request = b"".join([b"POST ", path.encode(), b" HTTP/1.1\r\nhost: ", self._host_header,
+                            b"\r\ncontent-type: ", content_type.encode(), b"\r\ncontent-length: ",
+                            str(len(body)).encode(), b"\r\n\r\n", body])
+        conn = self._checkout()
+        if conn is not None:
+            try:
+                return await self._exchange(conn, request)
+            except (OSError, asyncio.IncompleteReadError):
+                pass  # the pooled connection had gone stale: retry once on a fresh one
+        return await self._exchange(await self._connect(), request)
+
+    async def _exchange(self, conn: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+                        request: bytes) -> tuple[int, bytes]:
+        reader, writer = conn
+        try:
+            writer.write(request)
+            await writer.drain()
+            head = await reader.readuntil(b"\r\n\r\n")
+            if len(head) > _MAX_HEADER:
+                raise ValueError("response header too large")
+            status, length, keep_alive = _parse_head(head)
+            payload = await reader.readexactly(length) if length else b""
+        except BaseException:
+            writer.close()
+            raise
+        if keep_alive and len(self._idle) < self._max_idle:
+            self._idle.append(conn)
+        else:
+            writer.close()
+        return status, payload
+
+    async def aclose(self) -> None:
+        idle, self._idle = self._idle, []
+        for _, writer in idle:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+
+def _parse_head(head: bytes) -> tuple[int, int, bool]:
+    lines = head.decode("latin-1").split("\r\n")
+    version, _, rest = lines[0].partition(" ")
+    if not version.startswith("HTTP/1."):
+        raise ValueError(f"not an HTTP/1.x response: {lines[0]!r}")
+    status = int(rest[:3])
+    length = 0
+    keep_alive = version == "HTTP/1.1"
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        name = name.strip().lower()
+        if name == "content-length":
+            length = int(value.strip())
+        elif name == "connection":
+            keep_alive = value.strip().lower() == "keep-alive"
+        elif name == "transfer-encoding" and value.strip().lower() != "identity":
+            raise ValueError("chunked responses are not expected on hop links")
+    return status, length, keep_alive

@@ -1,0 +1,142 @@
+"""HTTP client for the node API: the data plane's transport (frames, tokens) and session control.
+
+Used by a node to reach its successor and its head, and by the gateway to open and close sessions. Every failure to
+reach a node becomes a ``HopError`` naming the node and saying whether it was unreachable, timed out, or answered
+with an error, which is what the structured session failure reports.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import json
+
+import httpx
+
+from bus.hoplink import HttpLink, LinkError
+from schemas.errors import RouteFailedError, SwarmrouteError, error_from_body
+from schemas.session import FailureReason, Prompt, SessionOpen, SessionOpened, TokenEvent, TokenizeReply
+
+FRAME_CONTENT_TYPE = "application/x-swarmroute-frame"
+HopErrorKind = Literal["unreachable", "timeout", "http_error"]
+
+
+class HopError(RouteFailedError):
+    """A node could not be reached, timed out, or refused a request; ``status`` keeps the peer's status if any."""
+
+    def __init__(self, node: str, kind: HopErrorKind, message: str, *, peer_status: int | None = None,
+                 peer_error: SwarmrouteError | None = None) -> None:
+        super().__init__(message)
+        self.node = node
+        self.kind: HopErrorKind = kind
+        self.peer_status = peer_status
+        self.peer_error = peer_error
+
+
+class NodeClient:
+    """One pooled, keep-alive HTTP client for every node this process talks to. ``aclose()`` is idempotent."""
+
+    def __init__(self, *, timeout_s: float = 10.0, headers: dict[str, str] | None = None) -> None:
+        self._timeout = timeout_s
+        self._client = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 5.0)),
+            limits=httpx.Limits(max_connections=256, max_keepalive_connections=64, keepalive_expiry=60.0),
+            headers=headers or {},
+            transport=httpx.AsyncHTTPTransport(socket_options=[(6, 1, 1)]),  # IPPROTO_TCP, TCP_NODELAY
+        )
+        self._links: dict[str, HttpLink] = {}
+
+    async def aclose(self) -> None:
+        links, self._links = self._links, {}
+        for link in links.values():
+            await link.aclose()
+        await self._client.aclose()
+
+    async def _hot_post(self, node: str, endpoint: str, path: str, body: bytes, content_type: str,
+                        timeout: float | None) -> None:
+        """The per-token path: raw keep-alive link, same error semantics as the httpx path."""
+        link = self._links.get(endpoint)
+        if link is None:
+            link = self._links[endpoint] = HttpLink(endpoint)
+        wait = timeout if timeout is not None else self._timeout
+        try:
+            status, payload = await link.post(path, body, content_type, wait)
+        except LinkError as exc:
+            if exc.timeout:
+                raise HopError(node, "timeout", f"node {node} did not answer POST {path} within {wait:g}s") from None
+            raise HopError(node, "unreachable", f"node {node} unreachable at {endpoint}: {exc}") from None
+        if status >= 400:
+            try:
+                parsed = json.loads(payload) if payload else None
+            except ValueError:
+                parsed = None
+            peer = error_from_body(status, parsed)
+            raise HopError(node, "http_error", f"node {node} answered {status} to POST {path}: {peer.message}",
+                           peer_status=status, peer_error=peer)
+
+    async def _request(self, node: str, method: str, url: str, *, timeout: float | None = None,
+                       content: bytes | None = None, json: object | None = None,
+                       content_type: str | None = None) -> httpx.Response:
+        headers = {"content-type": content_type} if content_type else None
+        try:
+            response = await self._client.request(method, url, content=content, json=json, headers=headers,
+                                                  timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT)
+        except httpx.TimeoutException as exc:
+            raise HopError(node, "timeout", f"node {node} did not answer {method} {_path(url)} within "
+                                            f"{timeout or self._timeout:g}s") from exc
+        except httpx.TransportError as exc:
+            raise HopError(node, "unreachable", f"node {node} unreachable at {url}: {type(exc).__name__}") from exc
+        if response.status_code >= 400:
+            try:
+                body = response.json()
+            except ValueError:
+                body = None
+            peer = error_from_body(response.status_code, body)
+            raise HopError(node, "http_error", f"node {node} answered {response.status_code} to {method} "
+                                               f"{_path(url)}: {peer.message}", peer_status=response.status_code,
+                           peer_error=peer)
+        return response
+
+    async def tokenize(self, node: str, endpoint: str, prompt: Prompt) -> list[int]:
+        r = await self._request(node, "POST", f"{endpoint}/v1/tokenize", json=prompt.model_dump(mode="json"))
+        return TokenizeReply.model_validate(r.json()).tokens
+
+    async def open_session(self, node: str, endpoint: str, request: SessionOpen) -> SessionOpened:
+        r = await self._request(node, "POST", f"{endpoint}/v1/sessions", json=request.model_dump(mode="json"))
+        return SessionOpened.model_validate(r.json())
+
+    async def close_session(self, node: str, endpoint: str, session_id: str, *, timeout: float = 2.0) -> bool:
+        """Free the session on a node; False if the node could not be reached (its KV dies with it)."""
+        try:
+            await self._request(node, "DELETE", f"{endpoint}/v1/sessions/{session_id}", timeout=timeout)
+        except HopError as exc:
+            if exc.peer_status == 404:
+                return True
+            return False
+        return True
+
+    async def send_frame(self, node: str, endpoint: str, session_id: str, frame: bytes, *,
+                         timeout: float | None = None) -> None:
+        await self._hot_post(node, endpoint, f"/v1/sessions/{session_id}/frames", frame, FRAME_CONTENT_TYPE, timeout)
+
+    async def send_token(self, node: str, endpoint: str, event: TokenEvent, *, timeout: float | None = None) -> None:
+        await self._hot_post(node, endpoint, f"/v1/sessions/{event.session_id}/tokens",
+                             event.model_dump_json().encode(), "application/json", timeout)
+
+    async def report_failure(self, node: str, endpoint: str, session_id: str, reason: FailureReason, *,
+                             timeout: float = 2.0) -> None:
+        await self._request(node, "POST", f"{endpoint}/v1/sessions/{session_id}/failure",
+                            content=reason.model_dump_json().encode(), content_type="application/json",
+                            timeout=timeout)
+
+    async def probe(self, node: str, endpoint: str, *, timeout: float = 1.0) -> bool:
+        """True if the node answers its health check in time."""
+        try:
+            await self._request(node, "GET", f"{endpoint}/health", timeout=timeout)
+        except HopError:
+            return False
+        return True
+
+
+def _path(url: str) -> str:
+    return "/" + url.split("/", 3)[-1] if url.count("/") >= 3 else url

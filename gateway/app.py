@@ -1,0 +1,215 @@
+"""The gateway actor: a Starlette app (OpenAI endpoints, health, session telemetry SSE) on its own NATS connection.
+
+    GET  /health
+    GET  /v1/models
+    POST /v1/chat/completions          stream true|false
+    POST /v1/completions               stream true|false
+    GET  /v1/sessions/{id}/telemetry   SSE of Generation Telemetry until the session ends
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator
+from types import TracebackType
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route as HttpRoute
+
+from bus import codec
+from bus.connection import connect_settings
+from bus.httpserver import HttpServer
+from bus.nodeclient import NodeClient
+from bus.subjects import Subjects
+from gateway import sse
+from gateway.errors import EXCEPTION_HANDLERS, error_response, validation_message
+from gateway.route_session import SessionManager
+from gateway.serving import OpenAIServing
+from gateway.tracker_client import TrackerClient
+from schemas.errors import AuthenticationError, BadRequestError, NotFoundError, PayloadTooLargeError
+from schemas.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from schemas.settings import Settings
+from schemas.telemetry import GenerationTelemetry
+
+log = logging.getLogger(__name__)
+_OPEN_PATHS = {"/health"}
+
+
+async def read_json(request: Request, model: type[BaseModel], limit: int) -> BaseModel:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLargeError(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise PayloadTooLargeError(f"request body exceeds the limit of {limit} bytes")
+    try:
+        raw = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequestError(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise BadRequestError("request body must be a JSON object")
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        raise BadRequestError(validation_message(exc)) from None
+
+
+def build_app(serving: OpenAIServing, settings: Settings) -> Starlette:
+    sessions = serving.sessions
+    keys = [k.get_secret_value().encode() for k in settings.api_keys]
+
+    async def health(request: Request) -> Response:
+        ok = sessions.nc.is_connected
+        return JSONResponse({"status": "ok" if ok else "degraded", "nats": ok, "live_sessions": len(sessions.live)},
+                            status_code=200 if ok else 503)
+
+    async def models(request: Request) -> Response:
+        reply = await sessions.tracker.models()
+        cards = [ModelCard(id=m.id, name=m.name, complete=m.complete, n_layers=m.n_layers, nodes=m.nodes,
+                           layer_ranges=[r.model_dump() for r in m.layer_ranges],
+                           backend=m.backend.model_dump(mode="json") if m.backend else None)
+                 for m in reply.models]
+        return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
+
+    async def chat(request: Request) -> Response:
+        req = await read_json(request, ChatCompletionRequest, settings.max_body_bytes)
+        assert isinstance(req, ChatCompletionRequest)
+        return await serving.chat(req, request)
+
+    async def completions(request: Request) -> Response:
+        req = await read_json(request, CompletionRequest, settings.max_body_bytes)
+        assert isinstance(req, CompletionRequest)
+        return await serving.completion(req, request)
+
+    async def telemetry(request: Request) -> Response:
+        sid = request.path_params["sid"]
+        live = sessions.live.get(sid)
+        final = sessions.finished.get(sid)
+        if live is None and final is None:
+            raise NotFoundError(f"no session {sid} on this gateway", code="session_not_found")
+        return StreamingResponse(_telemetry_events(sessions.nc, sessions.subjects, sid, live, final),
+                                 media_type="text/event-stream", headers={"cache-control": "no-cache"})
+
+    app = Starlette(routes=[
+        HttpRoute("/health", health, methods=["GET"]),
+        HttpRoute("/v1/models", models, methods=["GET"]),
+        HttpRoute("/v1/chat/completions", chat, methods=["POST"]),
+        HttpRoute("/v1/completions", completions, methods=["POST"]),
+        HttpRoute("/v1/sessions/{sid}/telemetry", telemetry, methods=["GET"]),
+    ], exception_handlers=EXCEPTION_HANDLERS)  # type: ignore[arg-type]
+
+    if keys:
+        @app.middleware("http")
+        async def authenticate(request: Request, call_next):  # type: ignore[no-untyped-def]
+            if request.url.path not in _OPEN_PATHS:
+                given = request.headers.get("authorization", "")
+                token = given[7:].encode() if given.lower().startswith("bearer ") else b""
+                if not any(hmac.compare_digest(token, k) for k in keys):
+                    return error_response(AuthenticationError("missing or invalid API key (Authorization: Bearer)"))
+            return await call_next(request)
+
+    return app
+
+
+async def _telemetry_events(nc: NATS, subjects: Subjects, sid: str, live: object,
+                            final: GenerationTelemetry | None) -> AsyncIterator[bytes]:
+    if live is None and final is not None:
+        yield sse.data(final)
+        yield sse.DONE
+        return
+    queue: asyncio.Queue[GenerationTelemetry] = asyncio.Queue()
+
+    async def on_msg(msg: Msg) -> None:
+        with contextlib.suppress(codec.DecodeError):
+            queue.put_nowait(codec.decode(msg.data, GenerationTelemetry))
+
+    sub = await nc.subscribe(subjects.telemetry(sid), cb=on_msg)
+    try:
+        last = getattr(live, "telemetry", None)
+        if last is not None:
+            yield sse.data(last)
+        while True:
+            try:
+                snap = await asyncio.wait_for(queue.get(), 5.0)
+            except TimeoutError:
+                yield sse.KEEPALIVE
+                continue
+            yield sse.data(snap)
+            if snap.phase.terminal:
+                break
+        yield sse.DONE
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+
+
+class Gateway:
+    """The gateway actor; ``stop()`` is safe to call twice."""
+
+    def __init__(self, settings: Settings, *, host: str | None = None, port: int | None = None,
+                 nc: NATS | None = None) -> None:
+        self.settings = settings
+        self._host = host or settings.bind_host
+        self._port = settings.gateway_port if port is None else port
+        self._nc = nc
+        self._own_nc = nc is None
+        self.server: HttpServer | None = None
+        self.serving: OpenAIServing | None = None
+        self._nodes: NodeClient | None = None
+        self._started = False
+        self._stopped = False
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return self.server.url
+
+    async def start(self) -> Gateway:
+        if self._started:
+            return self
+        self._started = True
+        if self._nc is None:
+            self._nc = await connect_settings(self.settings, name="gateway")
+        subjects = Subjects(self.settings.namespace)
+        self._nodes = NodeClient(timeout_s=self.settings.hop_timeout_s)
+        manager = SessionManager(self._nc, TrackerClient(self._nc, subjects), self._nodes, self.settings)
+        self.serving = OpenAIServing(manager)
+        self.server = HttpServer(build_app(self.serving, self.settings), self._host, self._port)
+        await self.server.start()
+        log.info("gateway listening on %s", self.server.url)
+        return self
+
+    async def stop(self) -> None:
+        if self._stopped or not self._started:
+            self._stopped = True
+            return
+        self._stopped = True
+        if self.serving is not None:
+            for session in list(self.serving.sessions.live.values()):
+                await session.close(cancelled=True)
+        if self.server is not None:
+            await self.server.stop()
+        if self.serving is not None:
+            await self.serving.aclose()
+        if self._nodes is not None:
+            await self._nodes.aclose()
+        if self._own_nc and self._nc is not None:
+            with contextlib.suppress(Exception):
+                await self._nc.drain()
+
+    async def __aenter__(self) -> Gateway:
+        return await self.start()
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        await self.stop()

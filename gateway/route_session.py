@@ -1,0 +1,264 @@
+"""The gateway's side of a Route Session: route it, open it on every hop, relay its events, close it.
+
+The gateway is not on the per-token path: it opens the session (tail first, head last — the head starts prefill as
+soon as it is opened), then only listens on NATS for the head's token events and telemetry. It enforces the
+alpha failure model from the outside: silence past a timeout fails the session, naming the first hop that no
+longer answers; whatever the outcome, it frees the session on every hop that still answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from bus import codec
+from bus.nodeclient import HopError, NodeClient
+from bus.subjects import Subjects
+from gateway.tracker_client import TrackerClient
+from schemas.errors import BadRequestError, ContextLengthError, RouteFailedError, SwarmrouteError
+from schemas.route import Route
+from schemas.session import (
+    CONTEXT_CAP,
+    FailureReason,
+    Prompt,
+    SamplingParams,
+    SessionEnd,
+    SessionOpen,
+    SessionPhase,
+    TokenEvent,
+)
+from schemas.settings import Settings
+from schemas.telemetry import GenerationTelemetry, PrefillProgress, RouteHopView
+
+log = logging.getLogger(__name__)
+
+Event = TokenEvent | GenerationTelemetry | SessionEnd | None
+"""What a session yields; ``None`` is a keep-alive tick while nothing happens."""
+
+KEEPALIVE_S = 5.0
+
+
+@dataclasses.dataclass
+class GenerationRequest:
+    model: str
+    prompt: Prompt | None
+    prompt_tokens: list[int] | None
+    max_tokens: int | None
+    sampling: SamplingParams
+    stop: list[str]
+    ignore_eos: bool = False
+
+
+class LiveSession:
+    """One running Route Session. Iterate ``events()`` until a SessionEnd; always ``close()``."""
+
+    def __init__(self, manager: SessionManager, session_id: str) -> None:
+        self._m = manager
+        self.id = session_id
+        self.route: Route | None = None
+        self.prompt_tokens: list[int] = []
+        self.max_tokens = 0
+        self.telemetry: GenerationTelemetry | None = None
+        self.end: SessionEnd | None = None
+        self.tokens_seen = 0
+        self._queue: asyncio.Queue[TokenEvent | GenerationTelemetry | SessionEnd] = asyncio.Queue()
+        self._subs: list[Subscription] = []
+        self._closed = False
+        self.created = time.monotonic()
+
+    async def subscribe(self, nc: NATS, subjects: Subjects) -> None:
+        async def on_tokens(msg: Msg) -> None:
+            try:
+                event: TokenEvent | SessionEnd = codec.decode(msg.data, TokenEvent)
+            except codec.DecodeError:
+                try:
+                    event = codec.decode(msg.data, SessionEnd)
+                except codec.DecodeError as exc:
+                    log.warning("session %s: undecodable token message: %s", self.id, exc)
+                    return
+            self._queue.put_nowait(event)
+
+        async def on_telemetry(msg: Msg) -> None:
+            with contextlib.suppress(codec.DecodeError):
+                self._queue.put_nowait(codec.decode(msg.data, GenerationTelemetry))
+
+        self._subs = [await nc.subscribe(subjects.tokens(self.id), cb=on_tokens),
+                      await nc.subscribe(subjects.telemetry(self.id), cb=on_telemetry)]
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Token events and telemetry in arrival order, then exactly one SessionEnd."""
+        settings = self._m.settings
+        silent_since = time.monotonic()
+        while self.end is None:
+            limit = settings.token_timeout_s if self.tokens_seen else settings.first_token_timeout_s
+            wait = min(KEEPALIVE_S, limit - (time.monotonic() - silent_since))
+            if wait <= 0:
+                yield await self._fail_stalled(limit)
+                return
+            try:
+                event = await asyncio.wait_for(self._queue.get(), wait)
+            except TimeoutError:
+                yield None
+                continue
+            silent_since = time.monotonic()
+            processed = self._absorb(event)
+            if processed is not None:
+                yield processed
+
+    def _absorb(self, event: TokenEvent | GenerationTelemetry | SessionEnd) -> Event:
+        if isinstance(event, GenerationTelemetry):
+            if self.telemetry is None or event.seq > self.telemetry.seq:
+                self.telemetry = event
+                return event
+            return None
+        if isinstance(event, SessionEnd):
+            self.end = event
+            return event
+        if event.seq != self.tokens_seen:
+            reason = FailureReason(node_id=self.route.head.node_id if self.route else None, phase=SessionPhase.DECODE,
+                                   kind="protocol", message=f"token {self.tokens_seen} was lost on the bus "
+                                                            f"(received token {event.seq})")
+            self.end = SessionEnd(session_id=self.id, phase=SessionPhase.FAILED, failure=reason)
+            return self.end
+        self.tokens_seen += 1
+        return event
+
+    async def _fail_stalled(self, waited: float) -> SessionEnd:
+        node = await self._m.find_unresponsive(self.route) if self.route else None
+        phase = self.telemetry.phase if self.telemetry and not self.telemetry.phase.terminal else SessionPhase.PREFILL
+        message = (f"node {node} stopped answering" if node else "the route went silent") + \
+                  f" during {phase.value}; no event for {waited:g}s"
+        reason = FailureReason(node_id=node, phase=phase, kind="timeout", message=message)
+        self.end = SessionEnd(session_id=self.id, phase=SessionPhase.FAILED, failure=reason,
+                              prompt_tokens=len(self.prompt_tokens), completion_tokens=self.tokens_seen)
+        await self._m.publish_telemetry(self, SessionPhase.FAILED, failure=reason)
+        return self.end
+
+    async def close(self, *, cancelled: bool = False) -> None:
+        """Free the session on every hop; publish ``cancelled`` if the client went away first. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if cancelled and self.end is None:
+            self.end = SessionEnd(session_id=self.id, phase=SessionPhase.CANCELLED,
+                                  prompt_tokens=len(self.prompt_tokens), completion_tokens=self.tokens_seen)
+            await self._m.publish_telemetry(self, SessionPhase.CANCELLED)
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        if self.route is not None:
+            await self._m.close_on_hops(self.route, self.id)
+        self._m.forget(self)
+
+
+class SessionManager:
+    """Creates Route Sessions; injected with the NATS connection, the tracker client and the node client."""
+
+    def __init__(self, nc: NATS, tracker: TrackerClient, nodes: NodeClient, settings: Settings) -> None:
+        self.nc = nc
+        self.tracker = tracker
+        self.nodes = nodes
+        self.settings = settings
+        self.subjects = Subjects(settings.namespace)
+        self.live: dict[str, LiveSession] = {}
+        self.finished: dict[str, GenerationTelemetry] = {}
+
+    async def start(self, request: GenerationRequest) -> LiveSession:
+        """Route and open a session; raises a SwarmrouteError (with its HTTP status) before any token flows."""
+        session = LiveSession(self, uuid.uuid4().hex)
+        self.live[session.id] = session
+        try:
+            await session.subscribe(self.nc, self.subjects)
+            await self.publish_telemetry(session, SessionPhase.ROUTING, seq=0)
+            session.route = await self.tracker.route(request.model, session.id)
+            await self._open(session, request)
+        except BaseException as exc:
+            if isinstance(exc, SwarmrouteError) and session.route is not None:
+                reason = FailureReason(node_id=getattr(exc, "node", None), phase=SessionPhase.ROUTING,
+                                       kind="http_error", message=exc.message)
+                await self.publish_telemetry(session, SessionPhase.FAILED, failure=reason)
+            await session.close()
+            raise
+        return session
+
+    async def _open(self, session: LiveSession, request: GenerationRequest) -> None:
+        route = session.route
+        assert route is not None
+        head = route.head
+        if request.prompt_tokens is not None:
+            tokens = request.prompt_tokens
+        else:
+            assert request.prompt is not None
+            tokens = await self._unwrap(self.nodes.tokenize(head.node_id, head.endpoint, request.prompt))
+        if not tokens:
+            raise BadRequestError("the prompt is empty after tokenization")
+        n_ctx = min(route.context_length, CONTEXT_CAP)
+        if len(tokens) >= n_ctx:
+            raise ContextLengthError(f"the prompt has {len(tokens)} tokens; this route's context is {n_ctx} tokens")
+        max_tokens = request.max_tokens or min(self.settings.default_max_tokens, n_ctx - len(tokens))
+        if len(tokens) + max_tokens > n_ctx:
+            raise ContextLengthError(f"prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) = "
+                                     f"{len(tokens) + max_tokens} exceeds the context of {n_ctx} tokens")
+        session.prompt_tokens, session.max_tokens = tokens, max_tokens
+        opens = [SessionOpen(session_id=session.id, route=route, hop_index=i, prompt_tokens=tokens,
+                             max_tokens=max_tokens, sampling=request.sampling, stop=request.stop,
+                             ignore_eos=request.ignore_eos, prefill_chunk=self.settings.prefill_chunk)
+                 for i in range(len(route.hops))]
+        downstream = [self.nodes.open_session(route.hops[i].node_id, route.hops[i].endpoint, opens[i])
+                      for i in range(1, len(route.hops))]
+        await self._unwrap(asyncio.gather(*downstream))
+        await self._unwrap(self.nodes.open_session(head.node_id, head.endpoint, opens[0]))
+
+    @staticmethod
+    async def _unwrap(awaitable: object) -> object:  # type: ignore[no-untyped-def]
+        """A node refusing with a 4xx/429 is the client's problem or a busy node: pass its error through as is."""
+        try:
+            return await awaitable  # type: ignore[misc]
+        except HopError as exc:
+            if exc.peer_error is not None and exc.peer_status is not None and exc.peer_status < 500:
+                raise exc.peer_error from None
+            raise RouteFailedError(f"could not open the session: {exc.message}") from exc
+
+    async def publish_telemetry(self, session: LiveSession, phase: SessionPhase, *, seq: int | None = None,
+                                failure: FailureReason | None = None) -> None:
+        last = session.telemetry
+        snap = GenerationTelemetry(
+            session_id=session.id, seq=seq if seq is not None else (last.seq + 1 if last else 1), phase=phase,
+            model=session.route.model_id if session.route else "",
+            route=last.route if last else ([RouteHopView(node_id=h.node_id, layers=h.layers, health="unknown")
+                                            for h in session.route.hops] if session.route else []),
+            route_health="failed" if phase is SessionPhase.FAILED else (last.route_health if last else "unknown"),
+            prefill=last.prefill if last else PrefillProgress(),
+            generated_tokens=session.tokens_seen, tokens_per_s=last.tokens_per_s if last else 0.0,
+            ttft_ms=last.ttft_ms if last else None, failure=failure)
+        if phase.terminal:
+            self.finished[session.id] = snap
+            while len(self.finished) > 1000:
+                self.finished.pop(next(iter(self.finished)))
+        with contextlib.suppress(Exception):
+            await self.nc.publish(self.subjects.telemetry(session.id), codec.encode(snap))
+
+    async def find_unresponsive(self, route: Route | None) -> str | None:
+        if route is None:
+            return None
+        for hop in route.hops:
+            if not await self.nodes.probe(hop.node_id, hop.endpoint):
+                return hop.node_id
+        return None
+
+    async def close_on_hops(self, route: Route, session_id: str) -> None:
+        await asyncio.gather(*(self.nodes.close_session(h.node_id, h.endpoint, session_id) for h in route.hops))
+
+    def forget(self, session: LiveSession) -> None:
+        self.live.pop(session.id, None)
+        if session.telemetry is not None and session.id not in self.finished:
+            self.finished[session.id] = session.telemetry

@@ -1,0 +1,47 @@
+"""Asking the trackers for routes and for the list of served models, over NATS request/reply."""
+
+from __future__ import annotations
+
+from nats.aio.client import Client as NATS
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+
+from bus import codec
+from bus.subjects import Subjects
+from schemas.errors import CapacityError, ModelNotFoundError, NoRouteError, SwarmrouteError
+from schemas.route import ModelsReply, Route, RouteReply, RouteRequest
+
+
+class TrackerClient:
+    def __init__(self, nc: NATS, subjects: Subjects, *, timeout_s: float = 3.0) -> None:
+        self._nc = nc
+        self._subjects = subjects
+        self._timeout = timeout_s
+
+    async def _request(self, subject: str, payload: bytes) -> bytes:
+        try:
+            msg = await self._nc.request(subject, payload, timeout=self._timeout)
+        except NoRespondersError:
+            raise NoRouteError("no tracker is running (nobody answers on the route subject)") from None
+        except NatsTimeoutError:
+            raise NoRouteError(f"no tracker answered within {self._timeout:g}s") from None
+        return bytes(msg.data)
+
+    async def route(self, model: str, session_id: str, exclude: list[str] | None = None) -> Route:
+        request = RouteRequest(model=model, session_id=session_id, exclude=exclude or [])
+        reply = codec.decode(await self._request(self._subjects.route_request, codec.encode(request)), RouteReply)
+        if reply.route is not None:
+            return reply.route
+        message = reply.error or "the tracker found no route"
+        if reply.status == 404:
+            raise ModelNotFoundError(message)
+        if reply.status == 429:
+            raise CapacityError(message, retry_after=1.0)
+        if reply.status == 503:
+            raise NoRouteError(message)
+        error = SwarmrouteError(message)
+        error.status = reply.status
+        raise error
+
+    async def models(self) -> ModelsReply:
+        return codec.decode(await self._request(self._subjects.models_request, b""), ModelsReply)
