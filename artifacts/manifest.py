@@ -19,13 +19,13 @@ from schemas.errors import ArtifactError, BadRequestError
 from schemas.manifest import KVEntry, ModelManifest, TensorEntry, TensorGroups, TorrentLayout
 
 MIN_PIECE = 64 << 10
-MAX_PIECE = 4 << 20
+MAX_PIECE = 16 << 20
 TARGET_PIECES = 1024
 """Small pieces keep partial fetch close to the bytes needed: a contiguous range wastes at most two pieces."""
 
 
 def choose_piece_size(file_size: int) -> int:
-    """The smallest power of two giving at most ~TARGET_PIECES pieces, within [64 KiB, 4 MiB]."""
+    """The smallest power of two giving at most ~TARGET_PIECES pieces, within [64 KiB, 16 MiB]."""
     piece = MIN_PIECE
     while piece < MAX_PIECE and piece * TARGET_PIECES < file_size:
         piece *= 2

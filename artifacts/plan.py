@@ -55,9 +55,10 @@ def settings_from_args(args: argparse.Namespace) -> PlanSettings:
         raise BadRequestError("--reserve is a fraction in [0, 1)")
     if args.sessions < 1:
         raise BadRequestError("--sessions must be at least 1")
-    return PlanSettings(context=parse_tokens(args.context), sessions=args.sessions, kv_itemsize=kv_itemsize(args.kv_type),
-                        reserve=args.reserve, wire_dtype=WireDType.parse(args.wire_dtype),
-                        balance=args.strategy == "balance", split_groups=args.split_groups)
+    return PlanSettings(context=parse_tokens(args.context), sessions=args.sessions,
+                        kv_itemsize=kv_itemsize(args.kv_type), reserve=args.reserve,
+                        wire_dtype=WireDType.parse(args.wire_dtype), balance=args.strategy == "balance",
+                        split_groups=args.split_groups)
 
 
 def plan_from_args(args: argparse.Namespace) -> Plan:

@@ -116,14 +116,14 @@ def plan_shard(tensors: Sequence[TensorLayout], n_layers: int, start: int, end: 
     return ShardPlan(start, end, n_layers, copied, synthetic, keep_tokenizer)
 
 
-def _manifest_layouts(manifest: ModelManifest) -> list[TensorLayout]:
+def manifest_layouts(manifest: ModelManifest) -> list[TensorLayout]:
     return [TensorLayout(t.name, GGMLQuantizationType[t.ggml_type], tuple(t.shape), t.offset, t.size)
             for t in manifest.tensors]
 
 
 def needed_tensors(manifest: ModelManifest, start: int, end: int) -> list[TensorEntry]:
     """The tensors a node serving ``[start, end)`` must download (file order); synthetic ones are not listed."""
-    plan = plan_shard(_manifest_layouts(manifest), manifest.n_layers, start, end)
+    plan = plan_shard(manifest_layouts(manifest), manifest.n_layers, start, end)
     wanted = set(plan.copied)
     return [t for t in manifest.tensors if t.name in wanted]
 
@@ -131,7 +131,7 @@ def needed_tensors(manifest: ModelManifest, start: int, end: int) -> list[Tensor
 def needed_byte_ranges(manifest: ModelManifest, start: int, end: int) -> list[tuple[int, int]]:
     """Merged half-open byte ranges of the file a node serving ``[start, end)`` needs: its tensors, plus the
     header when the shard keeps the tokenizer (the vocabulary is stored there, not in the manifest)."""
-    plan = plan_shard(_manifest_layouts(manifest), manifest.n_layers, start, end)
+    plan = plan_shard(manifest_layouts(manifest), manifest.n_layers, start, end)
     spans = [(t.offset, t.end) for t in needed_tensors(manifest, start, end) if t.size]
     if plan.keep_tokenizer:
         spans.append((0, manifest.header_size))
@@ -183,7 +183,7 @@ class ShardSource:
     def from_manifest(cls, manifest: ModelManifest, data_path: Path) -> ShardSource:
         meta = tuple(kv_from_entry(e) for e in manifest.metadata)
         return cls(data_path, manifest.architecture, manifest.n_layers, manifest.alignment,
-                   tuple(_manifest_layouts(manifest)), meta, None, manifest.manifest_id, manifest.header_size,
+                   tuple(manifest_layouts(manifest)), meta, None, manifest.manifest_id, manifest.header_size,
                    manifest.header_sha256)
 
     def tokenizer_fields(self) -> list[KV]:

@@ -57,6 +57,10 @@ class Subjects:
         """TokenEvent then one SessionEnd, published by the session's head for the gateway."""
         return f"{self.namespace}.tokens.{_wild_or(session_id, 'session id')}"
 
+    def session_events(self, session_id: str) -> str:
+        """Matches both ``tokens.<id>`` and ``telemetry.<id>``: one subscription keeps their relative order."""
+        return f"{self.namespace}.*.{_check_token(session_id, 'session id')}"
+
     def node_events(self, node_id: str = "*") -> str:
         """Node lifecycle notes (started, stopping) for operators' tools."""
         return f"{self.namespace}.node.{_wild_or(node_id, 'node id')}.events"
@@ -72,6 +76,10 @@ class Subjects:
     def artifact_peer_query(self, model_id: str) -> str:
         """Request/reply: who seeds this artifact? Every seeder answers with its peer address."""
         return f"{self.namespace}.artifacts.who.{_check_token(model_id, 'model id')}"
+
+    def artifact_manifest(self, model_id: str) -> str:
+        """Request/reply: the manifest JSON (zlib) of a model artifact, answered by every node that holds it."""
+        return f"{self.namespace}.artifacts.manifest.{_check_token(model_id, 'model id')}"
 
 
 def _wild_or(value: str, what: str) -> str:

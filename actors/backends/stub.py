@@ -85,6 +85,8 @@ class StubBackend:
         self._mask[[10, *range(32, 127)]] = 0.0
         self._mask[EOS] = -6.0
         self._sessions: dict[str, _Session] = {}
+        self.closed_positions: dict[str, int] = {}
+        """positions_computed of each closed session, kept so tests can check work after the session ended."""
         self._lock = threading.Lock()
 
     @property
@@ -198,7 +200,9 @@ class StubBackend:
 
     def close_session(self, session_id: str) -> None:
         with self._lock:
-            self._sessions.pop(session_id, None)
+            session = self._sessions.pop(session_id, None)
+            if session is not None:
+                self.closed_positions[session_id] = session.positions_computed
 
     def kv_bytes_in_use(self) -> int:
         return sum(len(s.sums) * self._dim * 4 for s in self._sessions.values())

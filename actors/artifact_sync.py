@@ -1,0 +1,418 @@
+"""The artifact swarm's control plane on NATS: peer discovery, manifest exchange, progress events, and the
+``artifact fetch`` / ``artifact seed`` commands.
+
+Subjects (``bus.subjects.Subjects``):
+
+* ``artifact_peer_query(model_id)`` request -> every holder replies with its ``ArtifactPeer`` (torrent address and
+  *verified* layer ranges); the asker gathers replies for a short window.
+* ``artifact_peers(model_id)``: every holder re-announces its ``ArtifactPeer`` every few seconds, so fetchers learn
+  about peers that join later (including other fetchers, which seed what they already hold).
+* ``artifact_manifest(model_id)`` request -> the manifest JSON, zlib-compressed; the receiver checks that its
+  ``manifest_id`` is the hash of its content (and the id it was told to expect, when given).
+* ``artifact_progress(node_id)``: ``FetchProgress`` snapshots while fetching.
+
+Bytes move over BitTorrent between the announced loopback/private addresses (``artifacts.torrent``); this module
+only tells libtorrent whom to dial. A range is announced only after ``artifacts.verify`` passed it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+import zlib
+from collections.abc import Iterable
+from pathlib import Path
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from artifacts.cli import home_of, parse_range
+from artifacts.cli import register as register_artifact_commands
+from artifacts.fetch import FetchCancelled, FetchOptions, FetchResult, fetch_range
+from artifacts.manifest import check_manifest, load_manifest
+from artifacts.progress import ProgressPrinter
+from artifacts.shard import ShardSource, write_shard
+from artifacts.store import Store
+from artifacts.torrent import SwarmConfig, TorrentSession, is_private_address
+from artifacts.verify import RangeVerdict, StoreReport, verify_shard, verify_store
+from bus.codec import DecodeError, decode, encode
+from bus.connection import connect_settings
+from bus.subjects import Subjects
+from schemas.artifact import ArtifactPeer, FetchProgress
+from schemas.errors import ArtifactError, NotFoundError, SwarmrouteError
+from schemas.manifest import ModelManifest
+from schemas.node import LayerRange
+from schemas.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class SyncConfig:
+    node_id: str
+    """This node's id in announcements and progress subjects."""
+
+    announce_s: float = 2.0
+    """How often a holder re-announces itself on ``artifact_peers``."""
+
+    discover_s: float = 0.5
+    """How long a peer query gathers replies."""
+
+    progress_interval_s: float = 0.5
+    """Minimum spacing of progress events (phase changes are always sent)."""
+
+
+@dataclasses.dataclass
+class _Held:
+    manifest: ModelManifest
+    ranges: list[LayerRange] = dataclasses.field(default_factory=list)
+    peers: dict[str, ArtifactPeer] = dataclasses.field(default_factory=dict)
+    static_peers: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+    addresses: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+    """Snapshot read by the fetch thread; replaced, never mutated."""
+
+
+class ArtifactSync:
+    """One node's participation in the artifact swarms of the models it holds or fetches."""
+
+    def __init__(self, nc: NATS, subjects: Subjects, store: Store, session: TorrentSession, config: SyncConfig) -> None:
+        self.nc, self.subjects, self.store, self.session, self.config = nc, subjects, store, session, config
+        self._held: dict[str, _Held] = {}
+        self._subs: list[object] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._last_progress: tuple[str, float] = ("", 0.0)
+
+    # -- holding a model -------------------------------------------------------------------------------------------
+
+    async def hold(self, manifest: ModelManifest, *, static_peers: Iterable[tuple[str, int]] = ()) -> None:
+        """Answer queries and manifest requests for this model, watch its announcements and announce ourselves."""
+        model_id = manifest.model_id
+        if model_id in self._held:
+            return
+        self._held[model_id] = _Held(manifest, static_peers=[p for p in static_peers if is_private_address(p[0])])
+        self._refresh_addresses(model_id)
+        self._subs.append(await self.nc.subscribe(self.subjects.artifact_peer_query(model_id), cb=self._on_query))
+        self._subs.append(await self.nc.subscribe(self.subjects.artifact_manifest(model_id), cb=self._on_manifest))
+        self._subs.append(await self.nc.subscribe(self.subjects.artifact_peers(model_id), cb=self._on_announce))
+        self._tasks.append(asyncio.create_task(self._announce_loop(model_id)))
+
+    def me(self, model_id: str) -> ArtifactPeer:
+        held = self._held[model_id]
+        host, port = self.session.address
+        job = self.session.job(held.manifest.torrent.info_hash)
+        complete = 0.0
+        if job is not None:
+            have = job.have()
+            complete = sum(have) / len(have) if have else 0.0
+        return ArtifactPeer(node_id=self.config.node_id, model_id=model_id, manifest_id=held.manifest.manifest_id,
+                            host=host, port=port, ranges=list(held.ranges), complete=complete)
+
+    def advertise(self, model_id: str, verdicts: Iterable[RangeVerdict]) -> list[LayerRange]:
+        """Set the ranges this node announces: exactly the verdicts that passed verification."""
+        ranges = sorted({(v.start, v.end) for v in verdicts if v.ok})
+        self._held[model_id].ranges = [LayerRange(start=a, end=b) for a, b in ranges]
+        return self._held[model_id].ranges
+
+    async def announce(self, model_id: str) -> None:
+        await self.nc.publish(self.subjects.artifact_peers(model_id), encode(self.me(model_id)))
+
+    async def _announce_loop(self, model_id: str) -> None:
+        while True:
+            with contextlib.suppress(Exception):
+                await self.announce(model_id)
+            await asyncio.sleep(self.config.announce_s)
+
+    async def _on_query(self, msg: Msg) -> None:
+        model_id = msg.subject.rsplit(".", 1)[-1]
+        if msg.reply and model_id in self._held:
+            await msg.respond(encode(self.me(model_id)))
+
+    async def _on_manifest(self, msg: Msg) -> None:
+        model_id = msg.subject.rsplit(".", 1)[-1]
+        if msg.reply and model_id in self._held:
+            await msg.respond(zlib.compress(self._held[model_id].manifest.model_dump_json().encode()))
+
+    async def _on_announce(self, msg: Msg) -> None:
+        try:
+            peer = decode(msg.data, ArtifactPeer)
+        except DecodeError:
+            return
+        self._learn(peer)
+
+    def _learn(self, peer: ArtifactPeer) -> None:
+        held = self._held.get(peer.model_id)
+        if held is None or peer.node_id == self.config.node_id or peer.manifest_id != held.manifest.manifest_id:
+            return
+        if not is_private_address(peer.host):
+            log.warning("ignoring artifact peer %s at non-private address %s", peer.node_id, peer.host)
+            return
+        held.peers[peer.node_id] = peer
+        self._refresh_addresses(peer.model_id)
+
+    def _refresh_addresses(self, model_id: str) -> None:
+        held = self._held[model_id]
+        held.addresses = list(dict.fromkeys([*held.static_peers, *((p.host, p.port) for p in held.peers.values())]))
+
+    def peers(self, model_id: str) -> list[ArtifactPeer]:
+        return list(self._held[model_id].peers.values())
+
+    # -- discovery and manifests -----------------------------------------------------------------------------------
+
+    async def _gather(self, subject: str, wait_s: float) -> list[bytes]:
+        inbox = self.nc.new_inbox()
+        replies: list[bytes] = []
+
+        async def collect(msg: Msg) -> None:
+            replies.append(msg.data)
+
+        sub = await self.nc.subscribe(inbox, cb=collect)
+        try:
+            await self.nc.publish(subject, b"", reply=inbox)
+            await asyncio.sleep(wait_s)
+        finally:
+            await sub.unsubscribe()
+        return replies
+
+    async def discover(self, model_id: str) -> list[ArtifactPeer]:
+        """Ask every holder of the model at once and learn all who answer within ``discover_s``."""
+        found = []
+        for data in await self._gather(self.subjects.artifact_peer_query(model_id), self.config.discover_s):
+            with contextlib.suppress(DecodeError):
+                peer = decode(data, ArtifactPeer)
+                self._learn(peer)
+                found.append(peer)
+        return found
+
+    async def fetch_manifest(self, model_id: str, *, expect_id: str | None = None, timeout_s: float = 5.0
+                             ) -> ModelManifest:
+        """The manifest from any holder; a reply that fails its content hash (or ``expect_id``) is skipped."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for data in await self._gather(self.subjects.artifact_manifest(model_id), self.config.discover_s):
+                try:
+                    manifest = ModelManifest.model_validate_json(zlib.decompress(data))
+                    check_manifest(manifest, expect_id=expect_id, where="manifest from a peer")
+                except (ValueError, zlib.error, ArtifactError) as exc:
+                    log.warning("rejected a manifest for %s: %s", model_id[:16], exc)
+                    continue
+                if manifest.model_id == model_id:
+                    return manifest
+        raise NotFoundError(f"no peer answered with a valid manifest for model {model_id[:16]}...")
+
+    # -- fetching and seeding --------------------------------------------------------------------------------------
+
+    def _progress_sink(self, loop: asyncio.AbstractEventLoop, printer: ProgressPrinter | None
+                       ) -> tuple[threading.Event, object]:
+        done = threading.Event()
+
+        def sink(p: FetchProgress) -> None:
+            if printer is not None:
+                printer(p)
+            phase, last = self._last_progress
+            now = time.monotonic()
+            if p.phase != phase or now - last >= self.config.progress_interval_s:
+                self._last_progress = (p.phase, now)
+                data = encode(p)
+                loop.call_soon_threadsafe(lambda: asyncio.ensure_future(
+                    self.nc.publish(self.subjects.artifact_progress(self.config.node_id), data)))
+
+        return done, sink
+
+    async def fetch(self, manifest: ModelManifest, start: int, end: int, *, printer: ProgressPrinter | None = None,
+                    options: FetchOptions | None = None) -> FetchResult:
+        """Fetch ``[start, end)`` from the swarm; on success the verified range is announced at once."""
+        await self.hold(manifest)
+        await self.discover(manifest.model_id)
+        loop = asyncio.get_running_loop()
+        _, sink = self._progress_sink(loop, printer)
+        held = self._held[manifest.model_id]
+
+        def run() -> FetchResult:
+            return fetch_range(self.store, manifest, start, end, session=self.session, peers=lambda: held.addresses,
+                               progress=sink, node_id=self.config.node_id, options=options)  # type: ignore[arg-type]
+
+        try:
+            result = await asyncio.to_thread(run)
+        except SwarmrouteError as exc:
+            p = FetchProgress(node_id=self.config.node_id, model_id=manifest.model_id, start=start, end=end,
+                              phase="failed", message=exc.message)
+            await self.nc.publish(self.subjects.artifact_progress(self.config.node_id), encode(p))
+            raise
+        verdict = verify_shard(manifest, result.shard, start, end)
+        self.advertise(manifest.model_id, [*self._verdicts_now(manifest.model_id), verdict])
+        await self.announce(manifest.model_id)
+        await self.nc.flush()
+        return result
+
+    def _verdicts_now(self, model_id: str) -> list[RangeVerdict]:
+        return [RangeVerdict(r.start, r.end, "held", ()) for r in self._held[model_id].ranges]
+
+    async def seed(self, model_id: str) -> StoreReport:
+        """Verify what the store holds (repairing shards the data can rebuild), let libtorrent hash-check the file
+        so it only serves good pieces, then hold the model and announce the verified ranges."""
+        manifest = self.store.load(model_id)
+        report = await asyncio.to_thread(_verify_and_repair, self.store, model_id)
+        self.session.add(manifest, self.store.model_dir(model_id), [], resume=None)
+        await self.hold(manifest)
+        self.advertise(model_id, report.shards + report.data_ranges)
+        await self.announce(model_id)
+        return report
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()  # type: ignore[attr-defined]
+        self._tasks, self._subs = [], []
+
+
+def _verify_and_repair(store: Store, model_id: str) -> StoreReport:
+    report = verify_store(store, model_id)
+    good_data = {(v.start, v.end) for v in report.data_ranges if v.ok}
+    repaired = False
+    for v in report.shards:
+        if not v.ok and any(a <= v.start and v.end <= b for a, b in good_data):
+            log.warning("rewriting shard [%d, %d) from verified data: %s", v.start, v.end, v.describe())
+            manifest = report.manifest
+            write_shard(ShardSource.from_manifest(manifest, store.data_path(manifest)),
+                        store.shard_path(model_id, v.start, v.end), v.start, v.end)
+            repaired = True
+    return verify_store(store, model_id) if repaired else report
+
+
+# -- CLI -----------------------------------------------------------------------------------------------------------
+
+
+def _peer(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not is_private_address(host.strip("[]")):
+        raise argparse.ArgumentTypeError(f"peer {text!r} must be HOST:PORT with a loopback or private HOST")
+    return host.strip("[]"), int(port)
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    settings = Settings()
+    updates: dict[str, object] = {}
+    if args.nats_url:
+        updates["nats_url"] = args.nats_url
+    if args.home:
+        updates["home"] = Path(args.home)
+    return settings.model_copy(update=updates)
+
+
+async def _load_manifest(sync: ArtifactSync, args: argparse.Namespace) -> ModelManifest:
+    if args.manifest:
+        manifest = load_manifest(Path(args.manifest), expect_id=args.manifest_id)
+        sync.store.add_manifest(manifest)
+        return manifest
+    if not args.model_id:
+        raise NotFoundError("give --model-id or --manifest")
+    with contextlib.suppress(NotFoundError):
+        return sync.store.load(sync.store.resolve(args.model_id))
+    manifest = await sync.fetch_manifest(args.model_id, expect_id=args.manifest_id)
+    sync.store.add_manifest(manifest)
+    return manifest
+
+
+async def _serve_forever(stop: asyncio.Event) -> None:
+    await stop.wait()
+
+
+def _stop_event(cancel: threading.Event) -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: (stop.set(), cancel.set()))
+    return stop
+
+
+async def _run(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    store = Store(home_of(args))
+    session = TorrentSession(SwarmConfig(listen_host=args.listen_host, listen_port=args.listen_port,
+                                         download_limit=args.download_limit, upload_limit=args.upload_limit))
+    nc = await connect_settings(settings, name=f"artifact-{args.node_id}")
+    sync = ArtifactSync(nc, Subjects(settings.namespace), store, session, SyncConfig(node_id=args.node_id))
+    cancel = threading.Event()
+    stop = _stop_event(cancel)
+    try:
+        return await _command(sync, args, stop, cancel)
+    finally:
+        await sync.close()
+        await nc.drain()
+        session.close()
+
+
+async def _command(sync: ArtifactSync, args: argparse.Namespace, stop: asyncio.Event, cancel: threading.Event) -> int:
+    if args.artifact_command == "seed":
+        model_id = sync.store.resolve(args.model_id)
+        report = await sync.seed(model_id)
+        ranges = sorted({(a, b) for a, b, _ in report.servable})
+        print(json.dumps({"event": "seeding", "node_id": args.node_id, "address": list(sync.session.address),
+                          "ranges": ranges}), flush=True)
+        await _serve_forever(stop)
+        return 0
+    manifest = await _load_manifest(sync, args)
+    await sync.hold(manifest, static_peers=args.peer or [])
+    start, end = args.range if args.range else (0, manifest.n_layers)
+    printer = None if args.quiet else ProgressPrinter()
+    options = FetchOptions(timeout_s=args.timeout, cancel=cancel)
+    try:
+        result = await sync.fetch(manifest, start, end, printer=printer, options=options)
+    except FetchCancelled as exc:
+        print(json.dumps({"event": "cancelled", "message": exc.message}), flush=True)
+        return 3
+    print(json.dumps({"event": "fetched", "shard": str(result.shard), **result.progress.model_dump(mode="json")}),
+          flush=True)
+    if args.seed_after:
+        await _serve_forever(stop)
+    return 0
+
+
+def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add ``fetch`` and ``seed`` to the ``artifact`` command group returned by ``artifacts.cli.register``."""
+    fetch = commands.add_parser("fetch", help="fetch the pieces a layer range needs from the swarm; write its shard")
+    fetch.add_argument("--model-id", help="model id (sha256 of the GGUF) to fetch; the manifest comes from peers")
+    fetch.add_argument("--manifest", help="a manifest JSON file instead of asking peers")
+    fetch.add_argument("--manifest-id", help="only accept a manifest with this id")
+    fetch.add_argument("--range", type=parse_range, help="layers START:END (default: the whole model)")
+    fetch.add_argument("--peer", type=_peer, action="append", help="extra torrent peer HOST:PORT (repeatable)")
+    fetch.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
+    fetch.add_argument("--seed-after", action="store_true", help="keep seeding after the fetch until stopped")
+    fetch.add_argument("--quiet", action="store_true", help="no progress bar")
+    seed = commands.add_parser("seed", help="verify the store and seed a model to the swarm until stopped")
+    seed.add_argument("model_id", help="model id (or unique prefix) in the store")
+    for p in (fetch, seed):
+        p.add_argument("--home", help="swarmroute home (default: $SWARMROUTE_HOME or ~/.cache/swarmroute)")
+        p.add_argument("--node-id", default="artifact-node", help="id in announcements and progress subjects")
+        p.add_argument("--nats-url", help="NATS server (default: $SWARMROUTE_NATS_URL)")
+        p.add_argument("--listen-host", default="127.0.0.1", help="torrent listen address (loopback/private)")
+        p.add_argument("--listen-port", type=int, default=0, help="torrent listen port (0: any free port)")
+        p.add_argument("--download-limit", type=int, default=0, help="bytes/s, 0 for unlimited")
+        p.add_argument("--upload-limit", type=int, default=0, help="bytes/s, 0 for unlimited")
+        p.set_defaults(handler=lambda args: asyncio.run(_run(args)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    parser = argparse.ArgumentParser(prog="swarmroute")
+    register(register_artifact_commands(parser.add_subparsers(dest="command", required=True)))
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args))
+    except SwarmrouteError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

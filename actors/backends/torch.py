@@ -1,0 +1,258 @@
+"""The torch backend: the reference implementation of a route hop, on transformers' own decoder layers.
+
+Each node holds one layer range (``Shard``) and, per Route Session, a transformers cache for those layers only.
+A prefill chunk or a decode step runs its positions through the range once, appending to that cache; the wire
+carries float32 hidden states of just those positions. The tail turns the last position into logits and samples.
+Items of a batch run one after another: sessions never share a forward pass, so they cannot leak into each other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers.cache_utils import DynamicCache
+
+from actors.backend import Hidden, StepInput, StepOutput
+from actors.backends.torch_models import PreparedModel, prepare
+from actors.backends.torch_sampler import Sampler
+from actors.backends.torch_shard import Shard, cache_bytes
+from actors.backends.torch_tokens import TokenCodec
+from schemas.errors import (
+    BackendError,
+    BadRequestError,
+    CapacityError,
+    ContextLengthError,
+    FrameError,
+    PayloadTooLargeError,
+    SessionNotFoundError,
+    SwarmrouteError,
+)
+from schemas.node import BackendInfo, LayerRange
+from schemas.session import Prompt, SamplingParams
+
+_DTYPES = {"float32": torch.float32, "f32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "f16": torch.float16}
+
+
+@dataclasses.dataclass
+class TorchConfig:
+    model: str = "tiny-llama"
+    """``tiny-llama`` / ``tiny-gemma3`` (seeded random weights), a ``.gguf`` file, or a transformers directory."""
+
+    layer_start: int = 0
+    layer_end: int | None = None
+    """This node's range ``[layer_start, layer_end)``; ``None`` means to the last layer."""
+
+    max_sessions: int = 8
+    """Sessions that may hold KV at once."""
+
+    context_length: int = 4096
+    """Tokens per session (capped by the model's ``max_position_embeddings``)."""
+
+    dtype: str = "float32"
+    """Weights and compute: float32 (exact reference), bfloat16 or float16. The wire is float32 regardless."""
+
+    max_batch_tokens: int = 4096
+    """Most positions one ``step`` may carry across all its items."""
+
+    threads: int = 0
+    """torch intra-op threads; 0 leaves torch's default."""
+
+    cache_dir: Path | None = None
+    """Where converted and tiny models are cached; default ``<SWARMROUTE_HOME>/torch``."""
+
+    seed: int = 0
+    """Seed of the tiny models' random weights (every node of a route must use the same)."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype {self.dtype!r}: expected one of {sorted(_DTYPES)}")
+        if self.max_sessions < 1 or self.context_length < 1 or self.max_batch_tokens < 1:
+            raise ValueError("max_sessions, context_length and max_batch_tokens must be positive")
+        if self.cache_dir is None:
+            from schemas.settings import Settings
+
+            self.cache_dir = Settings().home / "torch"
+        self.cache_dir = Path(self.cache_dir)
+
+
+@dataclasses.dataclass
+class _Session:
+    cache: DynamicCache
+    position: int = 0
+    sampler: Sampler | None = None
+
+
+class TorchBackend:
+    def __init__(self, config: TorchConfig, prepared: PreparedModel) -> None:
+        self.config = config
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.prepared = prepared
+        n_layers = int(prepared.config.num_hidden_layers)
+        end = n_layers if config.layer_end is None else config.layer_end
+        started = time.perf_counter()
+        self.shard = Shard(prepared.config, config.layer_start, end, prepared.tensors, _DTYPES[config.dtype])
+        self.load_seconds = time.perf_counter() - started
+        self._layers = LayerRange(start=config.layer_start, end=end)
+        self._context = min(config.context_length, int(getattr(prepared.config, "max_position_embeddings",
+                                                               config.context_length)))
+        self.codec: TokenCodec | None = None
+        if self.shard.is_head or self.shard.is_tail:
+            eos = prepared.config.eos_token_id
+            extra = list(eos) if isinstance(eos, list | tuple) else [eos]
+            self.codec = TokenCodec.load(prepared.tokenizer_dir(), extra)
+        self._sessions: dict[str, _Session] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def info(self) -> BackendInfo:
+        import transformers
+
+        cfg = self.prepared.config
+        return BackendInfo(kind="torch", model_name=self.prepared.name, architecture=str(cfg.model_type),
+                           file_type=self.config.dtype, n_layers=self.shard.n_layers,
+                           hidden_size=self.shard.hidden_size, hidden_shape=[self.shard.hidden_size],
+                           n_vocab=int(cfg.vocab_size), context_length=self._context, threads=torch.get_num_threads(),
+                           version=f"torch {torch.__version__}, transformers {transformers.__version__}",
+                           artifact_sha256=self.prepared.sha256, wire_dtype="f32")
+
+    @property
+    def layers(self) -> LayerRange:
+        return self._layers
+
+    @property
+    def is_head(self) -> bool:
+        return self.shard.is_head
+
+    @property
+    def is_tail(self) -> bool:
+        return self.shard.is_tail
+
+    @property
+    def max_sessions(self) -> int:
+        return self.config.max_sessions
+
+    @property
+    def max_batch_tokens(self) -> int:
+        return self.config.max_batch_tokens
+
+    def _codec(self) -> TokenCodec:
+        if self.codec is None:
+            raise BadRequestError("only the head tokenizes and only the tail detokenizes")
+        return self.codec
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if not self.is_head:
+            raise BadRequestError("only the head node tokenizes")
+        return self._codec().tokenize(prompt)
+
+    def open_session(self, session_id: str, *, prompt_tokens: list[int], sampling: SamplingParams) -> None:
+        if len(prompt_tokens) >= self._context:
+            raise ContextLengthError(f"prompt has {len(prompt_tokens)} tokens; this node serves {self._context}")
+        with self._lock:
+            if session_id in self._sessions:
+                raise BadRequestError(f"session {session_id} is already open on this node")
+            if len(self._sessions) >= self.config.max_sessions:
+                raise CapacityError(f"torch node holds {len(self._sessions)} sessions (max {self.config.max_sessions})")
+            sampler = Sampler(sampling, prompt_tokens) if self.is_tail else None
+            self._sessions[session_id] = _Session(cache=self.shard.new_cache(), sampler=sampler)
+
+    def _session(self, session_id: str) -> _Session:
+        try:
+            return self._sessions[session_id]
+        except KeyError:
+            raise SessionNotFoundError(f"session {session_id} is not open on this node") from None
+
+    def step(self, batch: list[StepInput]) -> list[StepOutput]:
+        total = sum(item.n_positions for item in batch)
+        if total > self.config.max_batch_tokens:
+            raise PayloadTooLargeError(f"batch carries {total} positions (max {self.config.max_batch_tokens})")
+        if len({item.session_id for item in batch}) != len(batch):
+            raise FrameError("a batch may carry at most one step per session")
+        sessions = [self._session(item.session_id) for item in batch]
+        # Validate everything first: a bad item must not leave other sessions' caches advanced without output.
+        for item, s in zip(batch, sessions, strict=True):
+            self._check(item, s)
+        return [self._step_one(item, s) for item, s in zip(batch, sessions, strict=True)]
+
+    def _step_one(self, item: StepInput, s: _Session) -> StepOutput:
+        try:
+            if item.tokens is not None:
+                hidden = self.shard.embed_tokens(item.tokens)
+            else:
+                assert item.hidden is not None
+                hidden = torch.from_numpy(np.array(item.hidden, dtype=np.float32, copy=True)).unsqueeze(0)
+            hidden = self.shard.forward(hidden, item.start_position, s.cache)
+        except SwarmrouteError:
+            raise
+        except Exception as exc:  # torch raises RuntimeError for shape/memory problems; report, don't crash
+            # Some layers may have appended to the cache already: the session cannot continue consistently.
+            self.close_session(item.session_id)
+            raise BackendError(f"torch forward failed: {exc}") from exc
+        s.position += item.n_positions
+        if not self.is_tail:
+            out: Hidden = hidden[0].to(torch.float32).numpy()
+            return StepOutput(hidden=out)
+        if not item.sample:
+            return StepOutput()
+        assert s.sampler is not None
+        return StepOutput(token=s.sampler.sample(self.shard.logits(hidden[0, -1])))
+
+    def _check(self, item: StepInput, s: _Session) -> None:
+        if item.start_position != s.position:
+            raise FrameError(f"expected position {s.position} for session {item.session_id}, "
+                             f"got {item.start_position}")
+        if item.n_positions < 1:
+            raise FrameError("a step needs at least one position")
+        if item.start_position + item.n_positions > self._context:
+            raise ContextLengthError(f"position {item.start_position + item.n_positions} exceeds the context "
+                                     f"({self._context})")
+        if self.is_head:
+            if item.tokens is None:
+                raise FrameError("the head takes token ids, not hidden states")
+            vocab = int(self.prepared.config.vocab_size)
+            if any(not 0 <= t < vocab for t in item.tokens):
+                raise BadRequestError(f"token id outside the vocabulary (0..{vocab - 1})")
+            return
+        if item.hidden is None:
+            raise FrameError("this node is not the head: it takes hidden states, not token ids")
+        if tuple(item.hidden.shape[1:]) != (self.shard.hidden_size,):
+            raise FrameError(f"hidden states have shape {tuple(item.hidden.shape)}; expected (n, "
+                             f"{self.shard.hidden_size})")
+
+    def token_bytes(self, token: int) -> bytes:
+        return self._codec().token_bytes(token)
+
+    def is_end_of_generation(self, token: int) -> bool:
+        return self._codec().is_end_of_generation(token)
+
+    def close_session(self, session_id: str) -> None:
+        with self._lock:
+            self._sessions.pop(session_id, None)
+
+    def kv_bytes_in_use(self) -> int:
+        with self._lock:
+            sessions = list(self._sessions.values())
+        return sum(cache_bytes(s.cache) for s in sessions)
+
+    @property
+    def open_sessions(self) -> list[str]:
+        return list(self._sessions)
+
+    def close(self) -> None:
+        with self._lock:
+            self._sessions.clear()
+
+
+def load_torch(**options: object) -> TorchBackend:
+    """Build a torch backend from keyword options (the fields of ``TorchConfig``)."""
+    config = TorchConfig(**options)  # type: ignore[arg-type]
+    assert config.cache_dir is not None
+    prepared = prepare(config.model, config.cache_dir, seed=config.seed)
+    return TorchBackend(config, prepared)

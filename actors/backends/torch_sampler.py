@@ -1,0 +1,73 @@
+"""Token sampling on the tail, per session, in llama.cpp's order: penalties, top-k, top-p, min-p, temperature.
+
+Temperature 0 is greedy: exactly ``argmax`` of the (penalized) logits, as ``generate(do_sample=False)`` does.
+Otherwise each session draws from its own ``torch.Generator`` seeded from ``SamplingParams.seed`` (or the OS), so
+a seeded request is reproducible whatever else the node is serving.
+"""
+
+from __future__ import annotations
+
+import collections
+import secrets
+
+import torch
+
+from schemas.session import SamplingParams
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams, prompt_tokens: list[int]) -> None:
+        self.params = params
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        self.generator = torch.Generator().manual_seed(seed)
+        # Penalties see the prompt too, as in llama.cpp; only the last ``penalty_last_n`` tokens matter.
+        self._recent: collections.deque[int] = collections.deque(prompt_tokens, maxlen=max(params.penalty_last_n, 1))
+
+    def sample(self, logits: torch.Tensor) -> int:
+        """Pick a token from float32 ``logits`` of shape ``(vocab,)`` and remember it for the penalties."""
+        logits = self._penalize(logits)
+        p = self.params
+        if p.temperature == 0.0:
+            token = int(torch.argmax(logits))
+        else:
+            token = self._draw(logits)
+        self._recent.append(token)
+        return token
+
+    def _penalize(self, logits: torch.Tensor) -> torch.Tensor:
+        p = self.params
+        neutral = p.repeat_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+        if neutral or p.penalty_last_n == 0 or not self._recent:
+            return logits
+        counts = collections.Counter(self._recent)
+        ids = torch.tensor(list(counts), dtype=torch.long)
+        ids = ids[ids < logits.shape[0]]
+        if ids.numel() == 0:
+            return logits
+        freq = torch.tensor([counts[int(i)] for i in ids], dtype=logits.dtype)
+        out = logits.clone()
+        picked = out[ids]
+        picked = torch.where(picked > 0, picked / p.repeat_penalty, picked * p.repeat_penalty)
+        out[ids] = picked - freq * p.frequency_penalty - p.presence_penalty
+        return out
+
+    def _draw(self, logits: torch.Tensor) -> int:
+        p = self.params
+        candidates = torch.arange(logits.shape[0])
+        if p.top_k and p.top_k < logits.shape[0]:
+            logits, keep = torch.topk(logits, p.top_k)
+            candidates = candidates[keep]
+        if p.top_p < 1.0:
+            order = torch.argsort(logits, descending=True)
+            probs = torch.softmax(logits[order], dim=-1)
+            # Smallest prefix whose mass reaches top_p (at least one token).
+            n_keep = int(torch.searchsorted(torch.cumsum(probs, dim=-1), torch.tensor(p.top_p)).item()) + 1
+            keep = order[: min(n_keep, order.numel())]
+            logits, candidates = logits[keep], candidates[keep]
+        if p.min_p > 0.0:
+            probs = torch.softmax(logits, dim=-1)
+            keep = probs >= p.min_p * probs.max()
+            logits, candidates = logits[keep], candidates[keep]
+        probs = torch.softmax(logits / p.temperature, dim=-1)
+        choice = torch.multinomial(probs, 1, generator=self.generator)
+        return int(candidates[choice])

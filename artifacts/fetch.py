@@ -1,0 +1,158 @@
+"""Partial fetch: download only the pieces a layer range needs, prove them, and write the verified shard.
+
+The caller plugs in the swarm through two callbacks, so this module knows nothing about NATS: ``peers()`` returns
+the current torrent peer addresses (learned however), ``progress(p)`` receives ``FetchProgress`` snapshots.
+
+Steps: pieces overlapping ``needed_byte_ranges`` get priority, all others none -> libtorrent fetches them from the
+peers (SHA-1 per piece; a corrupt piece is dropped, refetched, and its sender banned) -> every needed tensor (and the
+header when the shard keeps the tokenizer) is hashed against the manifest's sha256 -> if one fails, libtorrent
+re-checks the file and fetches the bad pieces again -> the shard is written and verified as a whole. Resume data is
+saved every few seconds and at the end, so an interrupted fetch restarts where it stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from artifacts.shard import (
+    ShardSource,
+    manifest_layouts,
+    needed_byte_ranges,
+    needed_tensors,
+    plan_shard,
+    write_shard,
+)
+from artifacts.store import Store
+from artifacts.torrent import TorrentJob, TorrentSession, wanted_pieces
+from artifacts.verify import check_data_file, verify_shard
+from schemas.artifact import FetchPhase, FetchProgress
+from schemas.errors import ArtifactError
+from schemas.manifest import ModelManifest
+
+PeerSource = Callable[[], Iterable[tuple[str, int]]]
+ProgressSink = Callable[[FetchProgress], None]
+
+
+@dataclasses.dataclass
+class FetchOptions:
+    timeout_s: float = 600.0
+    """Give up when the needed pieces are not all in by then."""
+
+    poll_s: float = 0.25
+    """How often peers are re-read and progress is reported."""
+
+    resume_every_s: float = 2.0
+    """How often resume data is saved while fetching (what an interruption can lose)."""
+
+    max_repairs: int = 3
+    """Re-checks allowed after a tensor fails its sha256 before giving up."""
+
+    cancel: threading.Event | None = None
+    """Set it to stop the fetch (resume data is saved first); ``fetch_range`` then raises ``FetchCancelled``."""
+
+
+class FetchCancelled(ArtifactError):
+    code = "fetch_cancelled"
+
+
+@dataclasses.dataclass
+class FetchResult:
+    shard: Path
+    job: TorrentJob
+    """Still in the session: the node keeps seeding the pieces it fetched."""
+    progress: FetchProgress
+
+
+class _Reporter:
+    def __init__(self, job: TorrentJob, manifest: ModelManifest, start: int, end: int, sink: ProgressSink | None,
+                 node_id: str) -> None:
+        self.job, self.sink, self.node_id = job, sink, node_id
+        self.base = dict(model_id=manifest.model_id, start=start, end=end)
+        self.needed = sum(hi - lo for lo, hi in needed_byte_ranges(manifest, start, end))
+        size, n = manifest.torrent.piece_size, manifest.torrent.n_pieces
+        self.wanted_bytes = sum(min(size, manifest.file_size - p * size) for p in job.wanted if p < n)
+
+    def snapshot(self, phase: FetchPhase, message: str = "") -> FetchProgress:
+        st = self.job.status()
+        return FetchProgress(node_id=self.node_id, phase=phase, pieces_done=self.job.wanted_done(),
+                             pieces_wanted=len(self.job.wanted), bytes_downloaded=int(st.total_payload_download),
+                             bytes_needed=self.needed, bytes_wanted=self.wanted_bytes,
+                             rate_bps=float(st.download_payload_rate), peers=int(st.num_peers),
+                             hash_failures=self.job.counters.hash_failures, message=message, **self.base)
+
+    def report(self, phase: FetchPhase, message: str = "") -> FetchProgress:
+        p = self.snapshot(phase, message)
+        if self.sink is not None:
+            self.sink(p)
+        return p
+
+
+def _wait_for_pieces(job: TorrentJob, rep: _Reporter, peers: PeerSource, resume: Path, opts: FetchOptions) -> None:
+    deadline = time.monotonic() + opts.timeout_s
+    next_resume = time.monotonic() + opts.resume_every_s
+    while True:
+        job.session.pump(opts.poll_s)
+        job.connect(peers())
+        checking = str(job.status().state) in ("checking_files", "checking_resume_data")
+        p = rep.report("checking" if checking else "fetching")
+        if job.counters.errors:
+            raise ArtifactError(f"torrent error: {job.counters.errors[-1]}")
+        if not checking and p.pieces_done == p.pieces_wanted:
+            return
+        if opts.cancel is not None and opts.cancel.is_set():
+            job.save_resume(resume)
+            raise FetchCancelled(f"fetch cancelled at {p.pieces_done}/{p.pieces_wanted} pieces")
+        if time.monotonic() > deadline:
+            raise ArtifactError(f"fetch timed out: {p.pieces_done}/{p.pieces_wanted} pieces from {p.peers} peers")
+        if time.monotonic() >= next_resume:
+            job.save_resume(resume)
+            next_resume = time.monotonic() + opts.resume_every_s
+
+
+def _tensor_problems(manifest: ModelManifest, data: Path, start: int, end: int) -> list[str]:
+    plan = plan_shard(manifest_layouts(manifest), manifest.n_layers, start, end)
+    report = check_data_file(manifest, data, only=[t.name for t in needed_tensors(manifest, start, end)])
+    problems = [str(p) for p in report.tensors.values() if p is not None]
+    if plan.keep_tokenizer and report.header is not None:
+        problems.insert(0, str(report.header))
+    return problems
+
+
+def fetch_range(store: Store, manifest: ModelManifest, start: int, end: int, *, session: TorrentSession,
+                peers: PeerSource, progress: ProgressSink | None = None, node_id: str = "",
+                options: FetchOptions | None = None) -> FetchResult:
+    """Fetch what ``[start, end)`` needs into ``store`` and return the verified shard (already there: no download)."""
+    opts = options or FetchOptions()
+    store.add_manifest(manifest)
+    model_dir = store.model_dir(manifest.model_id)
+    resume_path = store.resume_path(manifest.model_id)
+    resume = resume_path.read_bytes() if resume_path.is_file() else None
+    pieces = wanted_pieces(manifest, needed_byte_ranges(manifest, start, end))
+    job = session.add(manifest, model_dir, pieces, resume=resume)
+    rep = _Reporter(job, manifest, start, end, progress, node_id)
+    shard = store.shard_path(manifest.model_id, start, end)
+    if verify_shard(manifest, shard, start, end).ok:
+        return FetchResult(shard, job, rep.report("done", "shard already verified"))
+    data = store.data_path(manifest)
+    for attempt in range(opts.max_repairs + 1):
+        _wait_for_pieces(job, rep, peers, resume_path, opts)
+        rep.report("verifying")
+        problems = _tensor_problems(manifest, data, start, end)
+        if not problems:
+            break
+        if attempt == opts.max_repairs:
+            raise ArtifactError(f"data still fails verification after {attempt} repairs: {problems[:3]}")
+        rep.report("checking", f"re-checking pieces: {problems[0]}")
+        job.recheck()
+    job.save_resume(resume_path)
+    rep.report("writing")
+    write_shard(ShardSource.from_manifest(manifest, data), shard, start, end)
+    verdict = verify_shard(manifest, shard, start, end)
+    if not verdict.ok:
+        rep.report("failed", verdict.describe())
+        raise ArtifactError(f"written shard does not verify: {verdict.describe()}")
+    return FetchResult(shard, job, rep.report("done"))

@@ -1,0 +1,234 @@
+"""Proof before service: what a store holds, checked against the manifest, and exactly why a range is not servable.
+
+Two things can serve a layer range: a shard file (``shard-a-b.gguf``, what llama.cpp loads) and the torrent's data
+file (from which a shard can be written). Both are checked tensor by tensor against the manifest's sha256s; a shard
+also against its plan (tensor set, renumbering, provenance metadata, zeroed synthetic tensors). Nothing here trusts
+file names, sizes or libtorrent's piece state alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Iterable
+from pathlib import Path
+
+from artifacts.gguf_layout import TensorLayout, read_layout, renumber
+from artifacts.shard import SyntheticTensor, manifest_layouts, needed_tensors, plan_shard
+from artifacts.store import Store
+from schemas.errors import ArtifactError, SwarmrouteError
+from schemas.manifest import ModelManifest, TensorEntry
+
+_CHUNK = 8 << 20
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Problem:
+    """``kind``: missing_file | truncated | missing | hash_mismatch | missing_tensor | unexpected_tensor |
+    wrong_tensor | metadata. ``missing`` means the bytes are all zero: never downloaded."""
+
+    kind: str
+    what: str
+    detail: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.what}" + (f" ({self.detail})" if self.detail else "")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RangeVerdict:
+    start: int
+    end: int
+    source: str
+    """``shard`` (a shard file) or ``data`` (the torrent's data file)."""
+    problems: tuple[Problem, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def describe(self) -> str:
+        head = f"[{self.start}, {self.end}) from {self.source}: "
+        return head + ("ok" if self.ok else "; ".join(str(p) for p in self.problems))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DataFileReport:
+    """The torrent data file, tensor by tensor."""
+
+    path: Path
+    exists: bool
+    size: int
+    expected_size: int
+    header: Problem | None
+    tensors: dict[str, Problem | None]
+    """tensor name -> None when it matches the manifest."""
+
+    def tensor_ok(self, name: str) -> bool:
+        return name in self.tensors and self.tensors[name] is None
+
+    def problems_for(self, names: Iterable[str], *, header: bool) -> list[Problem]:
+        if not self.exists:
+            return [Problem("missing_file", self.path.name)]
+        found = [p for n in names if (p := self.tensors.get(n, Problem("missing", n))) is not None]
+        if header and self.header is not None:
+            found.insert(0, self.header)
+        return found
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StoreReport:
+    manifest: ModelManifest
+    data: DataFileReport
+    shards: list[RangeVerdict]
+    data_ranges: list[RangeVerdict]
+    """The maximal runs of complete layers in the data file, each with its verdict as a servable range."""
+
+    @property
+    def servable(self) -> list[tuple[int, int, str]]:
+        """(start, end, source) of every range this store can serve now."""
+        out = [(v.start, v.end, v.source) for v in self.shards if v.ok]
+        return out + [(v.start, v.end, v.source) for v in self.data_ranges if v.ok]
+
+
+def _region_problem(f: object, name: str, offset: int, size: int, sha256: str) -> Problem | None:
+    assert hasattr(f, "seek") and hasattr(f, "read")
+    f.seek(offset)
+    digest = hashlib.sha256()
+    left, zero = size, True
+    while left:
+        chunk = f.read(min(left, _CHUNK))
+        if not chunk:
+            return Problem("truncated", name, f"file ends {left} bytes before the end of it")
+        digest.update(chunk)
+        zero = zero and not any(chunk)
+        left -= len(chunk)
+    if digest.hexdigest() == sha256:
+        return None
+    if zero:
+        return Problem("missing", name, "all zero bytes: not downloaded")
+    return Problem("hash_mismatch", name, f"sha256 {digest.hexdigest()[:12]}... != manifest {sha256[:12]}...")
+
+
+def check_data_file(manifest: ModelManifest, path: Path, only: Iterable[str] | None = None) -> DataFileReport:
+    """Hash the header and every tensor (or only the named ones) of the torrent data file."""
+    if not path.is_file():
+        return DataFileReport(path, False, 0, manifest.file_size, Problem("missing_file", path.name), {})
+    wanted = set(only) if only is not None else None
+    results: dict[str, Problem | None] = {}
+    with path.open("rb") as f:
+        header = _region_problem(f, "header", 0, manifest.header_size, manifest.header_sha256)
+        for t in manifest.tensors:
+            if wanted is None or t.name in wanted:
+                results[t.name] = _region_problem(f, t.name, t.offset, t.size, t.sha256)
+    return DataFileReport(path, True, path.stat().st_size, manifest.file_size, header, results)
+
+
+def data_range_verdict(manifest: ModelManifest, report: DataFileReport, start: int, end: int) -> RangeVerdict:
+    plan = plan_shard(manifest_layouts(manifest), manifest.n_layers, start, end)
+    names = [t.name for t in needed_tensors(manifest, start, end)]
+    problems = report.problems_for(names, header=plan.keep_tokenizer)
+    if report.exists and report.size < report.expected_size and not problems:
+        problems = [Problem("truncated", report.path.name, f"{report.size} of {report.expected_size} bytes")]
+    return RangeVerdict(start, end, "data", tuple(problems))
+
+
+def _complete_runs(manifest: ModelManifest, report: DataFileReport) -> list[tuple[int, int]]:
+    runs: list[tuple[int, int]] = []
+    run_start: int | None = None
+    for il, names in enumerate(manifest.groups.layers + [["<end>"]]):
+        complete = il < manifest.n_layers and all(report.tensor_ok(n) for n in names)
+        if complete and run_start is None:
+            run_start = il
+        elif not complete and run_start is not None:
+            runs.append((run_start, il))
+            run_start = None
+    return runs
+
+
+def _shard_tensor_problems(manifest: ModelManifest, path: Path, expected: list[TensorEntry | SyntheticTensor],
+                           start: int, tensors: list[TensorLayout]) -> list[Problem]:
+    by_name = {t.name: t for t in tensors}
+    want = {renumber(t.name, start): t for t in expected}
+    problems = [Problem("missing_tensor", n) for n in want if n not in by_name]
+    problems += [Problem("unexpected_tensor", n) for n in by_name if n not in want]
+    with path.open("rb") as f:
+        for new_name, src in want.items():
+            got = by_name.get(new_name)
+            if got is None:
+                continue
+            type_name = src.ggml_type.name if isinstance(src, SyntheticTensor) else src.ggml_type
+            if got.shape != tuple(src.shape) or got.ggml_type.name != type_name:
+                problems.append(Problem("wrong_tensor", new_name, f"{got.ggml_type.name}{list(got.shape)}"))
+                continue
+            if isinstance(src, SyntheticTensor):
+                problem = _zero_problem(f, new_name, got)
+            else:
+                problem = _region_problem(f, new_name, got.offset, got.size, src.sha256)
+            if problem is not None:
+                problems.append(problem)
+    return problems
+
+
+def _zero_problem(f: object, name: str, t: TensorLayout) -> Problem | None:
+    assert hasattr(f, "seek") and hasattr(f, "read")
+    f.seek(t.offset)
+    left = t.size
+    while left:
+        chunk = f.read(min(left, _CHUNK))
+        if not chunk:
+            return Problem("truncated", name)
+        if any(chunk):
+            return Problem("hash_mismatch", name, "generated tensor is not all zeros")
+        left -= len(chunk)
+    return None
+
+
+def verify_shard(manifest: ModelManifest, path: Path, start: int, end: int) -> RangeVerdict:
+    """Check a shard file: provenance metadata, tensor set and every tensor's bytes against the manifest."""
+    if not path.is_file():
+        return RangeVerdict(start, end, "shard", (Problem("missing_file", path.name),))
+    try:
+        layout = read_layout(path)
+    except SwarmrouteError as exc:
+        return RangeVerdict(start, end, "shard", (Problem("truncated", path.name, exc.message),))
+    meta = {"swarmroute.layer_start": start, "swarmroute.layer_end": end,
+            "swarmroute.n_layers_total": manifest.n_layers, "swarmroute.manifest_id": manifest.manifest_id}
+    problems = [Problem("metadata", k, f"{layout.value(k)!r} != {v!r}") for k, v in meta.items()
+                if layout.value(k) != v]
+    plan = plan_shard(manifest_layouts(manifest), manifest.n_layers, start, end)
+    expected: list[TensorEntry | SyntheticTensor] = [manifest.tensor(n) for n in plan.copied]
+    expected += list(plan.synthetic)
+    problems += _shard_tensor_problems(manifest, path, expected, start, layout.tensors)
+    return RangeVerdict(start, end, "shard", tuple(problems))
+
+
+def _shard_ranges(store: Store, model_id: str) -> list[tuple[int, int]]:
+    directory = store.model_dir(model_id)
+    ranges = []
+    for p in sorted(directory.glob("shard-*-*.gguf")) if directory.is_dir() else []:
+        parts = p.stem.split("-")
+        if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
+            ranges.append((int(parts[1]), int(parts[2])))
+    return sorted(ranges)
+
+
+def verify_store(store: Store, model_id: str) -> StoreReport:
+    """Everything the store holds for ``model_id``: each shard file and each maximal run of complete layers in
+    the data file, with a verdict (ok, or the exact problems)."""
+    manifest = store.load(model_id)
+    data = check_data_file(manifest, store.data_path(manifest))
+    shards = [verify_shard(manifest, store.shard_path(model_id, a, b), a, b) for a, b in _shard_ranges(store, model_id)]
+    runs = [data_range_verdict(manifest, data, a, b) for a, b in _complete_runs(manifest, data)]
+    return StoreReport(manifest, data, shards, runs)
+
+
+def require_verified_shard(store: Store, model_id: str, start: int, end: int) -> Path:
+    """The shard path for ``[start, end)`` if, and only if, it verifies; ``ArtifactError`` listing why not otherwise.
+    A node calls this before it advertises or serves the range."""
+    manifest = store.load(model_id)
+    path = store.shard_path(model_id, start, end)
+    verdict = verify_shard(manifest, path, start, end)
+    if not verdict.ok:
+        raise ArtifactError(f"shard {verdict.describe()}")
+    return path

@@ -1,0 +1,3 @@
+from swarmroute.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,208 @@
+"""``swarmroute``: run a whole swarm on one machine (``up``) or one actor against an existing NATS."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from schemas.settings import Settings
+
+log = logging.getLogger("swarmroute")
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    overrides: dict[str, Any] = {}
+    for name in ("nats_url", "home", "namespace", "bind_host", "log_level"):
+        value = getattr(args, name, None)
+        if value is not None:
+            overrides[name] = value
+    return Settings(**overrides)
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+async def _serve_until_signal(start: Callable[[], Awaitable[Any]], stop: Callable[[], Awaitable[None]]) -> None:
+    """Start an actor, run until SIGINT/SIGTERM, stop it."""
+    done = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, done.set)
+    await start()
+    try:
+        await done.wait()
+    finally:
+        await stop()
+
+
+# ---- actor commands ----------------------------------------------------------------------------------------------
+
+def cmd_tracker(args: argparse.Namespace) -> int:
+    from actors.tracker import Tracker
+
+    tracker = Tracker(_settings(args))
+    asyncio.run(_serve_until_signal(tracker.start, tracker.stop))
+    return 0
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from gateway.app import Gateway
+
+    settings = _settings(args)
+    gateway = Gateway(settings, host=args.host, port=args.port)
+
+    async def start() -> None:
+        await gateway.start()
+        print(f"gateway ready at {gateway.url}", flush=True)
+
+    asyncio.run(_serve_until_signal(start, gateway.stop))
+    return 0
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    from actors.node import Node, NodeConfig
+    from swarmroute.backends import build_backend
+
+    settings = _settings(args)
+    backend = build_backend(args, settings)
+    info = backend.info
+    model_id = args.model_id or info.model_name or "model"
+    node = Node(NodeConfig(node_id=args.node_id or f"node-{uuid.uuid4().hex[:8]}", model_id=model_id,
+                           host=args.host or settings.bind_host, port=args.port, advertise_url=args.advertise_url,
+                           wire_dtype=args.wire_dtype), backend, settings)
+
+    async def start() -> None:
+        await node.start()
+        print(f"node {node.config.node_id} ready at {node.endpoint} serving {model_id} layers {backend.layers}",
+              flush=True)
+
+    try:
+        asyncio.run(_serve_until_signal(start, node.stop))
+    finally:
+        backend.close()
+    return 0
+
+
+def cmd_nats(args: argparse.Namespace) -> int:
+    from bus.server import EmbeddedNats, NatsServerConfig
+
+    settings = _settings(args)
+    server = EmbeddedNats(NatsServerConfig(store_dir=args.store_dir or settings.home / "nats", host=args.host,
+                                           port=args.port, config_file=args.config, server_name=args.server_name))
+    server.start()
+    print(f"nats ready at {server.url}", flush=True)
+    try:
+        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+    finally:
+        server.stop()
+    return 0
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    from swarmroute.watch import watch
+
+    return asyncio.run(watch(_settings(args), once=args.once, duration=args.duration))
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from swarmroute.launcher import run_up
+
+    return run_up(args, _settings(args))
+
+
+# ---- parser ------------------------------------------------------------------------------------------------------
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nats", dest="nats_url", help="NATS URL(s), comma-separated (env SWARMROUTE_NATS_URL)")
+    p.add_argument("--home", type=Path, help="state directory (env SWARMROUTE_HOME)")
+    p.add_argument("--namespace", help="subject namespace (env SWARMROUTE_NAMESPACE)")
+    p.add_argument("--log-level", dest="log_level", help="debug, info, warning")
+
+
+def _backend_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=["llamacpp", "stub", "torch"], default="llamacpp")
+    p.add_argument("--model", help="GGUF path (llamacpp/torch; default: the bundled Gemma 3 270M) or stub model id")
+    p.add_argument("--model-id", help="id to advertise (default: the model's name)")
+    p.add_argument("--max-sessions", type=int, default=4, help="concurrent sessions (KV slots) on this node")
+    p.add_argument("--ctx", type=int, default=None, help="context per session in tokens")
+    p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
+    p.add_argument("--n-layers", type=int, default=8, help="stub: layers of the toy model")
+    p.add_argument("--hidden-shape", default="64", help="stub: per-position hidden shape, e.g. 64 or 4x64")
+    p.add_argument("--stub-delay", type=float, default=0.0, help="stub: artificial seconds of compute per step")
+    p.add_argument("--wire-dtype", choices=["f32", "f16"], default="f32", help="activation dtype on the wire")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="swarmroute", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="run NATS, tracker, nodes and the gateway on this machine")
+    _common(up)
+    _backend_options(up)
+    up.add_argument("--nodes", type=int, default=None, help="nodes to split the layers over (default 2; stub 2)")
+    up.add_argument("--host", default=None, help="gateway address (default 127.0.0.1)")
+    up.add_argument("--port", type=int, default=8000, help="gateway port")
+    up.set_defaults(func=cmd_up)
+
+    tracker = sub.add_parser("tracker", help="run a tracker against an existing NATS")
+    _common(tracker)
+    tracker.set_defaults(func=cmd_tracker)
+
+    node = sub.add_parser("node", help="run one node against an existing NATS")
+    _common(node)
+    _backend_options(node)
+    node.add_argument("--layers", help="START:END layer range (default: all)")
+    node.add_argument("--node-id")
+    node.add_argument("--host", default=None)
+    node.add_argument("--port", type=int, default=0)
+    node.add_argument("--advertise-url", help="URL peers use to reach this node, if not the listen address")
+    node.set_defaults(func=cmd_node)
+
+    gateway = sub.add_parser("gateway", help="run the OpenAI gateway against an existing NATS")
+    _common(gateway)
+    gateway.add_argument("--host", default=None)
+    gateway.add_argument("--port", type=int, default=8000)
+    gateway.set_defaults(func=cmd_gateway)
+
+    nats = sub.add_parser("nats", help="run the embedded NATS server (JetStream on)")
+    _common(nats)
+    nats.add_argument("--host", default="127.0.0.1")
+    nats.add_argument("--port", type=int, default=4222)
+    nats.add_argument("--store-dir", type=Path)
+    nats.add_argument("--config", type=Path, help="nats-server config file (clusters, auth)")
+    nats.add_argument("--server-name")
+    nats.set_defaults(func=cmd_nats)
+
+    watch = sub.add_parser("watch", help="show nodes and live sessions from NATS")
+    _common(watch)
+    watch.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    watch.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
+    watch.set_defaults(func=cmd_watch)
+
+    for module in ("artifacts.cli", "artifacts.plan", "actors.artifact_sync"):
+        with contextlib.suppress(ImportError, AttributeError):
+            __import__(module, fromlist=["register"]).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _logging(getattr(args, "log_level", None) or "info")
+    result: int = args.func(args)
+    return result
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

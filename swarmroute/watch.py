@@ -1,0 +1,72 @@
+"""``swarmroute watch``: nodes from the registry and live sessions from telemetry, refreshed in the terminal."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+from nats.aio.msg import Msg
+
+from bus import codec
+from bus.connection import connect_settings
+from bus.subjects import Subjects
+from schemas.node import NodeAdvertisement
+from schemas.settings import Settings
+from schemas.telemetry import GenerationTelemetry
+
+
+def render(nodes: dict[str, NodeAdvertisement], sessions: dict[str, GenerationTelemetry]) -> str:
+    lines = [f"{'NODE':<16} {'MODEL':<24} {'LAYERS':<10} {'SESSIONS':<9} ENDPOINT"]
+    for n in sorted(nodes.values(), key=lambda a: (a.model_id, a.layers.start)):
+        lines.append(f"{n.node_id:<16} {n.model_id[:24]:<24} {str(n.layers):<10} "
+                     f"{n.capacity.active_sessions}/{n.capacity.max_sessions:<7} {n.endpoint}")
+    lines.append("")
+    lines.append(f"{'SESSION':<10} {'PHASE':<9} {'PREFILL':<11} {'TOKENS':<7} {'TOK/S':<7} {'HEALTH':<9} ROUTE / FAILURE")
+    for s in sorted(sessions.values(), key=lambda t: t.sent_at, reverse=True)[:20]:
+        route = " -> ".join(f"{h.node_id}{h.layers}" for h in s.route)
+        tail = s.failure.message if s.failure else route
+        lines.append(f"{s.session_id[:8]:<10} {s.phase.value:<9} {s.prefill.done:>5}/{s.prefill.total:<5} "
+                     f"{s.generated_tokens:<7} {s.tokens_per_s:<7.1f} {s.route_health:<9} {tail}")
+    return "\n".join(lines)
+
+
+async def watch(settings: Settings, *, once: bool = False, duration: float | None = None) -> int:
+    nc = await connect_settings(settings, name="watch")
+    subjects = Subjects(settings.namespace)
+    nodes: dict[str, NodeAdvertisement] = {}
+    sessions: dict[str, GenerationTelemetry] = {}
+
+    async def on_node(msg: Msg) -> None:
+        key = msg.subject.rsplit(".", 1)[-1]
+        if not msg.data:
+            nodes.pop(key, None)
+            return
+        with contextlib.suppress(codec.DecodeError):
+            nodes[key] = codec.decode(msg.data, NodeAdvertisement)
+
+    async def on_telemetry(msg: Msg) -> None:
+        with contextlib.suppress(codec.DecodeError):
+            snap = codec.decode(msg.data, GenerationTelemetry)
+            sessions[snap.session_id] = snap
+
+    await nc.subscribe(subjects.registry_key_subject(), cb=on_node)
+    await nc.subscribe(subjects.telemetry_all, cb=on_telemetry)
+    with contextlib.suppress(Exception):
+        kv = await nc.jetstream().key_value(subjects.registry_bucket)
+        for key in await kv.keys():
+            entry = await kv.get(key)
+            if entry.value:
+                nodes[key] = codec.decode(entry.value, NodeAdvertisement)
+    started = time.monotonic()
+    try:
+        while True:
+            if once:
+                print(render(nodes, sessions))
+                return 0
+            print("\x1b[2J\x1b[H" + render(nodes, sessions), flush=True)
+            if duration is not None and time.monotonic() - started > duration:
+                return 0
+            await asyncio.sleep(1.0)
+    finally:
+        await nc.drain()

@@ -1,0 +1,1 @@
+"""Test helpers: real swarms (NATS, tracker, nodes, gateway) in-process or as child processes."""

@@ -1,0 +1,135 @@
+"""Starting real swarms for tests: a real nats-server, real uvicorn servers on loopback, real child processes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from actors.backend import Backend
+from actors.node import Node, NodeConfig
+from actors.tracker import Tracker
+from gateway.app import Gateway
+from schemas.settings import Settings
+
+
+@dataclasses.dataclass
+class Swarm:
+    settings: Settings
+    tracker: Tracker
+    nodes: list[Node]
+    gateway: Gateway
+
+    @property
+    def url(self) -> str:
+        return self.gateway.url
+
+    @property
+    def base_url(self) -> str:
+        return self.gateway.url + "/v1"
+
+    async def wait_model(self, model: str, timeout: float = 10.0) -> None:
+        await wait_model(self.tracker, model, timeout)
+
+    async def stop(self) -> None:
+        await self.gateway.stop()
+        for node in self.nodes:
+            await node.stop()
+        await self.tracker.stop()
+
+
+async def wait_model(tracker: Tracker, model: str, timeout: float = 10.0, n_nodes: int | None = None) -> None:
+    """Until the tracker sees a complete route for ``model`` (and ``n_nodes`` nodes serving it, if given)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for m in tracker.models().models:
+            if model in (m.id, m.name) and m.complete and (n_nodes is None or len(m.nodes) >= n_nodes):
+                return
+        await asyncio.sleep(0.05)
+    raise TimeoutError(f"model {model} never became routable")
+
+
+async def start_swarm(settings: Settings, backends: Sequence[Backend], *, model_id: str,
+                      wire_dtype: str = "f32") -> Swarm:
+    tracker = await Tracker(settings).start()
+    nodes = [await Node(NodeConfig(node_id=f"n{i + 1}", model_id=model_id, wire_dtype=wire_dtype), b,
+                        settings).start() for i, b in enumerate(backends)]
+    gateway = await Gateway(settings, port=0).start()
+    swarm = Swarm(settings, tracker, nodes, gateway)
+    await wait_model(tracker, model_id, n_nodes=len(nodes))
+    return swarm
+
+
+class NodeProcess:
+    """``swarmroute node`` as a real child process (so a test can SIGKILL it)."""
+
+    def __init__(self, settings: Settings, node_id: str, args: list[str], *, ready_timeout: float = 120.0) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        argv = [sys.executable, "-m", "swarmroute", "node", "--nats", settings.nats_url, "--home",
+                str(settings.home), "--namespace", settings.namespace, "--node-id", node_id,
+                "--log-level", "warning", *args]
+        self.node_id = node_id
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        self.output: list[str] = []
+        self.endpoint: str | None = None
+        ready = threading.Event()
+
+        def read() -> None:
+            assert self.proc.stdout is not None
+            for raw in self.proc.stdout:
+                line = raw.decode(errors="replace").rstrip()
+                self.output.append(line)
+                m = re.search(r"ready at (\S+)", line)
+                if m:
+                    self.endpoint = m.group(1)
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        if not ready.wait(ready_timeout) or self.endpoint is None:
+            self.kill()
+            raise RuntimeError(f"node {node_id} did not start:\n" + "\n".join(self.output[-30:]))
+
+    def kill(self) -> None:
+        """SIGKILL: the node vanishes without any goodbye."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@contextlib.contextmanager
+def node_processes(settings: Settings, specs: Sequence[tuple[str, list[str]]]):  # type: ignore[no-untyped-def]
+    procs: list[NodeProcess] = []
+    try:
+        for node_id, args in specs:
+            procs.append(NodeProcess(settings, node_id, args))
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def make_settings(nats_url: str, home: Path, **overrides: object) -> Settings:
+    base: dict[str, object] = dict(nats_url=nats_url, home=home, gateway_port=0, heartbeat_s=0.5, registry_ttl_s=2.0,
+                                   hop_timeout_s=5.0, token_timeout_s=5.0, first_token_timeout_s=20.0,
+                                   session_idle_ttl_s=60.0, telemetry_interval_s=0.05)
+    base.update(overrides)
+    return Settings(**base)  # type: ignore[arg-type]

@@ -1,0 +1,278 @@
+"""The torch backend as route hops: backend instances chained in-process through real activation frames.
+
+Every expected value comes from transformers run in one process on the same weights (``generate`` and a full
+forward pass), computed inside the test.
+"""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from actors.backend import Backend, StepInput
+from actors.backends import load_backend
+from actors.backends.torch import TorchBackend, TorchConfig, load_torch
+from actors.backends.torch_models import tiny_model_dir
+from bus import frame as frames
+from schemas.errors import (
+    BadRequestError,
+    CapacityError,
+    ContextLengthError,
+    FrameError,
+    SessionNotFoundError,
+)
+from schemas.frame import FrameHeader, FrameKind, WireDType
+from schemas.session import Prompt, SamplingParams
+
+LONG_PROMPT = "The quick brown fox jumps over the lazy dog; then it naps under a tree by the river bank."
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def cache_root() -> Path:
+    root = TorchConfig().cache_dir
+    assert root is not None
+    return root
+
+
+def reference(model: str) -> PreTrainedModel:
+    """The whole tiny model in one process, from the same files the nodes read."""
+    ref = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir(model, cache_root())), dtype=torch.float32)
+    return ref.eval()
+
+
+def build_route(model: str, bounds: tuple[int, ...], **options: object) -> list[TorchBackend]:
+    return [load_torch(model=model, layer_start=a, layer_end=b, **options) for a, b in itertools.pairwise(bounds)]
+
+
+class WireRoute:
+    """Backends chained the way nodes chain them: hidden states cross each hop as an encoded frame."""
+
+    def __init__(self, backends: list[TorchBackend]) -> None:
+        self.backends = backends
+        self.hop_outputs: dict[str, list[list[np.ndarray]]] = {}
+        self.wire_bytes: dict[str, list[list[int]]] = {}
+
+    def open(self, prompt_ids: list[int], sampling: SamplingParams = GREEDY) -> str:
+        sid = uuid.uuid4().hex
+        for b in reversed(self.backends):  # tail first, as the gateway does
+            b.open_session(sid, prompt_tokens=prompt_ids, sampling=sampling)
+        self.hop_outputs[sid] = [[] for _ in self.backends[:-1]]
+        self.wire_bytes[sid] = [[] for _ in self.backends[:-1]]
+        return sid
+
+    def step(self, items: list[tuple[str, int, list[int], bool]]) -> list[int | None]:
+        """One pass of ``(session, start, tokens, sample)`` items through every hop, batched per hop."""
+        batch = [StepInput(sid, start, tokens=list(tokens), sample=sample) for sid, start, tokens, sample in items]
+        for hop, backend in enumerate(self.backends):
+            outputs = backend.step(batch)
+            if hop == len(self.backends) - 1:
+                return [o.token for o in outputs]
+            nxt = []
+            for item, out in zip(batch, outputs, strict=True):
+                assert out.hidden is not None
+                self.hop_outputs[item.session_id][hop].append(out.hidden.copy())
+                kind = FrameKind.DECODE if item.sample and item.n_positions == 1 else FrameKind.PREFILL
+                header = FrameHeader(session_id=frames.session_bytes(item.session_id), kind=kind,
+                                     dtype=WireDType.F32, start_position=item.start_position,
+                                     n_positions=item.n_positions, position_shape=tuple(out.hidden.shape[1:]),
+                                     sample=item.sample)
+                wire = frames.encode(header, out.hidden)
+                self.wire_bytes[item.session_id][hop].append(len(wire))
+                _, hidden = frames.decode(wire)
+                nxt.append(StepInput(item.session_id, item.start_position, hidden=hidden, sample=item.sample))
+            batch = nxt
+        raise AssertionError("unreachable")
+
+    def prefill(self, sid: str, ids: list[int], chunk: int) -> int:
+        token = None
+        for start in range(0, len(ids), chunk):
+            piece = ids[start:start + chunk]
+            token = self.step([(sid, start, piece, start + chunk >= len(ids))])[0]
+        assert token is not None
+        return token
+
+    def generate(self, ids: list[int], n_tokens: int, *, chunk: int = 7,
+                 sampling: SamplingParams = GREEDY) -> tuple[str, list[int]]:
+        sid = self.open(ids, sampling)
+        tokens = [self.prefill(sid, ids, chunk)]
+        while len(tokens) < n_tokens:
+            token = self.step([(sid, len(ids) + len(tokens) - 1, [tokens[-1]], True)])[0]
+            assert token is not None
+            tokens.append(token)
+        return sid, tokens
+
+
+def generate_reference(ref: PreTrainedModel, ids: list[int], n_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = ref.generate(torch.tensor([ids]), max_new_tokens=n_tokens, do_sample=False)
+    return [int(t) for t in out[0, len(ids):]]
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-gemma3"])
+@pytest.mark.parametrize("bounds", [(0, 3, 6), (0, 2, 4, 6)], ids=["2-node", "3-node"])
+def test_route_greedy_tokens_equal_generate(model: str, bounds: tuple[int, ...]) -> None:
+    ref = reference(model)
+    route = WireRoute(build_route(model, bounds))
+    ids = route.backends[0].tokenize(Prompt(text=LONG_PROMPT))
+    window = getattr(ref.config, "sliding_window", None)
+    if window is not None:
+        assert len(ids) > 4 * window, "the prompt must outgrow the sliding window"
+    expected = generate_reference(ref, ids, 24)
+
+    sid, got = route.generate(ids, len(expected))
+
+    assert got == expected
+    # Every hop's output, prefill chunks and decode steps alike, is the single-process hidden state at that depth.
+    with torch.no_grad():
+        states = ref(torch.tensor([ids + got[:-1]]), output_hidden_states=True).hidden_states
+    for hop, boundary in enumerate(bounds[1:-1]):
+        sent = np.concatenate(route.hop_outputs[sid][hop])
+        np.testing.assert_allclose(sent, states[boundary][0].numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_gemma3_split_mixes_sliding_and_global_layers() -> None:
+    """Guards the premise of the tests above: each node of the 2- and 3-node splits meets both kinds somewhere."""
+    ref = reference("tiny-gemma3")
+    kinds = ref.config.layer_types
+    assert {kinds[i] for i in range(0, 3)} == {kinds[i] for i in range(3, 6)} == {"sliding_attention",
+                                                                                    "full_attention"}
+    assert kinds[0:2] == ["sliding_attention"] * 2 and "full_attention" in kinds[2:4] and "full_attention" in kinds[4:6]
+
+
+def test_decode_hop_payload_is_one_position_whatever_the_context() -> None:
+    route = WireRoute(build_route("tiny-gemma3", (0, 3, 6)))
+    hidden = route.backends[0].info.hidden_size
+    decode_bytes = {}
+    for length in (20, 400):
+        ids = [2] + [3 + (i * 7) % 250 for i in range(length - 1)]
+        sid, _ = route.generate(ids, 4, chunk=64)
+        per_hop = route.wire_bytes[sid][0]
+        n_prefill = -(-length // 64)
+        decode_bytes[length] = set(per_hop[n_prefill:])
+        assert max(per_hop[:n_prefill]) == frames.header_size(1, 0) + min(64, length) * hidden * 4
+    one_position = frames.header_size(1, 0) + hidden * 4
+    assert decode_bytes[20] == decode_bytes[400] == {one_position}
+
+
+def test_concurrent_sessions_on_the_same_nodes_stay_isolated() -> None:
+    ref = reference("tiny-llama")
+    route = WireRoute(build_route("tiny-llama", (0, 2, 4, 6)))
+    tok = route.backends[0].tokenize
+    a_ids, b_ids = tok(Prompt(text=LONG_PROMPT)), tok(Prompt(text="Pack my box with five dozen liquor jugs."))
+    a_ref, b_ref = generate_reference(ref, a_ids, 12), generate_reference(ref, b_ids, 12)
+    a, b = route.open(a_ids), route.open(b_ids)
+    # Prefill interleaved chunk by chunk, then decode both sessions in the same batched step on every hop.
+    a_tok = b_tok = None
+    for start in range(0, max(len(a_ids), len(b_ids)), 9):
+        items = [(sid, start, ids[start:start + 9], start + 9 >= len(ids))
+                 for sid, ids in ((a, a_ids), (b, b_ids)) if start < len(ids)]
+        for (sid, *_), token in zip(items, route.step(items), strict=True):
+            a_tok, b_tok = (token, b_tok) if sid == a else (a_tok, token)
+    assert a_tok is not None and b_tok is not None
+    a_got, b_got = [a_tok], [b_tok]
+    while len(a_got) < 12:
+        tokens = route.step([(a, len(a_ids) + len(a_got) - 1, [a_got[-1]], True),
+                             (b, len(b_ids) + len(b_got) - 1, [b_got[-1]], True)])
+        a_got.append(int(tokens[0]))  # type: ignore[arg-type]
+        b_got.append(int(tokens[1]))  # type: ignore[arg-type]
+    assert a_got[:len(a_ref)] == a_ref and b_got[:len(b_ref)] == b_ref
+    # Freeing one session's KV leaves the other's intact and accounted for.
+    middle = route.backends[1]
+    both = middle.kv_bytes_in_use()
+    middle.close_session(a)
+    middle.close_session(a)  # idempotent
+    assert 0 < middle.kv_bytes_in_use() < both
+    assert middle.open_sessions == [b]
+
+
+def test_node_materializes_only_its_layers() -> None:
+    ref = reference("tiny-gemma3")
+    params = dict(ref.named_parameters())
+
+    def expected_bytes(*prefixes: str) -> int:
+        return sum(p.numel() * p.element_size() for n, p in params.items() if n.startswith(prefixes))
+
+    head, middle, tail = build_route("tiny-gemma3", (0, 2, 4, 6))
+    assert middle.shard.embed is None and middle.shard.lm_head is None and sorted(middle.shard.layers) == [2, 3]
+    assert middle.shard.parameter_bytes() == expected_bytes("model.layers.2.", "model.layers.3.")
+    assert head.shard.parameter_bytes() == expected_bytes("model.embed_tokens.", "model.layers.0.", "model.layers.1.")
+    # The tail of a tied model reads the embedding matrix as its LM head (and nothing else of the head's).
+    assert tail.shard.lm_head is not None
+    assert torch.equal(tail.shard.lm_head.weight, params["model.embed_tokens.weight"])
+    assert tail.shard.parameter_bytes() == expected_bytes("model.embed_tokens.", "model.layers.4.",
+                                                          "model.layers.5.", "model.norm.")
+
+
+def test_kv_cache_holds_only_own_layers_and_sliding_layers_stay_bounded() -> None:
+    route = WireRoute(build_route("tiny-gemma3", (0, 2, 4, 6)))
+    cfg = route.backends[0].prepared.config
+    window, kv_row = cfg.sliding_window, 2 * cfg.num_key_value_heads * cfg.head_dim * 4  # keys + values, float32
+    ids = [2] + [3 + i % 200 for i in range(99)]
+    route.generate(ids, 3)
+    positions = len(ids) + 2  # the last sampled token has not been fed back yet
+    for backend in route.backends:
+        kinds = [cfg.layer_types[i] for i in range(backend.layers.start, backend.layers.end)]
+        rows = sum(positions if k == "full_attention" else min(positions, window - 1) for k in kinds)
+        assert backend.kv_bytes_in_use() == rows * kv_row
+
+
+def test_seeded_sampling_reproduces_and_seeds_differ() -> None:
+    route = WireRoute(build_route("tiny-llama", (0, 3, 6)))
+    ids = route.backends[0].tokenize(Prompt(text=LONG_PROMPT))
+
+    def run(seed: int, **extra: float) -> list[int]:
+        return route.generate(ids, 16, sampling=SamplingParams(temperature=1.5, seed=seed, **extra))[1]
+
+    first = run(7)
+    assert run(7) == first
+    assert run(8) != first
+    # top_k=1 leaves only the argmax: sampling collapses to greedy whatever the temperature.
+    greedy = route.generate(ids, 16)[1]
+    assert run(9, top_k=1) == greedy
+
+
+def test_step_errors_are_protocol_errors() -> None:
+    head, tail = build_route("tiny-llama", (0, 3, 6), max_sessions=1, context_length=64)
+    ids = head.tokenize(Prompt(text="hello"))
+    with pytest.raises(SessionNotFoundError):
+        head.step([StepInput("nope", 0, tokens=ids)])
+    head.open_session("s", prompt_tokens=ids, sampling=GREEDY)
+    tail.open_session("s", prompt_tokens=ids, sampling=GREEDY)
+    with pytest.raises(CapacityError):
+        head.open_session("t", prompt_tokens=ids, sampling=GREEDY)
+    with pytest.raises(FrameError):
+        head.step([StepInput("s", 3, tokens=ids)])  # wrong start position
+    with pytest.raises(FrameError):
+        head.step([StepInput("s", 0, hidden=np.zeros((1, 64), np.float32))])  # the head takes tokens
+    with pytest.raises(FrameError):
+        tail.step([StepInput("s", 0, hidden=np.zeros((len(ids), 65), np.float32))])  # wrong hidden size
+    with pytest.raises(FrameError):
+        tail.step([StepInput("s", 0, tokens=ids)])  # a non-head takes hidden states
+    with pytest.raises(BadRequestError):
+        head.step([StepInput("s", 0, tokens=[10_000])])
+    with pytest.raises(ContextLengthError):
+        head.step([StepInput("s", 0, tokens=[5] * 65)])
+    with pytest.raises(ContextLengthError):
+        tail.open_session("long", prompt_tokens=[5] * 64, sampling=GREEDY)
+    with pytest.raises(BadRequestError):
+        tail.tokenize(Prompt(text="only the head tokenizes"))
+    # None of the rejected steps advanced the session: the real first chunk still goes through.
+    hidden = head.step([StepInput("s", 0, tokens=ids)])[0].hidden
+    assert tail.step([StepInput("s", 0, hidden=hidden, sample=True)])[0].token is not None
+
+
+def test_load_backend_builds_a_torch_backend_that_satisfies_the_contract() -> None:
+    backend = load_backend("torch", model="tiny-gemma3", layer_start=0, layer_end=6, context_length=128)
+    assert isinstance(backend, Backend)
+    info = backend.info
+    assert (info.kind, info.n_layers, info.hidden_shape, info.context_length) == ("torch", 6, [64], 128)
+    assert backend.is_head and backend.is_tail
+    chat = backend.tokenize(Prompt(messages=[{"role": "user", "content": "hi"}]))
+    assert bytes(b for t in chat for b in backend.token_bytes(t)) == b"<user>hi\n<assistant>"
+    assert backend.is_end_of_generation(1) and not backend.is_end_of_generation(chat[-1])
