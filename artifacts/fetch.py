@@ -75,11 +75,21 @@ class _Reporter:
         self.needed = sum(hi - lo for lo, hi in needed_byte_ranges(manifest, start, end))
         size, n = manifest.torrent.piece_size, manifest.torrent.n_pieces
         self.wanted_bytes = sum(min(size, manifest.file_size - p * size) for p in job.wanted if p < n)
+        self._carried = 0
+        self._last = 0
+
+    def downloaded(self, counter: int) -> int:
+        # libtorrent restarts its payload counter when a torrent is re-checked: carry what came before.
+        if counter < self._last:
+            self._carried += self._last
+        self._last = counter
+        return self._carried + counter
 
     def snapshot(self, phase: FetchPhase, message: str = "") -> FetchProgress:
         st = self.job.status()
         return FetchProgress(node_id=self.node_id, phase=phase, pieces_done=self.job.wanted_done(),
-                             pieces_wanted=len(self.job.wanted), bytes_downloaded=int(st.total_payload_download),
+                             pieces_wanted=len(self.job.wanted),
+                             bytes_downloaded=self.downloaded(int(st.total_payload_download)),
                              bytes_needed=self.needed, bytes_wanted=self.wanted_bytes,
                              rate_bps=float(st.download_payload_rate), peers=int(st.num_peers),
                              hash_failures=self.job.counters.hash_failures, message=message, **self.base)
@@ -141,6 +151,8 @@ def fetch_range(store: Store, manifest: ModelManifest, start: int, end: int, *, 
     for attempt in range(opts.max_repairs + 1):
         _wait_for_pieces(job, rep, peers, resume_path, opts)
         rep.report("verifying")
+        if not job.flush():
+            raise ArtifactError("libtorrent did not confirm its disk writes in time")
         problems = _tensor_problems(manifest, data, start, end)
         if not problems:
             break

@@ -92,6 +92,7 @@ class TorrentJob:
         self.counters = JobCounters()
         self._connected: dict[tuple[str, int], float] = {}
         self._resume_event = threading.Event()
+        self._flushed = threading.Event()
 
     @property
     def info_hash(self) -> str:
@@ -127,6 +128,16 @@ class TorrentJob:
 
     def status(self) -> lt.torrent_status:
         return self.handle.status()
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every downloaded block is on disk: a piece counts as "had" once its hash passed, possibly
+        before libtorrent's disk thread wrote it, and the verifier reads the file."""
+        self._flushed.clear()
+        self.handle.flush_cache()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not self._flushed.is_set():
+            self.session.pump(0.05)
+        return self._flushed.is_set()
 
     def recheck(self) -> None:
         """Re-hash every piece on disk (after a tensor failed its sha256) so bad pieces are fetched again."""
@@ -236,6 +247,8 @@ class TorrentSession:
         elif isinstance(alert, lt.save_resume_data_alert):
             job.counters.resume_data = lt.write_resume_data_buf(alert.params)
             job._resume_event.set()
+        elif isinstance(alert, lt.cache_flushed_alert):
+            job._flushed.set()
         elif isinstance(alert, lt.save_resume_data_failed_alert):
             job._resume_event.set()
         elif isinstance(alert, lt.torrent_error_alert | lt.file_error_alert):

@@ -79,10 +79,11 @@ def decode(data: bytes) -> tuple[FrameHeader, npt.NDArray[np.float32]]:
     magic, kind, dtype, flags, n_dims, sid, step, start, n_pos, n_stamps = _FIXED.unpack_from(data, 0)
     if magic != MAGIC:
         raise FrameDecodeError(f"bad magic {magic!r}, expected {MAGIC!r}")
-    try:
-        frame_kind, wire_dtype = FrameKind(kind), WireDType(dtype)
-    except ValueError as exc:
-        raise FrameDecodeError(f"unknown frame kind {kind} or dtype {dtype}") from exc
+    if kind not in FrameKind.__members__.values():
+        raise FrameDecodeError(f"unknown frame kind {kind} (expected 0 prefill or 1 decode)")
+    if dtype not in WireDType.__members__.values():
+        raise FrameDecodeError(f"unknown dtype {dtype} (expected 0 f32 or 1 f16)")
+    frame_kind, wire_dtype = FrameKind(kind), WireDType(dtype)
     if not 1 <= n_dims <= MAX_DIMS:
         raise FrameDecodeError(f"n_dims {n_dims} outside 1..{MAX_DIMS}")
     if n_pos < 1:

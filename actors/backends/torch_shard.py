@@ -115,7 +115,7 @@ class Shard:
         """
         hidden = hidden.to(self.dtype)
         n = hidden.shape[1]
-        positions = torch.arange(start_position + 1, start_position + 1 + n, dtype=torch.long).unsqueeze(0)
+        positions = torch.arange(start_position, start_position + n, dtype=torch.long).unsqueeze(0)
         with torch.inference_mode():
             # Masks read each kind's cache length, so build them all before any layer appends to the cache.
             masks = {kind: _MASKS[kind](config=self.config, inputs_embeds=hidden, attention_mask=None, cache=cache,

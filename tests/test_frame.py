@@ -1,0 +1,204 @@
+"""bus.frame: the binary activation frame round-trips exactly and rejects every malformed input precisely."""
+
+from __future__ import annotations
+
+import struct
+import uuid
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bus import frame as frames
+from bus.frame import FrameDecodeError
+from schemas.frame import MAGIC, MAX_DIMS, FrameHeader, FrameKind, HopStamp, WireDType
+
+SID = uuid.UUID("0123456789abcdef0123456789abcdef").bytes
+FIXED = 40  # documented size of the fixed header
+
+
+def header(shape: tuple[int, ...] = (8,), n: int = 3, dtype: WireDType = WireDType.F32,
+           stamps: tuple[HopStamp, ...] = (), **kw: object) -> FrameHeader:
+    return FrameHeader(session_id=SID, kind=kw.pop("kind", FrameKind.DECODE), dtype=dtype,  # type: ignore[arg-type]
+                       start_position=kw.pop("start", 17), n_positions=n, position_shape=shape,  # type: ignore[arg-type]
+                       step=kw.pop("step", 5), sample=kw.pop("sample", True), stamps=stamps)  # type: ignore[arg-type]
+
+
+def hidden_for(h: FrameHeader, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((h.n_positions, *h.position_shape)).astype(np.float32)
+
+
+def test_fixed_header_size_matches_documented_layout() -> None:
+    assert frames.header_size(0, 0) == FIXED
+    assert frames.header_size(2, 3) == FIXED + 2 * 4 + 3 * 12
+
+
+def test_f32_round_trip_is_bit_exact_with_stamps() -> None:
+    stamps = (HopStamp(0, 1234, 5), HopStamp(1, 99, 0), HopStamp(2, 2**32 - 1, 7))
+    h = header(shape=(16,), n=4, stamps=stamps)
+    x = hidden_for(h)
+    data = frames.encode(h, x)
+    assert len(data) == frames.header_size(1, 3) + h.payload_bytes
+    got_h, got_x = frames.decode(data)
+    assert got_h == h
+    assert got_x.dtype == np.float32 and got_x.shape == (4, 16)
+    assert np.array_equal(got_x, x)
+
+
+def test_f16_round_trip_halves_payload_and_rounds_like_numpy() -> None:
+    h16, h32 = header(dtype=WireDType.F16), header(dtype=WireDType.F32)
+    x = hidden_for(h16)
+    d16, d32 = frames.encode(h16, x), frames.encode(h32, x)
+    assert len(d16) - frames.header_size(1, 0) == (len(d32) - frames.header_size(1, 0)) // 2
+    got_h, got_x = frames.decode(d16)
+    assert got_h.dtype is WireDType.F16
+    assert got_x.dtype == np.float32
+    assert np.array_equal(got_x, x.astype(np.float16).astype(np.float32))
+
+
+@pytest.mark.parametrize("shape", [(4, 32), (2, 3, 5), (1, 2, 3, 4)])
+def test_multi_dim_position_shapes_round_trip(shape: tuple[int, ...]) -> None:
+    h = header(shape=shape, n=2)
+    x = hidden_for(h, seed=len(shape))
+    got_h, got_x = frames.decode(frames.encode(h, x))
+    assert got_h.position_shape == shape
+    assert got_x.shape == (2, *shape)
+    assert np.array_equal(got_x, x)
+
+
+def test_prefill_frame_without_sample_flag() -> None:
+    h = header(kind=FrameKind.PREFILL, sample=False, step=0, start=0, n=7)
+    got_h, _ = frames.decode(frames.encode(h, hidden_for(h)))
+    assert got_h.kind is FrameKind.PREFILL and got_h.sample is False and got_h.step == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 6), min_size=1, max_size=MAX_DIMS).map(tuple),
+    n=st.integers(1, 5),
+    dtype=st.sampled_from(list(WireDType)),
+    kind=st.sampled_from(list(FrameKind)),
+    sid=st.binary(min_size=16, max_size=16),
+    step=st.integers(0, 2**32 - 1),
+    start=st.integers(0, 2**32 - 1),
+    sample=st.booleans(),
+    stamps=st.lists(st.tuples(st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1)),
+                    max_size=5),
+    seed=st.integers(0, 2**16),
+)
+def test_round_trip_property(shape: tuple[int, ...], n: int, dtype: WireDType, kind: FrameKind, sid: bytes, step: int,
+                             start: int, sample: bool, stamps: list[tuple[int, int, int]], seed: int) -> None:
+    h = FrameHeader(session_id=sid, kind=kind, dtype=dtype, start_position=start, n_positions=n, position_shape=shape,
+                    step=step, sample=sample, stamps=tuple(HopStamp(*s) for s in stamps))
+    x = hidden_for(h, seed)
+    data = frames.encode(h, x)
+    assert len(data) == frames.header_size(len(shape), len(stamps)) + h.payload_bytes
+    got_h, got_x = frames.decode(data)
+    assert got_h == h
+    wire = np.float16 if dtype is WireDType.F16 else np.float32
+    assert np.array_equal(got_x, x.astype(wire).astype(np.float32))
+
+
+def test_session_id_helpers_round_trip_and_reject_non_uuid() -> None:
+    sid = uuid.uuid4().hex
+    assert frames.session_str(frames.session_bytes(sid)) == sid
+    with pytest.raises(ValueError, match="not a 32-digit hex uuid"):
+        frames.session_bytes("not-a-uuid")
+
+
+# ---- malformed input ---------------------------------------------------------------------------------------------
+
+def valid_frame(shape: tuple[int, ...] = (8,), n: int = 3, stamps: int = 1) -> bytes:
+    h = header(shape=shape, n=n, stamps=tuple(HopStamp(i, 10, 1) for i in range(stamps)))
+    return frames.encode(h, hidden_for(h))
+
+
+def patched(data: bytes, offset: int, fmt: str, value: int) -> bytes:
+    buf = bytearray(data)
+    struct.pack_into(fmt, buf, offset, value)
+    return bytes(buf)
+
+
+def test_bad_magic() -> None:
+    data = b"XXXX" + valid_frame()[4:]
+    with pytest.raises(FrameDecodeError, match=r"bad magic b'XXXX', expected b'SRF1'"):
+        frames.decode(data)
+
+
+@pytest.mark.parametrize("length", [0, 3, 4, FIXED - 1])
+def test_shorter_than_fixed_header(length: int) -> None:
+    with pytest.raises(FrameDecodeError, match=rf"frame is {length} bytes, shorter than the {FIXED}-byte fixed header"):
+        frames.decode(valid_frame()[:length])
+
+
+def test_truncated_dims_and_stamps() -> None:
+    data = valid_frame(shape=(4, 32), stamps=2)
+    need = frames.header_size(2, 2)
+    for cut in (FIXED, FIXED + 4, need - 1):
+        with pytest.raises(FrameDecodeError, match=rf"frame is {cut} bytes, header alone needs {need}"):
+            frames.decode(data[:cut])
+
+
+def test_payload_too_short_and_too_long() -> None:
+    data = valid_frame(shape=(8,), n=3)
+    need = 3 * 8 * 4
+    with pytest.raises(FrameDecodeError,
+                       match=rf"payload is {need - 1} bytes; 3 positions of \(8,\) f32 need {need}"):
+        frames.decode(data[:-1])
+    with pytest.raises(FrameDecodeError,
+                       match=rf"payload is {need + 4} bytes; 3 positions of \(8,\) f32 need {need}"):
+        frames.decode(data + b"\0" * 4)
+
+
+def test_zero_dimension_rejected() -> None:
+    data = patched(valid_frame(shape=(4, 32)), FIXED + 4, "<I", 0)
+    with pytest.raises(FrameDecodeError, match=r"position shape \(4, 0\) has a zero dimension"):
+        frames.decode(data)
+
+
+@pytest.mark.parametrize("n_dims", [0, MAX_DIMS + 1, 255])
+def test_n_dims_out_of_range(n_dims: int) -> None:
+    data = patched(valid_frame(), 7, "<B", n_dims)
+    with pytest.raises(FrameDecodeError, match=rf"n_dims {n_dims} outside 1\.\.{MAX_DIMS}"):
+        frames.decode(data)
+
+
+def test_unknown_dtype_named_precisely() -> None:
+    data = patched(valid_frame(), 5, "<B", 7)
+    with pytest.raises(FrameDecodeError, match=r"^unknown dtype 7 \(expected 0 f32 or 1 f16\)$"):
+        frames.decode(data)
+
+
+def test_unknown_kind_named_precisely() -> None:
+    data = patched(valid_frame(), 4, "<B", 9)
+    with pytest.raises(FrameDecodeError, match=r"^unknown frame kind 9 \(expected 0 prefill or 1 decode\)$"):
+        frames.decode(data)
+
+
+def test_zero_positions_rejected() -> None:
+    data = patched(valid_frame(), 32, "<I", 0)
+    with pytest.raises(FrameDecodeError, match="frame carries no positions"):
+        frames.decode(data)
+
+
+def test_magic_constant_is_documented_value() -> None:
+    assert MAGIC == b"SRF1"
+
+
+# ---- encode-side validation ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad_shape", [(3, 9), (2, 8), (3, 8, 1), (24,)])
+def test_encode_rejects_hidden_whose_shape_disagrees(bad_shape: tuple[int, ...]) -> None:
+    h = header(shape=(8,), n=3)
+    with pytest.raises(ValueError, match=r"hidden states have shape .* header says \(3, 8\)"):
+        frames.encode(h, np.zeros(bad_shape, dtype=np.float32))
+
+
+def test_encode_rejects_too_many_dims_and_stamps() -> None:
+    h = header(shape=(1, 1, 1, 1, 2), n=1)
+    with pytest.raises(ValueError, match=r"position shape must have 1\.\.4 dims"):
+        frames.encode(h, np.zeros((1, 1, 1, 1, 1, 2), dtype=np.float32))
+    h = header(stamps=tuple(HopStamp(i, 0, 0) for i in range(frames.MAX_STAMPS + 1)))
+    with pytest.raises(ValueError, match="at most 64 hop stamps"):
+        frames.encode(h, hidden_for(h))
