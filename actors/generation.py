@@ -73,11 +73,16 @@ class Generation:
         self.count += 1
         if self._is_eog(token) and not self.ignore_eos:
             self.finish_reason = "stop"
-            return self._utf8.decode(b"", final=True) + self._stops.flush(), "stop"
+            return self._drain(), "stop"
         text, stopped = self._stops.feed(self._utf8.decode(self._token_bytes(token)))
         if stopped:
             self.finish_reason = "stop"
         elif self.count >= self.max_tokens:
             self.finish_reason = "length"
-            text += self._stops.feed(self._utf8.decode(b"", final=True))[0] + self._stops.flush()
+            text += self._drain()
         return text, self.finish_reason
+
+    def _drain(self) -> str:
+        """Everything still held, in stream order: text kept back for a possible stop, then an incomplete character."""
+        tail, _ = self._stops.feed(self._utf8.decode(b"", final=True))
+        return tail + self._stops.flush()

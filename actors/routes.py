@@ -63,6 +63,18 @@ def _cheapest_chain(adverts: list[NodeAdvertisement], n_layers: int,
     return chain[::-1]
 
 
+def routable(adverts: list[NodeAdvertisement], model: str,
+             exclude: frozenset[str] = frozenset()) -> tuple[list[NodeAdvertisement], int]:
+    """The nodes a route may use (verified, not excluded) and the model's layer count. Only a model no live node
+    serves is unknown (404); nodes that exist but may not be used leave their layers uncovered (503)."""
+    serving = [a for a in adverts if serves(a, model)]
+    if not serving:
+        raise ModelNotFoundError(f"no live node serves model {model!r}")
+    n_layers = max(a.backend.n_layers for a in serving)
+    usable = [a for a in serving if a.verified and a.node_id not in exclude and a.backend.n_layers == n_layers]
+    return usable, n_layers
+
+
 def select_route(adverts: list[NodeAdvertisement], model: str, session_id: str, *,
                  exclude: frozenset[str] = frozenset(), pending: dict[str, int] | None = None,
                  rng: random.Random | None = None) -> Route:
@@ -70,11 +82,7 @@ def select_route(adverts: list[NodeAdvertisement], model: str, session_id: str, 
     or CapacityError when every full route is busy (429)."""
     pending = pending or {}
     rng = rng or random.Random()
-    candidates = [a for a in adverts if serves(a, model) and a.verified and a.node_id not in exclude]
-    if not candidates:
-        raise ModelNotFoundError(f"no live node serves model {model!r}")
-    n_layers = max(a.backend.n_layers for a in candidates)
-    candidates = [a for a in candidates if a.backend.n_layers == n_layers]
+    candidates, n_layers = routable(adverts, model, exclude)
     gaps = uncovered_layers(candidates, n_layers)
     if gaps:
         names = ", ".join(str(g) for g in gaps)

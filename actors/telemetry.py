@@ -13,7 +13,8 @@ from collections.abc import Awaitable, Callable
 
 from schemas.route import Route
 from schemas.session import FailureReason, HopTiming, SessionPhase
-from schemas.telemetry import GenerationTelemetry, PrefillProgress, RouteHopView
+from schemas.node import LayerRange
+from schemas.telemetry import GenerationTelemetry, HopHealth, PrefillProgress, RouteHealth, RouteHopView
 
 Publish = Callable[[GenerationTelemetry], Awaitable[None]]
 
@@ -72,9 +73,9 @@ class TelemetryPublisher:
         self._seq += 1
         return snap
 
-    def _hop_view(self, node_id: str, layers: object) -> RouteHopView:
+    def _hop_view(self, node_id: str, layers: LayerRange) -> RouteHopView:
         stats = self._hops[node_id]
-        health = "ok"
+        health: HopHealth = "ok"
         if node_id == self._failed_node:
             health = "failed"
         elif stats.last is not None and stats.mean and stats.n > 4 and stats.last > SLOW_FACTOR * stats.mean:
@@ -82,7 +83,7 @@ class TelemetryPublisher:
         return RouteHopView(node_id=node_id, layers=layers, health=health, last_compute_ms=stats.last,
                             mean_compute_ms=stats.mean)
 
-    def _health(self, hops: list[RouteHopView]) -> str:
+    def _health(self, hops: list[RouteHopView]) -> RouteHealth:
         if any(h.health == "failed" for h in hops):
             return "failed"
         if any(h.health == "slow" for h in hops):

@@ -18,6 +18,7 @@ from artifacts.gguf_layout import KV, GGUFLayout, TensorLayout, layer_of, read_l
 from schemas.errors import ArtifactError, BadRequestError
 from schemas.manifest import KVEntry, ModelManifest, TensorEntry, TensorGroups, TorrentLayout
 
+DATA_FILE_NAME = "model.gguf"
 MIN_PIECE = 64 << 10
 MAX_PIECE = 16 << 20
 TARGET_PIECES = 1024
@@ -179,7 +180,9 @@ def build_manifest(path: Path, *, piece_size: int | None = None) -> ModelManifes
     h = hash_file(layout, path, piece, size)
     tensors = [TensorEntry(name=t.name, ggml_type=t.ggml_type.name, shape=list(t.shape), offset=t.offset,
                            size=t.size, sha256=h.tensor_hashes[t.name]) for t in layout.tensors]
-    torrent = TorrentLayout(file_name=path.name, piece_size=piece, piece_sha1=h.pieces, info_hash="")
+    # A fixed file name keeps the torrent (and manifest) a function of the bytes alone: two nodes that built
+    # manifests of the same file under different names still join the same swarm.
+    torrent = TorrentLayout(file_name=DATA_FILE_NAME, piece_size=piece, piece_sha1=h.pieces, info_hash="")
     torrent.info_hash = hashlib.sha1(bencode(info_dict(torrent, size))).hexdigest()
     manifest = ModelManifest(
         model_id=h.file.hexdigest(), name=str(layout.value("general.name", "")), architecture=layout.architecture,

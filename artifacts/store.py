@@ -3,7 +3,7 @@
 Layout (``<home>/store/<model_id>/``, ``model_id`` = sha256 of the GGUF)::
 
     manifest.json            the Model Artifact manifest (its manifest_id is checked on every load)
-    <file name>.gguf         the torrent's one file: complete, or sparse with only the pieces this node fetched
+    model.gguf               the torrent's one file: complete, or sparse with only the pieces this node fetched
     shard-<a>-<b>.gguf       shard GGUFs written from it (verified before use)
     .resume                  libtorrent resume data (which pieces are on disk), written while fetching
 

@@ -28,7 +28,7 @@ from schemas.frame import MAGIC, MAX_DIMS, FrameHeader, FrameKind, HopStamp, Wir
 
 _FIXED = struct.Struct("<4sBBBB16sIIIB3x")
 _STAMP = struct.Struct("<III")
-_NP_DTYPE = {WireDType.F32: np.dtype("<f4"), WireDType.F16: np.dtype("<f2")}
+_NP_DTYPE: dict[WireDType, np.dtype[np.floating]] = {WireDType.F32: np.dtype("<f4"), WireDType.F16: np.dtype("<f2")}
 MAX_STAMPS = 64
 
 

@@ -5,9 +5,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+from collections.abc import Iterator
 
 import uvicorn
 from starlette.types import ASGIApp
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn that leaves signals alone: the actor owning the loop decides when to stop (and cleans up first)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
 class HttpServer:
@@ -24,8 +33,7 @@ class HttpServer:
         self.port: int = self._sock.getsockname()[1]
         config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, timeout_keep_alive=75,
                                 http="h11" if not _has_httptools() else "httptools")
-        self._server = uvicorn.Server(config)
-        self._server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        self._server = _EmbeddedServer(config)
         self._task: asyncio.Task[None] | None = None
 
     @property

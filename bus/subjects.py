@@ -43,7 +43,7 @@ class Subjects:
 
     def registry_key_subject(self, node_id: str = "*") -> str:
         """The subject a KV put lands on: subscribe to it to watch node health without JetStream."""
-        return f"$KV.{self.registry_bucket}.{node_id}"
+        return f"$KV.{self.registry_bucket}.{_wild_or(node_id, 'node id')}"
 
     def telemetry(self, session_id: str = "*") -> str:
         """GenerationTelemetry snapshots of one session (``*`` for all)."""

@@ -21,9 +21,11 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route as HttpRoute
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from bus import codec
 from bus.connection import connect_settings
@@ -76,10 +78,10 @@ def build_app(serving: OpenAIServing, settings: Settings) -> Starlette:
 
     async def models(request: Request) -> Response:
         reply = await sessions.tracker.models()
-        cards = [ModelCard(id=m.id, name=m.name, complete=m.complete, n_layers=m.n_layers, nodes=m.nodes,
-                           layer_ranges=[r.model_dump() for r in m.layer_ranges],
-                           backend=m.backend.model_dump(mode="json") if m.backend else None)
-                 for m in reply.models]
+        cards = [ModelCard.model_validate({
+            "id": m.id, "name": m.name, "complete": m.complete, "n_layers": m.n_layers, "nodes": m.nodes,
+            "layer_ranges": [[r.start, r.end] for r in m.layer_ranges],
+            "backend": m.backend.model_dump(mode="json") if m.backend else None}) for m in reply.models]
         return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
 
     async def chat(request: Request) -> Response:
@@ -107,19 +109,29 @@ def build_app(serving: OpenAIServing, settings: Settings) -> Starlette:
         HttpRoute("/v1/chat/completions", chat, methods=["POST"]),
         HttpRoute("/v1/completions", completions, methods=["POST"]),
         HttpRoute("/v1/sessions/{sid}/telemetry", telemetry, methods=["GET"]),
-    ], exception_handlers=EXCEPTION_HANDLERS)  # type: ignore[arg-type]
+    ], exception_handlers=EXCEPTION_HANDLERS)
 
     if keys:
-        @app.middleware("http")
-        async def authenticate(request: Request, call_next):  # type: ignore[no-untyped-def]
-            if request.url.path not in _OPEN_PATHS:
-                given = request.headers.get("authorization", "")
-                token = given[7:].encode() if given.lower().startswith("bearer ") else b""
-                if not any(hmac.compare_digest(token, k) for k in keys):
-                    return error_response(AuthenticationError("missing or invalid API key (Authorization: Bearer)"))
-            return await call_next(request)
-
+        app.add_middleware(ApiKeyMiddleware, keys=keys)
     return app
+
+
+class ApiKeyMiddleware:
+    """OpenAI-style ``Authorization: Bearer <key>`` on every path but health; constant-time comparison."""
+
+    def __init__(self, app: ASGIApp, keys: list[bytes]) -> None:
+        self.app = app
+        self.keys = keys
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
+            given = Headers(scope=scope).get("authorization", "")
+            token = given[7:].encode() if given.lower().startswith("bearer ") else b""
+            if not any(hmac.compare_digest(token, k) for k in self.keys):
+                response = error_response(AuthenticationError("missing or invalid API key (Authorization: Bearer)"))
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 async def _telemetry_events(nc: NATS, subjects: Subjects, sid: str, live: object,

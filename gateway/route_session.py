@@ -14,7 +14,8 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -45,6 +46,7 @@ Event = TokenEvent | GenerationTelemetry | SessionEnd | None
 """What a session yields; ``None`` is a keep-alive tick while nothing happens."""
 
 KEEPALIVE_S = 5.0
+T = TypeVar("T")
 
 
 @dataclasses.dataclass
@@ -159,6 +161,16 @@ class LiveSession:
         self._m.forget(self)
 
 
+async def _passthrough(awaitable: Awaitable[T]) -> T:
+    """A node refusing with a 4xx/429 is the client's problem or a busy node: pass its error through as is."""
+    try:
+        return await awaitable
+    except HopError as exc:
+        if exc.peer_error is not None and exc.peer_status is not None and exc.peer_status < 500:
+            raise exc.peer_error from None
+        raise RouteFailedError(f"could not open the session: {exc.message}") from exc
+
+
 class SessionManager:
     """Creates Route Sessions; injected with the NATS connection, the tracker client and the node client."""
 
@@ -197,7 +209,7 @@ class SessionManager:
             tokens = request.prompt_tokens
         else:
             assert request.prompt is not None
-            tokens = await self._unwrap(self.nodes.tokenize(head.node_id, head.endpoint, request.prompt))
+            tokens = await _passthrough(self.nodes.tokenize(head.node_id, head.endpoint, request.prompt))
         if not tokens:
             raise BadRequestError("the prompt is empty after tokenization")
         n_ctx = min(route.context_length, CONTEXT_CAP)
@@ -214,18 +226,8 @@ class SessionManager:
                  for i in range(len(route.hops))]
         downstream = [self.nodes.open_session(route.hops[i].node_id, route.hops[i].endpoint, opens[i])
                       for i in range(1, len(route.hops))]
-        await self._unwrap(asyncio.gather(*downstream))
-        await self._unwrap(self.nodes.open_session(head.node_id, head.endpoint, opens[0]))
-
-    @staticmethod
-    async def _unwrap(awaitable: object) -> object:  # type: ignore[no-untyped-def]
-        """A node refusing with a 4xx/429 is the client's problem or a busy node: pass its error through as is."""
-        try:
-            return await awaitable  # type: ignore[misc]
-        except HopError as exc:
-            if exc.peer_error is not None and exc.peer_status is not None and exc.peer_status < 500:
-                raise exc.peer_error from None
-            raise RouteFailedError(f"could not open the session: {exc.message}") from exc
+        await _passthrough(asyncio.gather(*downstream))
+        await _passthrough(self.nodes.open_session(head.node_id, head.endpoint, opens[0]))
 
     async def publish_telemetry(self, session: LiveSession, phase: SessionPhase, *, seq: int | None = None,
                                 failure: FailureReason | None = None) -> None:

@@ -171,7 +171,7 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
         _reject_unsupported(req)
         try:
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            messages: list[dict[str, object]] = [{"role": m.role, "content": m.text()} for m in req.messages]
         except ValueError as exc:
             raise BadRequestError(str(exc), param="messages") from None
         session = await self.sessions.start(GenerationRequest(

@@ -7,6 +7,8 @@ One mapper (``gateway.errors``, and the node's own handler) turns them into Open
     │   ├── ContextLengthError       prompt + max_tokens exceed the context
     │   └── FrameError               activation frame with wrong size, dtype, position or session
     ├── AuthenticationError (401)
+    │   └── CapabilityError          session capability missing, forged or expired (node API)
+    ├── PermissionDeniedError (403)  a valid capability, but not for this node, hop, session or route
     ├── NotFoundError (404)
     │   ├── ModelNotFoundError
     │   └── SessionNotFoundError
@@ -64,6 +66,16 @@ class AuthenticationError(SwarmrouteError):
     status = 401
     error_type = "authentication_error"
     code = "invalid_api_key"
+
+
+class CapabilityError(AuthenticationError):
+    code = "invalid_capability"
+
+
+class PermissionDeniedError(SwarmrouteError):
+    status = 403
+    error_type = "permission_error"
+    code = "permission_denied"
 
 
 class NotFoundError(SwarmrouteError):
@@ -132,8 +144,8 @@ def error_from_body(status: int, body: object) -> SwarmrouteError:
         err = body["error"]
         message = str(err.get("message") or message)
         code = str(err["code"]) if err.get("code") else None
-    for cls in (BadRequestError, AuthenticationError, NotFoundError, PayloadTooLargeError, CapacityError,
-                NoRouteError, RouteFailedError):
+    for cls in (BadRequestError, AuthenticationError, PermissionDeniedError, NotFoundError, PayloadTooLargeError,
+                CapacityError, NoRouteError, RouteFailedError):
         if cls.status == status:
             return cls(message, code=code)
     if 400 <= status < 500:

@@ -12,10 +12,14 @@ from schemas.node import LayerRange
 from schemas.session import FailureReason, SessionPhase
 
 
+HopHealth = Literal["ok", "slow", "failed", "unknown"]
+RouteHealth = Literal["healthy", "degraded", "failed", "unknown"]
+
+
 class RouteHopView(WireModel):
     node_id: str
     layers: LayerRange
-    health: Literal["ok", "slow", "failed", "unknown"] = "ok"
+    health: HopHealth = "ok"
     last_compute_ms: float | None = None
     mean_compute_ms: float | None = None
 
@@ -33,7 +37,7 @@ class GenerationTelemetry(WireModel):
     phase: SessionPhase
     model: str = ""
     route: list[RouteHopView] = Field(default_factory=list)
-    route_health: Literal["healthy", "degraded", "failed", "unknown"] = "unknown"
+    route_health: RouteHealth = "unknown"
     prefill: PrefillProgress = Field(default_factory=PrefillProgress)
     generated_tokens: int = 0
     tokens_per_s: float = Field(default=0.0, description="rolling decode rate over the last few seconds")

@@ -132,8 +132,9 @@ def test_route_greedy_tokens_equal_generate(model: str, bounds: tuple[int, ...])
     with torch.no_grad():
         states = ref(torch.tensor([ids + got[:-1]]), output_hidden_states=True).hidden_states
     for hop, boundary in enumerate(bounds[1:-1]):
-        sent = np.concatenate(route.hop_outputs[sid][hop])
-        np.testing.assert_allclose(sent, states[boundary][0].numpy(), rtol=1e-4, atol=1e-4)
+        sent, desired = np.concatenate(route.hop_outputs[sid][hop]), states[boundary][0].numpy()
+        # Chunked vs whole-sequence matmuls round differently: allow float32 noise relative to the state's scale.
+        np.testing.assert_allclose(sent, desired, rtol=1e-4, atol=2e-5 * float(np.abs(desired).max()))
 
 
 def test_gemma3_split_mixes_sliding_and_global_layers() -> None:

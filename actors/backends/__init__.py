@@ -16,9 +16,11 @@ def load_backend(kind: str, **options: Any) -> Backend:
     if kind == "llamacpp":
         from actors.backends.llamacpp import load_llamacpp
 
-        return load_llamacpp(**options)
+        backend: Backend = load_llamacpp(**options)
+        return backend
     if kind == "torch":
         from actors.backends.torch import load_torch
 
-        return load_torch(**options)
+        torch_backend: Backend = load_torch(**options)
+        return torch_backend
     raise ValueError(f"unknown backend {kind!r}: expected stub, llamacpp or torch")

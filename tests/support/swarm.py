@@ -72,9 +72,10 @@ async def start_swarm(settings: Settings, backends: Sequence[Backend], *, model_
 class NodeProcess:
     """``swarmroute node`` as a real child process (so a test can SIGKILL it)."""
 
-    def __init__(self, settings: Settings, node_id: str, args: list[str], *, ready_timeout: float = 120.0) -> None:
+    def __init__(self, settings: Settings, node_id: str, args: list[str], *, ready_timeout: float = 180.0,
+                 prefix: Sequence[str] = ()) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        argv = [sys.executable, "-m", "swarmroute", "node", "--nats", settings.nats_url, "--home",
+        argv = [*prefix, sys.executable, "-m", "swarmroute", "node", "--nats", settings.nats_url, "--home",
                 str(settings.home), "--namespace", settings.namespace, "--node-id", node_id,
                 "--log-level", "warning", *args]
         self.node_id = node_id

@@ -1,0 +1,44 @@
+"""Nodes on separate hosts (network namespaces on this machine): nothing may assume localhost."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from actors.tracker import Tracker
+from bus.server import EmbeddedNats, NatsServerConfig
+from gateway.app import Gateway
+from tests.support import netns
+from tests.support.swarm import NodeProcess, make_settings, wait_model
+
+pytestmark = [pytest.mark.netns,
+              pytest.mark.skipif(not netns.available(), reason="needs root and ip netns (CI machines have both)")]
+
+MODEL = "stub-model"
+
+
+async def test_stub_route_across_three_hosts(tmp_path):  # type: ignore[no-untyped-def]
+    with netns.hosts(3) as (bridge, hosts):
+        server = EmbeddedNats(NatsServerConfig(store_dir=tmp_path / "nats", host=bridge)).start()
+        settings = make_settings(server.url, tmp_path / "home")
+        ranges = ["0:3", "3:6", "6:8"]
+        procs = []
+        try:
+            for i, ((ns, address), layers) in enumerate(zip(hosts, ranges, strict=True)):
+                procs.append(NodeProcess(settings, f"host{i}", [
+                    "--backend", "stub", "--model", MODEL, "--layers", layers, "--n-layers", "8", "--host", address],
+                    prefix=["ip", "netns", "exec", ns]))
+            assert [p.endpoint for p in procs] == [f"http://{a}:{p.endpoint.rsplit(':', 1)[1]}"  # type: ignore[union-attr]
+                                                   for (_, a), p in zip(hosts, procs, strict=True)]
+            async with Tracker(settings) as tracker, Gateway(settings, port=0) as gateway:
+                await wait_model(tracker, MODEL, n_nodes=3)
+                client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+                result = await client.completions.create(model=MODEL, prompt="across hosts", max_tokens=16,
+                                                         temperature=0, extra_body={"ignore_eos": True})
+                assert result.usage is not None and result.usage.completion_tokens == 16
+                route = result.model_extra["swarmroute"]["route"]  # type: ignore[index]
+                assert [h["node_id"] for h in route] == ["host0", "host1", "host2"]
+        finally:
+            for p in procs:
+                p.stop()
+            server.stop()
