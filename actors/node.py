@@ -29,15 +29,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route as HttpRoute
 
+from actors.admission import Admission
 from actors.backend import Backend
 from actors.engine import StepEngine
-from bus.httpserver import HttpServer
+from actors.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from actors.metrics import NodeMetrics
 from actors.registry import open_registry
 from actors.route_session import RouteSession
 from actors.runtime import NodeRuntime
+from actors.services import node_service
 from bus import codec
 from bus import frame as frames
+from bus.capability import HEADER_CAPABILITY, HEADER_SESSION_TOKEN, verifier_from_settings
 from bus.connection import connect_settings
+from bus.httpserver import HttpServer
 from bus.nodeclient import FRAME_CONTENT_TYPE, NodeClient
 from bus.subjects import Subjects
 from schemas.errors import (
@@ -104,6 +109,11 @@ class Node:
         self._stopped = False
         self.runtime: NodeRuntime | None = None
         self.hidden_shape = tuple(backend.info.hidden_shape)
+        self.metrics = NodeMetrics()
+        self.metrics.bind(live_sessions=lambda: len(self.sessions), max_sessions=lambda: self.backend.max_sessions,
+                          kv_bytes=self.backend.kv_bytes_in_use)
+        self._service: object | None = None
+        self.admission = Admission(verifier_from_settings(settings), config.node_id, skew_s=settings.capability_ttl_s)
 
     @property
     def endpoint(self) -> str:
@@ -119,11 +129,13 @@ class Node:
             self._nc = await connect_settings(self.settings, name=f"node-{self.config.node_id}")
         self.runtime = NodeRuntime(node_id=self.config.node_id, engine=self.engine, client=self._client,
                                    publish=self._publish, subjects=self.subjects, settings=self.settings,
-                                   wire_dtype=WireDType.parse(self.config.wire_dtype))
+                                   wire_dtype=WireDType.parse(self.config.wire_dtype), metrics=self.metrics)
         await self.engine.start()
         await self.server.start()
-        self._kv = await open_registry(self._nc, self.subjects, self.settings.registry_ttl_s)
+        self._kv = await open_registry(self._nc, self.subjects, self.settings.registry_ttl_s,
+                                       replicas=self.settings.registry_replicas)
         await self._heartbeat_once()
+        self._service = await node_service(self._nc, self.subjects, self.advertisement)
         self._tasks = [asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
                        asyncio.create_task(self._sweep_loop(), name="idle-sweep")]
         log.info("node %s serving layers %s of %s at %s", self.config.node_id, self.backend.layers,
@@ -138,6 +150,9 @@ class Node:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._service is not None:
+            with contextlib.suppress(Exception):
+                await self._service.stop()  # type: ignore[attr-defined]
         if self._kv is not None:
             with contextlib.suppress(Exception):
                 await self._kv.delete(self.config.node_id)  # type: ignore[attr-defined]
@@ -202,6 +217,7 @@ class Node:
             await self.engine.call(self.backend.close_session, session.id)
 
     async def open_session(self, request: SessionOpen) -> SessionOpened:
+        grant = self.admission.admit_open(request)
         if request.session_id in self.sessions:
             raise BadRequestError(f"session {request.session_id} is already open on node {self.config.node_id}")
         hops = request.route.hops
@@ -214,6 +230,9 @@ class Node:
         if len(request.prompt_tokens) + request.max_tokens > n_ctx:
             raise ContextLengthError(f"prompt ({len(request.prompt_tokens)} tokens) + max_tokens "
                                      f"({request.max_tokens}) exceed the context of {n_ctx} tokens")
+        n_vocab = self.backend.info.n_vocab
+        if request.hop_index == 0 and n_vocab and any(not 0 <= t < n_vocab for t in request.prompt_tokens):
+            raise BadRequestError(f"prompt token ids must lie in [0, {n_vocab}) for this model", param="prompt")
         if len(self.sessions) >= self.backend.max_sessions:
             raise CapacityError(f"node {self.config.node_id} is full ({self.backend.max_sessions} sessions)",
                                 retry_after=1.0)
@@ -223,7 +242,10 @@ class Node:
         session = RouteSession(self.runtime, request, is_head=request.hop_index == 0,
                                is_tail=request.hop_index == len(hops) - 1, hidden_shape=self.hidden_shape,
                                on_closed=self._session_closed)
+        session.session_token = grant.session_token if grant else None
+        self.admission.record(grant)
         self.sessions[request.session_id] = session
+        self.metrics.session_opened(request.hop_index, len(hops))
         session.start()
         return SessionOpened(session_id=request.session_id, node_id=self.config.node_id,
                              prompt_tokens=len(request.prompt_tokens))
@@ -234,11 +256,18 @@ class Node:
             raise SessionNotFoundError(f"session {session_id} is not open on node {self.config.node_id}")
         return session
 
+    def _member(self, request: Request) -> RouteSession:
+        """The session a request is about, if the request proves membership (session token, when admission is on)."""
+        session = self._get(request.path_params["sid"])
+        Admission.check_session_token(session.session_token, request.headers.get(HEADER_SESSION_TOKEN))
+        return session
+
     # ---- HTTP --------------------------------------------------------------------------------------------------
 
     def _app(self) -> Starlette:
         routes = [
             HttpRoute("/health", self._health, methods=["GET"]),
+            HttpRoute("/metrics", self._metrics, methods=["GET"]),
             HttpRoute("/v1/info", self._info, methods=["GET"]),
             HttpRoute("/v1/tokenize", self._tokenize, methods=["POST"]),
             HttpRoute("/v1/sessions", self._open, methods=["POST"]),
@@ -269,6 +298,9 @@ class Node:
         except ValidationError as exc:
             raise BadRequestError(f"invalid {model.__name__}: {_summarize(exc)}") from None
 
+    async def _metrics(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
     async def _health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok", "node_id": self.config.node_id, "sessions": len(self.sessions)})
 
@@ -277,6 +309,7 @@ class Node:
 
     async def _tokenize(self, request: Request) -> Response:
         prompt = await self._json(request, Prompt)
+        self.admission.check_capability(request.headers.get(HEADER_CAPABILITY))
         if not self.backend.is_head:
             raise BadRequestError(f"node {self.config.node_id} is not a head: it has no tokenizer input")
         tokens = await self.engine.call(self.backend.tokenize, prompt)
@@ -289,7 +322,7 @@ class Node:
         return JSONResponse(opened.model_dump(mode="json"), status_code=201)
 
     async def _status(self, request: Request) -> Response:
-        s = self._get(request.path_params["sid"])
+        s = self._member(request)
         return JSONResponse({"session_id": s.id, "position": s.position, "phase": s.phase.value,
                              "frames_received": s.frames_received, "bytes_received": s.bytes_received,
                              "positions_received": s.positions_received})
@@ -297,11 +330,12 @@ class Node:
     async def _close(self, request: Request) -> Response:
         session = self.sessions.get(request.path_params["sid"])
         if session is not None:
+            Admission.check_session_token(session.session_token, request.headers.get(HEADER_SESSION_TOKEN))
             await session.close()
         return JSONResponse({"closed": session is not None})
 
     async def _frame(self, request: Request) -> Response:
-        session = self._get(request.path_params["sid"])
+        session = self._member(request)
         if request.headers.get("content-type", FRAME_CONTENT_TYPE) != FRAME_CONTENT_TYPE:
             raise FrameError(f"frames must be sent as {FRAME_CONTENT_TYPE}")
         body = await self._body(request, self.settings.max_frame_bytes)
@@ -313,7 +347,7 @@ class Node:
         return JSONResponse({"position": position})
 
     async def _token(self, request: Request) -> Response:
-        session = self._get(request.path_params["sid"])
+        session = self._member(request)
         event = await self._json(request, TokenEvent)
         assert isinstance(event, TokenEvent)
         if not session.is_head:
@@ -322,7 +356,7 @@ class Node:
         return Response(status_code=204)
 
     async def _failure(self, request: Request) -> Response:
-        session = self._get(request.path_params["sid"])
+        session = self._member(request)
         reason = await self._json(request, FailureReason)
         assert isinstance(reason, FailureReason)
         session.on_failure_report(reason)

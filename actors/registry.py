@@ -8,8 +8,11 @@ import logging
 import time
 
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import KeyValueConfig, StorageType
-from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
+from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError, ServiceUnavailableError
 from nats.js.kv import KeyValue
 
 from bus import codec
@@ -19,35 +22,59 @@ from schemas.node import NodeAdvertisement
 log = logging.getLogger(__name__)
 
 
-async def open_registry(nc: NATS, subjects: Subjects, ttl_s: float) -> KeyValue:
-    """Bind the registry bucket, creating it (history 1, TTL) if this is the first actor to arrive."""
+async def open_registry(nc: NATS, subjects: Subjects, ttl_s: float, *, replicas: int = 1,
+                        unavailable_wait_s: float = 30.0) -> KeyValue:
+    """Bind the registry bucket, creating it (history 1, TTL, ``replicas``) if this is the first actor to arrive.
+
+    A cluster that is still electing its JetStream leader answers "unavailable" for a few seconds: wait it out,
+    since every actor of a fleet started at once meets exactly that.
+    """
     js = nc.jetstream()
-    for _ in range(20):
+    deadline = time.monotonic() + unavailable_wait_s
+    while True:
         try:
             return await js.key_value(subjects.registry_bucket)
         except (BucketNotFoundError, NotFoundError):
             pass
+        except (ServiceUnavailableError, NatsTimeoutError):
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.5)
+            continue
         try:
             return await js.create_key_value(KeyValueConfig(bucket=subjects.registry_bucket, history=1, ttl=ttl_s,
-                                                            storage=StorageType.MEMORY,
+                                                            storage=StorageType.MEMORY, replicas=replicas,
                                                             description="swarmroute node advertisements"))
-        except BadRequestError:
-            await asyncio.sleep(0.1)  # another actor created it first with the same name: bind on the next pass
-    raise RuntimeError(f"could not bind or create registry bucket {subjects.registry_bucket}")
+        except (BadRequestError, ServiceUnavailableError, NatsTimeoutError):
+            # Another actor created it first (bind on the next pass), or the cluster is not ready yet.
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"could not bind or create registry bucket {subjects.registry_bucket}") from None
+            await asyncio.sleep(0.1)
 
 
 class RegistryView:
     """A live, local copy of the registry, fed by a KV watcher. A node counts as live while its last heartbeat,
-    as received here, is younger than the TTL (KV expiry does not notify watchers)."""
+    as received here, is younger than the TTL (KV expiry does not notify watchers).
 
-    def __init__(self, kv: KeyValue, ttl_s: float) -> None:
+    With ``nc`` and ``subjects`` it also listens to the puts themselves on core NATS (``$KV.<bucket>.*``): that
+    subscription is back within a reconnect when a cluster server dies, while the watcher's ephemeral consumer
+    may have lived on the dead server and only comes back after missing two idle heartbeats (~10 s), long enough
+    for every node to look expired.
+    """
+
+    def __init__(self, kv: KeyValue, ttl_s: float, *, nc: NATS | None = None, subjects: Subjects | None = None) -> None:
         self._kv = kv
         self._ttl = ttl_s
         self._nodes: dict[str, tuple[NodeAdvertisement, float]] = {}
         self._task: asyncio.Task[None] | None = None
+        self._nc = nc
+        self._subjects = subjects
+        self._sub: Subscription | None = None
         self.ready = asyncio.Event()
 
     async def start(self) -> None:
+        if self._nc is not None and self._subjects is not None:
+            self._sub = await self._nc.subscribe(self._subjects.registry_key_subject(), cb=self._on_put)
         watcher = await self._kv.watchall()
         self._task = asyncio.create_task(self._watch(watcher), name="registry-watch")
 
@@ -57,21 +84,35 @@ class RegistryView:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
 
     async def _watch(self, watcher: object) -> None:
         async for entry in watcher:  # type: ignore[attr-defined]
             if entry is None:  # end of the initial values
                 self.ready.set()
                 continue
-            if entry.operation in ("DEL", "PURGE") or not entry.value:
-                self._nodes.pop(entry.key, None)
-                continue
-            try:
-                advert = codec.decode(entry.value, NodeAdvertisement)
-            except codec.DecodeError as exc:
-                log.warning("ignoring bad advertisement under %s: %s", entry.key, exc)
-                continue
-            self._nodes[entry.key] = (advert, time.monotonic())
+            self._apply(entry.key, entry.value, entry.operation)
+
+    async def _on_put(self, msg: Msg) -> None:
+        operation = (msg.headers or {}).get("KV-Operation")
+        self._apply(msg.subject.rsplit(".", 1)[-1], msg.data, operation)
+
+    def _apply(self, key: str, value: bytes | None, operation: str | None) -> None:
+        if operation in ("DEL", "PURGE") or not value:
+            self._nodes.pop(key, None)
+            return
+        try:
+            advert = codec.decode(value, NodeAdvertisement)
+        except codec.DecodeError as exc:
+            log.warning("ignoring bad advertisement under %s: %s", key, exc)
+            return
+        known = self._nodes.get(key)
+        if known is not None and known[0].sent_at > advert.sent_at:
+            return  # the watcher replaying an older value after the live subscription saw a newer one
+        self._nodes[key] = (advert, time.monotonic())
 
     def live(self) -> list[NodeAdvertisement]:
         cutoff = time.monotonic() - self._ttl

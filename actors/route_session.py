@@ -68,6 +68,8 @@ class RouteSession:
         self._events: asyncio.Queue[TokenEvent | FailureReason] = asyncio.Queue()
         self._driver: asyncio.Task[None] | None = None
         self.telemetry: TelemetryPublisher | None = None
+        self.session_token: str | None = None
+        """Bound at open when the node checks capabilities; sent on every request to this session's other hops."""
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
 
@@ -115,6 +117,7 @@ class RouteSession:
             self.touch()
             self.frames_received += 1
             self.bytes_received += nbytes
+            self.rt.metrics.frame_bytes.inc(nbytes)
             self.positions_received += header.n_positions
             if header.kind is FrameKind.DECODE:
                 self.phase = SessionPhase.DECODE
@@ -143,6 +146,8 @@ class RouteSession:
             raise SessionFailed(FailureReason(node_id=self.rt.node_id, phase=self.phase, kind="backend_error",
                                               message=f"backend failed on node {self.rt.node_id}: {exc!r}")) from exc
         self.position += item.n_positions
+        self.rt.metrics.step("decode" if self.phase is SessionPhase.DECODE else "prefill", timing.compute_ms,
+                             timing.queue_ms)
         return out, timing
 
     def _stamp(self, timing: StepTiming) -> HopStamp:
@@ -160,7 +165,7 @@ class RouteSession:
         assert nxt is not None
         timeout = self.rt.settings.hop_timeout_s
         self._outbox.put_nowait(lambda: self.rt.client.send_frame(nxt.node_id, nxt.endpoint, self.id, data,
-                                                                  timeout=timeout))
+                                                                  timeout=timeout, session_token=self.session_token))
 
     def _queue_token(self, token: int, stamps: tuple[HopStamp, ...]) -> None:
         assert self.generation is not None
@@ -174,15 +179,20 @@ class RouteSession:
             return
         head = self.route.head
         timeout = self.rt.settings.hop_timeout_s
-        self._outbox.put_nowait(lambda: self.rt.client.send_token(head.node_id, head.endpoint, event, timeout=timeout))
+        self._outbox.put_nowait(lambda: self.rt.client.send_token(head.node_id, head.endpoint, event, timeout=timeout,
+                                                                  session_token=self.session_token))
         if finish is not None:
             self.phase = SessionPhase.COMPLETE
 
     async def _send_loop(self) -> None:
+        # The outbox carries frames to the next hop, or (on the tail) tokens to the head: never both.
+        peer, kind = (self._next.node_id, "frame") if self._next is not None else (self.route.head.node_id, "token")
         while True:
             send = await self._outbox.get()
             try:
+                started = time.perf_counter()
                 await send()
+                self.rt.metrics.hop(peer, kind, time.perf_counter() - started)
             except HopError as exc:
                 await self._report(FailureReason(node_id=exc.node, phase=self.phase, kind=exc.kind, message=str(exc)))
                 return
@@ -194,7 +204,8 @@ class RouteSession:
             return
         head = self.route.head
         try:
-            await self.rt.client.report_failure(head.node_id, head.endpoint, self.id, reason)
+            await self.rt.client.report_failure(head.node_id, head.endpoint, self.id, reason,
+                                                session_token=self.session_token)
         except HopError:
             end = SessionEnd(session_id=self.id, phase=SessionPhase.FAILED, failure=reason)
             await self.rt.publish(self.rt.subjects.tokens(self.id), end)
@@ -256,6 +267,8 @@ class RouteSession:
             self.phase = SessionPhase.DECODE
             await self.rt.publish(self.rt.subjects.tokens(self.id), event)
             await self.telemetry.token(event.hop_timings, wall_ms)
+            self.rt.metrics.token(self.telemetry.generated, self.telemetry.ttft_ms, wall_ms, event.hop_timings,
+                                  len(self.route.hops))
             if event.finish_reason is not None:
                 await self._complete(event)
                 return
@@ -293,6 +306,7 @@ class RouteSession:
     async def _complete(self, event: TokenEvent) -> None:
         assert self.telemetry is not None and event.finish_reason is not None
         self.phase = SessionPhase.COMPLETE
+        self.rt.metrics.sessions_ended.labels(outcome="complete").inc()
         await self.telemetry.complete(event.finish_reason)
         end = SessionEnd(session_id=self.id, phase=SessionPhase.COMPLETE, finish_reason=event.finish_reason,
                          prompt_tokens=len(self.request.prompt_tokens), completion_tokens=event.seq + 1)
@@ -303,6 +317,7 @@ class RouteSession:
         assert self.telemetry is not None
         log.warning("session %s failed: %s", self.id, reason.message)
         self.phase = SessionPhase.FAILED
+        self.rt.metrics.sessions_ended.labels(outcome="failed").inc()
         await self.telemetry.fail(reason)
         end = SessionEnd(session_id=self.id, phase=SessionPhase.FAILED, failure=reason,
                          prompt_tokens=len(self.request.prompt_tokens),

@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 from pydantic import BaseModel
 
 from actors.engine import StepEngine
+from actors.metrics import NodeMetrics
 from bus.nodeclient import NodeClient
 from bus.subjects import Subjects
 from schemas.frame import WireDType
@@ -26,3 +27,5 @@ class NodeRuntime:
     subjects: Subjects
     settings: Settings
     wire_dtype: WireDType = WireDType.F32
+    metrics: NodeMetrics = dataclasses.field(default_factory=NodeMetrics)
+    """Prometheus series of this node (actors.metrics)."""

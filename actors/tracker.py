@@ -14,15 +14,16 @@ import time
 from types import TracebackType
 
 from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
+from nats.micro.service import Service
 
 from actors.registry import RegistryView, open_registry
-from actors.routes import select_route, serves, uncovered_layers
-from bus import codec
+from actors.routes import routable, select_route, uncovered_layers
+from actors.services import tracker_service
+from bus import capability, codec
 from bus.connection import connect_settings
 from bus.subjects import Subjects
 from schemas.errors import CapacityError, SwarmrouteError
+from schemas.node import LayerRange
 from schemas.route import ModelsReply, RouteReply, RouteRequest, ServedModel
 from schemas.settings import Settings
 
@@ -36,9 +37,10 @@ class Tracker:
         self.subjects = Subjects(settings.namespace)
         self._nc = nc
         self._own_nc = nc is None
-        self._subs: list[Subscription] = []
+        self._service: Service | None = None
         self.registry: RegistryView | None = None
         self._pending: dict[str, list[float]] = {}
+        self._signer = capability.signer_from_settings(settings)
         self._started = False
         self._stopped = False
 
@@ -48,15 +50,16 @@ class Tracker:
         self._started = True
         if self._nc is None:
             self._nc = await connect_settings(self.settings, name="tracker")
-        kv = await open_registry(self._nc, self.subjects, self.settings.registry_ttl_s)
-        self.registry = RegistryView(kv, self.settings.registry_ttl_s)
+        kv = await open_registry(self._nc, self.subjects, self.settings.registry_ttl_s,
+                                 replicas=self.settings.registry_replicas)
+        self.registry = RegistryView(kv, self.settings.registry_ttl_s, nc=self._nc, subjects=self.subjects)
         await self.registry.start()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.registry.ready.wait(), 5.0)
-        self._subs = [
-            await self._nc.subscribe(self.subjects.route_request, queue=QUEUE_GROUP, cb=self._on_route),
-            await self._nc.subscribe(self.subjects.models_request, queue=QUEUE_GROUP, cb=self._on_models),
-        ]
+        # Route and models requests are micro-service endpoints (same subjects, queue group "tracker"), so $SRV
+        # discovery lists every tracker and $SRV.STATS counts its requests.
+        self._service = await tracker_service(self._nc, self.subjects, member=self.settings.member_name or "tracker",
+                                              route=self._handle_route, models=self._handle_models)
         log.info("tracker ready on %s", self.subjects.route_request)
         return self
 
@@ -65,9 +68,9 @@ class Tracker:
             self._stopped = True
             return
         self._stopped = True
-        for sub in self._subs:
+        if self._service is not None:
             with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+                await self._service.stop()
         if self.registry is not None:
             await self.registry.stop()
         if self._own_nc and self._nc is not None:
@@ -100,24 +103,26 @@ class Tracker:
         except CapacityError as exc:
             return RouteReply(error=exc.message, status=exc.status)
         except SwarmrouteError as exc:
-            live = [a for a in self.registry.live() if serves(a, request.model)]
-            gaps = uncovered_layers(live, max(a.backend.n_layers for a in live)) if live else []
+            gaps: list[LayerRange] = []
+            with contextlib.suppress(SwarmrouteError):  # the same nodes the route could use, so gaps match the message
+                gaps = uncovered_layers(*routable(self.registry.live(), request.model, frozenset(request.exclude)))
             return RouteReply(error=exc.message, status=exc.status, uncovered=gaps)
         now = time.monotonic()
         for hop in route.hops:
             self._pending.setdefault(hop.node_id, []).append(now)
+        if self._signer is not None:
+            route = capability.issue(route, self._signer, self.settings.capability_ttl_s)
         return RouteReply(route=route)
 
-    async def _on_route(self, msg: Msg) -> None:
+    async def _handle_route(self, data: bytes) -> bytes:
         try:
-            request = codec.decode(msg.data, RouteRequest)
+            request = codec.decode(data, RouteRequest)
         except codec.DecodeError as exc:
-            await msg.respond(codec.encode(RouteReply(error=str(exc), status=400)))
-            return
+            return codec.encode(RouteReply(error=str(exc), status=400))
         reply = self.route(request)
         if reply.route:
             log.info("session %s routed: %s", request.session_id, reply.route.describe())
-        await msg.respond(codec.encode(reply))
+        return codec.encode(reply)
 
     def models(self) -> ModelsReply:
         assert self.registry is not None
@@ -132,5 +137,5 @@ class Tracker:
             m.complete = not uncovered_layers(adverts, m.n_layers)
         return ModelsReply(models=sorted(by_model.values(), key=lambda m: m.id))
 
-    async def _on_models(self, msg: Msg) -> None:
-        await msg.respond(codec.encode(self.models()))
+    async def _handle_models(self, data: bytes) -> bytes:
+        return codec.encode(self.models())

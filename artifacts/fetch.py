@@ -6,8 +6,11 @@ the current torrent peer addresses (learned however), ``progress(p)`` receives `
 Steps: pieces overlapping ``needed_byte_ranges`` get priority, all others none -> libtorrent fetches them from the
 peers (SHA-1 per piece; a corrupt piece is dropped, refetched, and its sender banned) -> every needed tensor (and the
 header when the shard keeps the tokenizer) is hashed against the manifest's sha256 -> if one fails, libtorrent
-re-checks the file and fetches the bad pieces again -> the shard is written and verified as a whole. Resume data is
-saved every few seconds and at the end, so an interrupted fetch restarts where it stopped.
+re-checks the file and fetches the bad pieces again -> the shard is written and verified as a whole.
+
+Interruption: resume data is saved on a clean stop (and every few seconds). A restart trusts it only when the file
+was not written after it; otherwise (a crash) libtorrent hashes the file and keeps every complete piece it finds,
+so either way only the missing pieces are fetched again.
 """
 
 from __future__ import annotations
@@ -114,6 +117,7 @@ def _wait_for_pieces(job: TorrentJob, rep: _Reporter, peers: PeerSource, resume:
         if not checking and p.pieces_done == p.pieces_wanted:
             return
         if opts.cancel is not None and opts.cancel.is_set():
+            job.flush()
             job.save_resume(resume)
             raise FetchCancelled(f"fetch cancelled at {p.pieces_done}/{p.pieces_wanted} pieces")
         if time.monotonic() > deadline:
@@ -121,6 +125,17 @@ def _wait_for_pieces(job: TorrentJob, rep: _Reporter, peers: PeerSource, resume:
         if time.monotonic() >= next_resume:
             job.save_resume(resume)
             next_resume = time.monotonic() + opts.resume_every_s
+
+
+def _trusted_resume(resume: Path, data: Path) -> bytes | None:
+    """Resume data only if nothing was written to the file after it was saved (a clean stop). After a crash it is
+    stale: libtorrent would re-download what arrived since; without it libtorrent hashes the file and finds every
+    piece that is on disk."""
+    if not resume.is_file():
+        return None
+    if data.is_file() and data.stat().st_mtime_ns > resume.stat().st_mtime_ns:
+        return None
+    return resume.read_bytes()
 
 
 def _tensor_problems(manifest: ModelManifest, data: Path, start: int, end: int) -> list[str]:
@@ -140,7 +155,7 @@ def fetch_range(store: Store, manifest: ModelManifest, start: int, end: int, *, 
     store.add_manifest(manifest)
     model_dir = store.model_dir(manifest.model_id)
     resume_path = store.resume_path(manifest.model_id)
-    resume = resume_path.read_bytes() if resume_path.is_file() else None
+    resume = _trusted_resume(resume_path, store.data_path(manifest))
     pieces = wanted_pieces(manifest, needed_byte_ranges(manifest, start, end))
     job = session.add(manifest, model_dir, pieces, resume=resume)
     rep = _Reporter(job, manifest, start, end, progress, node_id)

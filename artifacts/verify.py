@@ -25,7 +25,8 @@ _CHUNK = 8 << 20
 @dataclasses.dataclass(frozen=True, slots=True)
 class Problem:
     """``kind``: missing_file | truncated | missing | hash_mismatch | missing_tensor | unexpected_tensor |
-    wrong_tensor | metadata. ``missing`` means the bytes are all zero: never downloaded."""
+    wrong_tensor | metadata. In the data file ``missing`` means the failing pieces under the tensor are all zero
+    (never downloaded) and ``hash_mismatch`` that one of them holds wrong bytes (corrupt)."""
 
     kind: str
     what: str
@@ -110,6 +111,36 @@ def _region_problem(f: object, name: str, offset: int, size: int, sha256: str) -
     return Problem("hash_mismatch", name, f"sha256 {digest.hexdigest()[:12]}... != manifest {sha256[:12]}...")
 
 
+def _piece_problem(f: object, manifest: ModelManifest, name: str, offset: int, size: int) -> Problem:
+    """Why a data-file region fails: look at the torrent pieces under it. All-zero failing pieces were never
+    downloaded (``missing``); a failing piece with data in it is corrupt (``hash_mismatch``)."""
+    assert hasattr(f, "seek") and hasattr(f, "read")
+    piece = manifest.torrent.piece_size
+    absent, corrupt = [], []
+    for i in range(offset // piece, (offset + size - 1) // piece + 1):
+        f.seek(i * piece)
+        data = f.read(min(piece, manifest.file_size - i * piece))
+        if hashlib.sha1(data).hexdigest() == manifest.torrent.piece_sha1[i]:
+            continue
+        (absent if not any(data) else corrupt).append(i)
+    if corrupt:
+        return Problem("hash_mismatch", name, f"corrupt piece(s) {_pieces(corrupt)}")
+    return Problem("missing", name, f"piece(s) {_pieces(absent)} not downloaded")
+
+
+def _pieces(indices: list[int]) -> str:
+    shown = ", ".join(map(str, indices[:4]))
+    return shown + (f" and {len(indices) - 4} more" if len(indices) > 4 else "")
+
+
+def _data_problem(f: object, manifest: ModelManifest, name: str, offset: int, size: int, sha256: str
+                  ) -> Problem | None:
+    problem = _region_problem(f, name, offset, size, sha256)
+    if problem is None or problem.kind == "truncated":
+        return problem
+    return _piece_problem(f, manifest, name, offset, size)
+
+
 def check_data_file(manifest: ModelManifest, path: Path, only: Iterable[str] | None = None) -> DataFileReport:
     """Hash the header and every tensor (or only the named ones) of the torrent data file."""
     if not path.is_file():
@@ -117,10 +148,10 @@ def check_data_file(manifest: ModelManifest, path: Path, only: Iterable[str] | N
     wanted = set(only) if only is not None else None
     results: dict[str, Problem | None] = {}
     with path.open("rb") as f:
-        header = _region_problem(f, "header", 0, manifest.header_size, manifest.header_sha256)
+        header = _data_problem(f, manifest, "header", 0, manifest.header_size, manifest.header_sha256)
         for t in manifest.tensors:
             if wanted is None or t.name in wanted:
-                results[t.name] = _region_problem(f, t.name, t.offset, t.size, t.sha256)
+                results[t.name] = _data_problem(f, manifest, t.name, t.offset, t.size, t.sha256)
     return DataFileReport(path, True, path.stat().st_size, manifest.file_size, header, results)
 
 

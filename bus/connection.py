@@ -22,12 +22,17 @@ async def connect(
     token: str | None = None,
     creds: str | None = None,
     connect_timeout: float = 5.0,
+    inbox_prefix: str = "_INBOX",
+    randomize: bool = True,
 ) -> NATS:
     """Connect to one or more comma-separated NATS URLs; credentials are passed through and never logged."""
     servers = [u.strip() for u in url.split(",") if u.strip()]
 
     async def on_error(exc: Exception) -> None:
-        log.warning("nats error (%s): %s", name, type(exc).__name__)
+        # Only a permissions violation's text is logged (it names the refused subject); other errors may quote
+        # a server URL, which can embed credentials.
+        text = str(exc)
+        log.warning("nats error (%s): %s", name, text if "permissions violation" in text.lower() else type(exc).__name__)
 
     async def on_disconnect() -> None:
         log.info("nats disconnected (%s)", name)
@@ -38,7 +43,8 @@ async def connect(
     options: dict[str, Any] = dict(
         servers=servers, name=name, connect_timeout=connect_timeout, allow_reconnect=True,
         max_reconnect_attempts=-1, reconnect_time_wait=0.5, error_cb=on_error,
-        disconnected_cb=on_disconnect, reconnected_cb=on_reconnect,
+        disconnected_cb=on_disconnect, reconnected_cb=on_reconnect, inbox_prefix=inbox_prefix,
+        dont_randomize=not randomize,
     )
     if user is not None:
         options.update(user=user, password=password)
@@ -57,4 +63,6 @@ async def connect_settings(settings: Settings, *, name: str) -> NATS:
         password=settings.nats_password.get_secret_value() if settings.nats_password else None,
         token=settings.nats_token.get_secret_value() if settings.nats_token else None,
         creds=str(settings.nats_creds) if settings.nats_creds else None,
+        inbox_prefix=settings.nats_inbox_prefix,
+        randomize=settings.nats_randomize,
     )

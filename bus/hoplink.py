@@ -51,19 +51,22 @@ class HttpLink:
             writer.close()
         return None
 
-    async def post(self, path: str, body: bytes, content_type: str, timeout: float) -> tuple[int, bytes]:
+    async def post(self, path: str, body: bytes, content_type: str, timeout: float,
+                   headers: dict[str, str] | None = None) -> tuple[int, bytes]:
         """POST and return (status, body). Raises LinkError on connection failure or timeout."""
         try:
-            return await asyncio.wait_for(self._post(path, body, content_type), timeout)
+            return await asyncio.wait_for(self._post(path, body, content_type, headers), timeout)
         except TimeoutError:
             raise LinkError(f"no answer within {timeout:g}s", timeout=True) from None
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
             raise LinkError(f"{type(exc).__name__}: {exc}") from None
 
-    async def _post(self, path: str, body: bytes, content_type: str) -> tuple[int, bytes]:
+    async def _post(self, path: str, body: bytes, content_type: str,
+                    headers: dict[str, str] | None) -> tuple[int, bytes]:
+        extra = b"".join(b"\r\n" + f"{k}: {v}".encode("latin-1") for k, v in headers.items()) if headers else b""
         request = b"".join([b"POST ", path.encode(), b" HTTP/1.1\r\nhost: ", self._host_header,
                             b"\r\ncontent-type: ", content_type.encode(), b"\r\ncontent-length: ",
-                            str(len(body)).encode(), b"\r\n\r\n", body])
+                            str(len(body)).encode(), extra, b"\r\n\r\n", body])
         conn = self._checkout()
         if conn is not None:
             try:

@@ -13,6 +13,7 @@ import json
 
 import httpx
 
+from bus.capability import HEADER_CAPABILITY, HEADER_SESSION_TOKEN
 from bus.hoplink import HttpLink, LinkError
 from schemas.errors import RouteFailedError, SwarmrouteError, error_from_body
 from schemas.session import FailureReason, Prompt, SessionOpen, SessionOpened, TokenEvent, TokenizeReply
@@ -53,14 +54,14 @@ class NodeClient:
         await self._client.aclose()
 
     async def _hot_post(self, node: str, endpoint: str, path: str, body: bytes, content_type: str,
-                        timeout: float | None) -> None:
+                        timeout: float | None, session_token: str | None = None) -> None:
         """The per-token path: raw keep-alive link, same error semantics as the httpx path."""
         link = self._links.get(endpoint)
         if link is None:
             link = self._links[endpoint] = HttpLink(endpoint)
         wait = timeout if timeout is not None else self._timeout
         try:
-            status, payload = await link.post(path, body, content_type, wait)
+            status, payload = await link.post(path, body, content_type, wait, _auth(session_token))
         except LinkError as exc:
             if exc.timeout:
                 raise HopError(node, "timeout", f"node {node} did not answer POST {path} within {wait:g}s") from None
@@ -76,8 +77,9 @@ class NodeClient:
 
     async def _request(self, node: str, method: str, url: str, *, timeout: float | None = None,
                        content: bytes | None = None, json: object | None = None,
-                       content_type: str | None = None) -> httpx.Response:
-        headers = {"content-type": content_type} if content_type else None
+                       content_type: str | None = None, extra: dict[str, str] | None = None) -> httpx.Response:
+        headers = {"content-type": content_type} if content_type else {}
+        headers.update(extra or {})
         try:
             response = await self._client.request(method, url, content=content, json=json, headers=headers,
                                                   timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT)
@@ -97,18 +99,21 @@ class NodeClient:
                            peer_error=peer)
         return response
 
-    async def tokenize(self, node: str, endpoint: str, prompt: Prompt) -> list[int]:
-        r = await self._request(node, "POST", f"{endpoint}/v1/tokenize", json=prompt.model_dump(mode="json"))
+    async def tokenize(self, node: str, endpoint: str, prompt: Prompt, *, capability: str = "") -> list[int]:
+        r = await self._request(node, "POST", f"{endpoint}/v1/tokenize", json=prompt.model_dump(mode="json"),
+                                extra={HEADER_CAPABILITY: capability} if capability else None)
         return TokenizeReply.model_validate(r.json()).tokens
 
     async def open_session(self, node: str, endpoint: str, request: SessionOpen) -> SessionOpened:
         r = await self._request(node, "POST", f"{endpoint}/v1/sessions", json=request.model_dump(mode="json"))
         return SessionOpened.model_validate(r.json())
 
-    async def close_session(self, node: str, endpoint: str, session_id: str, *, timeout: float = 2.0) -> bool:
+    async def close_session(self, node: str, endpoint: str, session_id: str, *, timeout: float = 2.0,
+                            session_token: str | None = None) -> bool:
         """Free the session on a node; False if the node could not be reached (its KV dies with it)."""
         try:
-            await self._request(node, "DELETE", f"{endpoint}/v1/sessions/{session_id}", timeout=timeout)
+            await self._request(node, "DELETE", f"{endpoint}/v1/sessions/{session_id}", timeout=timeout,
+                                extra=_auth(session_token))
         except HopError as exc:
             if exc.peer_status == 404:
                 return True
@@ -116,18 +121,20 @@ class NodeClient:
         return True
 
     async def send_frame(self, node: str, endpoint: str, session_id: str, frame: bytes, *,
-                         timeout: float | None = None) -> None:
-        await self._hot_post(node, endpoint, f"/v1/sessions/{session_id}/frames", frame, FRAME_CONTENT_TYPE, timeout)
+                         timeout: float | None = None, session_token: str | None = None) -> None:
+        await self._hot_post(node, endpoint, f"/v1/sessions/{session_id}/frames", frame, FRAME_CONTENT_TYPE, timeout,
+                             session_token)
 
-    async def send_token(self, node: str, endpoint: str, event: TokenEvent, *, timeout: float | None = None) -> None:
+    async def send_token(self, node: str, endpoint: str, event: TokenEvent, *, timeout: float | None = None,
+                         session_token: str | None = None) -> None:
         await self._hot_post(node, endpoint, f"/v1/sessions/{event.session_id}/tokens",
-                             event.model_dump_json().encode(), "application/json", timeout)
+                             event.model_dump_json().encode(), "application/json", timeout, session_token)
 
     async def report_failure(self, node: str, endpoint: str, session_id: str, reason: FailureReason, *,
-                             timeout: float = 2.0) -> None:
+                             timeout: float = 2.0, session_token: str | None = None) -> None:
         await self._request(node, "POST", f"{endpoint}/v1/sessions/{session_id}/failure",
                             content=reason.model_dump_json().encode(), content_type="application/json",
-                            timeout=timeout)
+                            timeout=timeout, extra=_auth(session_token))
 
     async def probe(self, node: str, endpoint: str, *, timeout: float = 1.0) -> bool:
         """True if the node answers its health check in time."""
@@ -136,6 +143,10 @@ class NodeClient:
         except HopError:
             return False
         return True
+
+
+def _auth(session_token: str | None) -> dict[str, str] | None:
+    return {HEADER_SESSION_TOKEN: session_token} if session_token else None
 
 
 def _path(url: str) -> str:

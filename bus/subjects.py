@@ -65,6 +65,10 @@ class Subjects:
         """Node lifecycle notes (started, stopping) for operators' tools."""
         return f"{self.namespace}.node.{_wild_or(node_id, 'node id')}.events"
 
+    def node_info(self, node_id: str = "*") -> str:
+        """Request/reply (micro endpoint ``info``): empty -> the node's advertisement as JSON."""
+        return f"{self.namespace}.node.{_wild_or(node_id, 'node id')}.info"
+
     def artifact_progress(self, node_id: str = "*") -> str:
         """Artifact fetch progress of one node."""
         return f"{self.namespace}.artifacts.progress.{_wild_or(node_id, 'node id')}"

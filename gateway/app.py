@@ -19,6 +19,7 @@ from types import TracebackType
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.micro.service import Service
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
@@ -31,9 +32,13 @@ from bus import codec
 from bus.connection import connect_settings
 from bus.httpserver import HttpServer
 from bus.nodeclient import NodeClient
+from bus.service import register
 from bus.subjects import Subjects
 from gateway import sse
 from gateway.errors import EXCEPTION_HANDLERS, error_response, validation_message
+from gateway.limits import ConcurrencyCounter, ConcurrencyLimitMiddleware, ConcurrencyLimits
+from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from gateway.metrics import RequestCounter
 from gateway.route_session import SessionManager
 from gateway.serving import OpenAIServing
 from gateway.tracker_client import TrackerClient
@@ -94,6 +99,9 @@ def build_app(serving: OpenAIServing, settings: Settings) -> Starlette:
         assert isinstance(req, CompletionRequest)
         return await serving.completion(req, request)
 
+    async def metrics(request: Request) -> Response:
+        return Response(serving.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
     async def telemetry(request: Request) -> Response:
         sid = request.path_params["sid"]
         live = sessions.live.get(sid)
@@ -105,14 +113,19 @@ def build_app(serving: OpenAIServing, settings: Settings) -> Starlette:
 
     app = Starlette(routes=[
         HttpRoute("/health", health, methods=["GET"]),
+        HttpRoute("/metrics", metrics, methods=["GET"]),
         HttpRoute("/v1/models", models, methods=["GET"]),
         HttpRoute("/v1/chat/completions", chat, methods=["POST"]),
         HttpRoute("/v1/completions", completions, methods=["POST"]),
         HttpRoute("/v1/sessions/{sid}/telemetry", telemetry, methods=["GET"]),
     ], exception_handlers=EXCEPTION_HANDLERS)
 
+    # Added first = innermost: requests are counted only once their API key passed.
+    app.state.concurrency = ConcurrencyCounter(ConcurrencyLimits.from_settings(settings))
+    app.add_middleware(ConcurrencyLimitMiddleware, counter=app.state.concurrency)
     if keys:
         app.add_middleware(ApiKeyMiddleware, keys=keys)
+    app.add_middleware(RequestCounter, metrics=serving.metrics)  # outermost: refused requests count too
     return app
 
 
@@ -148,15 +161,25 @@ async def _telemetry_events(nc: NATS, subjects: Subjects, sid: str, live: object
 
     sub = await nc.subscribe(subjects.telemetry(sid), cb=on_msg)
     try:
-        last = getattr(live, "telemetry", None)
+        last: GenerationTelemetry | None = getattr(live, "telemetry", None)
+        sent = -1
         if last is not None:
             yield sse.data(last)
+            sent = last.seq
+            if last.phase.terminal:  # ended before cleanup: nothing more will be published
+                yield sse.DONE
+                return
         while True:
             try:
                 snap = await asyncio.wait_for(queue.get(), 5.0)
             except TimeoutError:
                 yield sse.KEEPALIVE
                 continue
+            # Skip what was already shown; a terminal snapshot always counts: the gateway numbers its own (cancelled,
+            # failed) from what it has absorbed, which may lag the head's latest.
+            if snap.seq <= sent and not snap.phase.terminal:
+                continue
+            sent = snap.seq
             yield sse.data(snap)
             if snap.phase.terminal:
                 break
@@ -179,6 +202,7 @@ class Gateway:
         self.server: HttpServer | None = None
         self.serving: OpenAIServing | None = None
         self._nodes: NodeClient | None = None
+        self._service: Service | None = None
         self._started = False
         self._stopped = False
 
@@ -199,6 +223,9 @@ class Gateway:
         self.serving = OpenAIServing(manager)
         self.server = HttpServer(build_app(self.serving, self.settings), self._host, self._port)
         await self.server.start()
+        self._service = await register(self._nc, namespace=subjects.namespace, role="gateway",
+                                       member=self.settings.member_name or "gateway", extra={"url": self.server.url},
+                                       description="swarmroute gateway: OpenAI-compatible API")
         log.info("gateway listening on %s", self.server.url)
         return self
 
@@ -207,6 +234,9 @@ class Gateway:
             self._stopped = True
             return
         self._stopped = True
+        if self._service is not None:
+            with contextlib.suppress(Exception):
+                await self._service.stop()
         if self.serving is not None:
             for session in list(self.serving.sessions.live.values()):
                 await session.close(cancelled=True)

@@ -21,7 +21,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from bus import codec
+from bus import capability, codec
 from bus.nodeclient import HopError, NodeClient
 from bus.subjects import Subjects
 from gateway.tracker_client import TrackerClient
@@ -166,6 +166,9 @@ async def _passthrough(awaitable: Awaitable[T]) -> T:
     try:
         return await awaitable
     except HopError as exc:
+        if exc.peer_status in (401, 403):  # the swarm's own grant was refused: not the API client's fault
+            raise RouteFailedError(f"node {exc.node} refused the session capability: {exc.message}",
+                                   code="capability_refused") from exc
         if exc.peer_error is not None and exc.peer_status is not None and exc.peer_status < 500:
             raise exc.peer_error from None
         raise RouteFailedError(f"could not open the session: {exc.message}") from exc
@@ -191,6 +194,9 @@ class SessionManager:
             await session.subscribe(self.nc, self.subjects)
             await self.publish_telemetry(session, SessionPhase.ROUTING, seq=0)
             session.route = await self.tracker.route(request.model, session.id)
+            # Kept locally so a stream's first chunk shows the route before any token; the head's snapshots
+            # (seq >= 1) supersede it.
+            session.telemetry = self.snapshot(session, SessionPhase.ROUTING, seq=0)
             await self._open(session, request)
         except BaseException as exc:
             if isinstance(exc, SwarmrouteError) and session.route is not None:
@@ -209,7 +215,8 @@ class SessionManager:
             tokens = request.prompt_tokens
         else:
             assert request.prompt is not None
-            tokens = await _passthrough(self.nodes.tokenize(head.node_id, head.endpoint, request.prompt))
+            tokens = await _passthrough(self.nodes.tokenize(head.node_id, head.endpoint, request.prompt,
+                                                            capability=head.capability))
         if not tokens:
             raise BadRequestError("the prompt is empty after tokenization")
         n_ctx = min(route.context_length, CONTEXT_CAP)
@@ -220,9 +227,11 @@ class SessionManager:
             raise ContextLengthError(f"prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) = "
                                      f"{len(tokens) + max_tokens} exceeds the context of {n_ctx} tokens")
         session.prompt_tokens, session.max_tokens = tokens, max_tokens
-        opens = [SessionOpen(session_id=session.id, route=route, hop_index=i, prompt_tokens=tokens,
+        shared = capability.strip(route)  # each hop gets only its own grant
+        opens = [SessionOpen(session_id=session.id, route=shared, hop_index=i, prompt_tokens=tokens,
                              max_tokens=max_tokens, sampling=request.sampling, stop=request.stop,
-                             ignore_eos=request.ignore_eos, prefill_chunk=self.settings.prefill_chunk)
+                             ignore_eos=request.ignore_eos, prefill_chunk=self.settings.prefill_chunk,
+                             capability=route.hops[i].capability)
                  for i in range(len(route.hops))]
         downstream = [self.nodes.open_session(route.hops[i].node_id, route.hops[i].endpoint, opens[i])
                       for i in range(1, len(route.hops))]
@@ -231,8 +240,20 @@ class SessionManager:
 
     async def publish_telemetry(self, session: LiveSession, phase: SessionPhase, *, seq: int | None = None,
                                 failure: FailureReason | None = None) -> None:
+        snap = self.snapshot(session, phase, seq=seq, failure=failure)
+        if phase.terminal:
+            self.finished[session.id] = snap
+            while len(self.finished) > 1000:
+                self.finished.pop(next(iter(self.finished)))
+        with contextlib.suppress(Exception):
+            await self.nc.publish(self.subjects.telemetry(session.id), codec.encode(snap))
+
+    @staticmethod
+    def snapshot(session: LiveSession, phase: SessionPhase, *, seq: int | None = None,
+                 failure: FailureReason | None = None) -> GenerationTelemetry:
+        """The gateway's own view of a session (routing, or an end the head could not report)."""
         last = session.telemetry
-        snap = GenerationTelemetry(
+        return GenerationTelemetry(
             session_id=session.id, seq=seq if seq is not None else (last.seq + 1 if last else 1), phase=phase,
             model=session.route.model_id if session.route else "",
             route=last.route if last else ([RouteHopView(node_id=h.node_id, layers=h.layers, health="unknown")
@@ -241,12 +262,6 @@ class SessionManager:
             prefill=last.prefill if last else PrefillProgress(),
             generated_tokens=session.tokens_seen, tokens_per_s=last.tokens_per_s if last else 0.0,
             ttft_ms=last.ttft_ms if last else None, failure=failure)
-        if phase.terminal:
-            self.finished[session.id] = snap
-            while len(self.finished) > 1000:
-                self.finished.pop(next(iter(self.finished)))
-        with contextlib.suppress(Exception):
-            await self.nc.publish(self.subjects.telemetry(session.id), codec.encode(snap))
 
     async def find_unresponsive(self, route: Route | None) -> str | None:
         if route is None:
@@ -257,7 +272,9 @@ class SessionManager:
         return None
 
     async def close_on_hops(self, route: Route, session_id: str) -> None:
-        await asyncio.gather(*(self.nodes.close_session(h.node_id, h.endpoint, session_id) for h in route.hops))
+        token = capability.session_token_of(route)
+        await asyncio.gather(*(self.nodes.close_session(h.node_id, h.endpoint, session_id, session_token=token)
+                               for h in route.hops))
 
     def forget(self, session: LiveSession) -> None:
         self.live.pop(session.id, None)

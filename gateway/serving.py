@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from gateway import sse
+from gateway.metrics import GatewayMetrics, RequestClock
 from gateway.route_session import GenerationRequest, LiveSession, SessionManager
 from schemas.errors import BadRequestError, RouteFailedError
 from schemas.openai import (
@@ -87,14 +88,25 @@ class _Stream:
 class OpenAIServing:
     """Serving logic for the OpenAI endpoints; the session manager (the engine) is injected."""
 
-    def __init__(self, sessions: SessionManager) -> None:
+    def __init__(self, sessions: SessionManager, metrics: GatewayMetrics | None = None) -> None:
         self.sessions = sessions
         self._cleanups: set[asyncio.Task[None]] = set()
+        self.metrics = metrics or GatewayMetrics()
+        self.metrics.bind(live_sessions=lambda: len(sessions.live))
+        self._clocks: dict[str, RequestClock] = {}
+
+    def _clock(self, session: LiveSession) -> RequestClock:
+        clock = self._clocks.get(session.id)
+        if clock is None:
+            clock = self._clocks[session.id] = self.metrics.clock(session.created)
+        return clock
 
     # ---- session helpers ---------------------------------------------------------------------------------------
 
     def _close_later(self, session: LiveSession, *, cancelled: bool) -> None:
         """Cleanup must survive the cancellation of the request task that triggers it."""
+        self._clock(session).finish(None if cancelled else session.end, session.telemetry, len(session.prompt_tokens))
+        self._clocks.pop(session.id, None)
         task = asyncio.get_running_loop().create_task(session.close(cancelled=cancelled))
         self._cleanups.add(task)
         task.add_done_callback(self._cleanups.discard)
@@ -108,6 +120,7 @@ class OpenAIServing:
                 if watcher.done():
                     break
                 if isinstance(event, TokenEvent):
+                    self._clock(session).token()
                     pieces.append(event.text)
             cancelled = session.end is None
         finally:
@@ -144,6 +157,7 @@ class OpenAIServing:
                         yield sse.data({**make_chunk(None, None, False), "choices": [],
                                         **_telemetry(state.fresh_telemetry())})
                 elif isinstance(event, TokenEvent):
+                    self._clock(session).token()
                     if event.text:
                         yield sse.data({**make_chunk(event.text, None, False),
                                         **_telemetry(state.fresh_telemetry())})

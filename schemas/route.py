@@ -22,6 +22,8 @@ class Hop(WireModel):
     node_id: str
     endpoint: str
     layers: LayerRange
+    capability: str = Field(default="", description="signed session grant for this hop (bus.capability); empty "
+                                                     "when the swarm runs without a secret")
 
 
 class Route(WireModel):

@@ -70,6 +70,8 @@ class SessionOpen(WireModel):
     stop: list[str] = Field(default_factory=list, max_length=16)
     ignore_eos: bool = False
     prefill_chunk: int = Field(default=256, ge=1, le=8192)
+    capability: str = Field(default="", description="this hop's signed grant from the route (the route itself is "
+                                                     "sent with capabilities stripped)")
 
 
 class SessionOpened(WireModel):

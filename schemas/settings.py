@@ -79,3 +79,44 @@ class Settings(BaseSettings):
     """Minimum spacing of telemetry snapshots during decode (phase changes are always sent)."""
 
     log_level: str = "info"
+
+    # ---- hardening (issue #9): NATS roles, session capabilities, gateway concurrency --------------------------
+
+    nats_inbox_prefix: str = Field(default="_INBOX", pattern=r"^[A-Za-z0-9_-]+$")
+    """Prefix of this actor's reply subjects. Give each role its own (``_INBOX_gateway``...) so that, with the
+    per-role permissions of deploy/nats/auth.conf, no role can read another role's replies (route replies carry
+    session capabilities)."""
+
+    swarm_secret: SecretStr | None = None
+    """Shared by trackers and nodes: trackers sign per-hop session capabilities with it (HMAC-SHA256) and nodes
+    refuse session requests that lack a valid one. Unset (and no Ed25519 keys): no capability checks. Never logged."""
+
+    capability_signing_key: SecretStr | None = None
+    """Trackers, instead of ``swarm_secret``: Ed25519 private key (base64 of the 32-byte seed), so nodes hold only
+    the public key and cannot mint capabilities for each other. Never logged."""
+
+    capability_verify_key: str | None = None
+    """Nodes, with ``capability_signing_key`` on the trackers: the Ed25519 public key (base64, 32 bytes)."""
+
+    capability_ttl_s: float = Field(default=30.0, gt=0)
+    """How long a capability stays good for opening its session after the tracker issued it (the open session
+    outlives it); also the clock skew tolerated between tracker and nodes."""
+
+    gateway_max_sessions: int = Field(default=1024, ge=0)
+    """Generation requests one gateway serves at once (streams included); beyond it 429. 0 means unlimited."""
+
+    api_key_max_sessions: int = Field(default=0, ge=0)
+    """Generation requests one API key may have in flight at once; beyond it 429. 0 means unlimited."""
+
+    # ---- fleets and clusters (issue #8) -------------------------------------------------------------------------
+
+    registry_replicas: int = Field(default=1, ge=1, le=5)
+    """JetStream replicas of the node registry bucket when an actor creates it: 3 on a 3-server cluster, so the
+    registry survives losing a server (an existing bucket keeps its replica count)."""
+
+    nats_randomize: bool = True
+    """Shuffle the NATS server list on connect (spreads clients over a cluster); false tries them in the given
+    order, e.g. the server in this member's own rack first."""
+
+    member_name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]+$")
+    """This process's name in its fleet (a node's is its node id): shown by $SRV discovery and ``fleet status``."""

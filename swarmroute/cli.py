@@ -19,6 +19,9 @@ log = logging.getLogger("swarmroute")
 
 
 def _settings(args: argparse.Namespace) -> Settings:
+    fleet_settings: Settings | None = getattr(args, "fleet_settings", None)
+    if fleet_settings is not None:  # a fleet member: everything came from the fleet file (swarmroute.fleet)
+        return fleet_settings
     overrides: dict[str, Any] = {}
     for name in ("nats_url", "home", "namespace", "bind_host", "log_level"):
         value = getattr(args, name, None)
@@ -131,6 +134,11 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", dest="log_level", help="debug, info, warning")
 
 
+def _fleet_member(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--fleet", type=Path, help="fleet file: run the member --name of it (other options come from it)")
+    p.add_argument("--name", help="with --fleet: this member's name in the fleet file")
+
+
 def _backend_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=["llamacpp", "stub", "torch"], default="llamacpp")
     p.add_argument("--model", help="GGUF path (llamacpp/torch; default: the bundled Gemma 3 270M) or stub model id")
@@ -158,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     tracker = sub.add_parser("tracker", help="run a tracker against an existing NATS")
     _common(tracker)
+    _fleet_member(tracker)
     tracker.set_defaults(func=cmd_tracker)
 
     node = sub.add_parser("node", help="run one node against an existing NATS")
@@ -168,12 +177,14 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--host", default=None)
     node.add_argument("--port", type=int, default=0)
     node.add_argument("--advertise-url", help="URL peers use to reach this node, if not the listen address")
+    _fleet_member(node)
     node.set_defaults(func=cmd_node)
 
     gateway = sub.add_parser("gateway", help="run the OpenAI gateway against an existing NATS")
     _common(gateway)
     gateway.add_argument("--host", default=None)
     gateway.add_argument("--port", type=int, default=8000)
+    _fleet_member(gateway)
     gateway.set_defaults(func=cmd_gateway)
 
     nats = sub.add_parser("nats", help="run the embedded NATS server (JetStream on)")
@@ -191,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     watch.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
     watch.set_defaults(func=cmd_watch)
 
-    for module in ("artifacts.cli", "artifacts.plan", "actors.artifact_sync"):
+    for module in ("artifacts.cli", "artifacts.plan", "actors.artifact_sync", "swarmroute.fleet"):
         with contextlib.suppress(ImportError, AttributeError):
             __import__(module, fromlist=["register"]).register(sub)
     return parser
@@ -199,6 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "fleet", None) is not None:
+        from swarmroute.fleet import resolve_member
+
+        args = resolve_member(args)
     _logging(getattr(args, "log_level", None) or "info")
     result: int = args.func(args)
     return result

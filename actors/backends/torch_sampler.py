@@ -26,11 +26,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor) -> int:
         """Pick a token from float32 ``logits`` of shape ``(vocab,)`` and remember it for the penalties."""
         logits = self._penalize(logits)
-        p = self.params
-        if p.temperature == 0.0:
-            token = int(torch.argmax(logits))
-        else:
-            token = self._draw(logits)
+        token = int(torch.argmax(logits)) if self.params.temperature == 0.0 else self._draw(logits)
         self._recent.append(token)
         return token
 

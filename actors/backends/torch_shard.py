@@ -54,16 +54,24 @@ class Shard:
         if unsupported:
             raise BackendError(f"torch backend: layer kinds {sorted(unsupported)} are not supported")
 
-        self.embed: nn.Module | None = None
+        tied = bool(self.config.get_text_config().tie_word_embeddings)
+        wanted: dict[str, tuple[nn.Module, str]] = {f"layer{i}": (base.layers[i], f"{prefix}layers.{i}.")
+                                                    for i in range(start, end)}
         if self.is_head:
-            self.embed = _materialize(base.embed_tokens, f"{prefix}embed_tokens.", tensors, dtype)
-        self.layers = {i: _materialize(base.layers[i], f"{prefix}layers.{i}.", tensors, dtype)
-                       for i in range(start, end)}
-        self.norm: nn.Module | None = None
-        self.lm_head: nn.Module | None = None
+            wanted["embed"] = (base.embed_tokens, f"{prefix}embed_tokens.")
         if self.is_tail:
-            self.norm = _materialize(base.norm, f"{prefix}norm.", tensors, dtype)
-            self.lm_head = self._materialize_head(skeleton, prefix, tensors)
+            wanted["norm"] = (base.norm, f"{prefix}norm.")
+            if not (tied and self.is_head):
+                wanted["lm_head"] = (skeleton.get_output_embeddings(), f"{prefix}embed_tokens." if tied else "lm_head.")
+        built = _materialize(wanted, tensors, dtype)
+        self.embed: nn.Module | None = built.get("embed")
+        self.layers = {i: built[f"layer{i}"] for i in range(start, end)}
+        self.norm: nn.Module | None = built.get("norm")
+        self.lm_head: nn.Module | None = built.get("lm_head")
+        if self.is_tail and self.lm_head is None:
+            # Tied and also the head: share the one matrix rather than holding it twice.
+            self.lm_head = skeleton.get_output_embeddings()
+            self.lm_head.weight = self.embed.weight  # type: ignore[union-attr]
         # Rotary tables are computed, not loaded: build them for real instead of materializing the meta copy.
         self.rotary = type(base.rotary_emb)(config=self.config)
         self._rotary_by_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
@@ -82,15 +90,6 @@ class Shard:
     @property
     def hidden_size(self) -> int:
         return int(self.config.hidden_size)
-
-    def _materialize_head(self, skeleton: nn.Module, prefix: str, tensors: TensorSource) -> nn.Module:
-        lm_head = skeleton.get_output_embeddings()
-        tied = bool(self.config.get_text_config().tie_word_embeddings)
-        if tied and self.embed is not None:
-            lm_head.weight = self.embed.weight  # same tensor: a whole-model node holds the matrix once
-            return lm_head
-        source = f"{prefix}embed_tokens." if tied else "lm_head."
-        return _materialize(lm_head, source, tensors, self.dtype)
 
     def new_cache(self) -> DynamicCache:
         """A per-session KV cache for this range only; foreign layers are empty placeholders."""
@@ -164,23 +163,29 @@ def cache_bytes(cache: DynamicCache) -> int:
     return total
 
 
-def _materialize(module: nn.Module, prefix: str, tensors: TensorSource, dtype: torch.dtype) -> nn.Module:
-    """Give a meta ``module`` real tensors read under ``prefix``; nothing else of the model is touched."""
-    local_names = list(module.state_dict().keys())
-    loaded = tensors.read([prefix + name for name in local_names])
-    state = {name: _cast(loaded[prefix + name], dtype) for name in local_names}
-    module.load_state_dict(state, strict=True, assign=True)
+def _materialize(wanted: dict[str, tuple[nn.Module, str]], tensors: TensorSource,
+                 dtype: torch.dtype) -> dict[str, nn.Module]:
+    """Give meta modules real tensors, each read under its prefix, in one read; nothing else is touched."""
+    names = {key: list(module.state_dict().keys()) for key, (module, _) in wanted.items()}
+    loaded = tensors.read([prefix + n for key, (_, prefix) in wanted.items() for n in names[key]])
+    for key, (module, prefix) in wanted.items():
+        state = {n: _cast(loaded.pop(prefix + n), dtype) for n in names[key]}
+        module.load_state_dict(state, strict=True, assign=True)
+        _fill_buffers(module)
+        module.eval()
+    return {key: module for key, (module, _) in wanted.items()}
+
+
+def _fill_buffers(module: nn.Module) -> None:
+    """Non-persistent buffers are not in checkpoints: recompute the ones we know, refuse the rest."""
     for owner_name, owner in module.named_modules():
         for buffer_name, buffer in list(owner.named_buffers(recurse=False)):
             if buffer.device.type != "meta":
                 continue
-            # Non-persistent buffers are not in checkpoints: recompute the ones we know, refuse the rest.
             if buffer_name == "embed_scale" and hasattr(owner, "scalar_embed_scale"):
                 owner.embed_scale = torch.tensor(float(owner.scalar_embed_scale))
             else:
                 raise BackendError(f"torch backend: cannot materialize buffer {owner_name}.{buffer_name}")
-    module.eval()
-    return module
 
 
 def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

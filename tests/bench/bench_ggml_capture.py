@@ -2,8 +2,11 @@
 
 Run from the repository root: ``python -m tests.bench.bench_ggml_capture [--tokens 64] [--rounds 5]``.
 
-Timing (real Gemma 3 270M, 2 threads, one decode step = one token at a time after a short prompt; configurations
-interleaved round by round, median of rounds; every figure also printed as a ratio to the plain full model):
+Timing (real Gemma 3 270M, one decode step = one token at a time after a short prompt; configurations interleaved
+round by round, median of rounds; every figure also printed as a ratio to the plain full model). The default is one
+ggml thread and the calling thread's CPU time (``time.thread_time``): with one thread all compute runs on the
+calling thread, so the figure holds up on a machine shared with other jobs, where wall time and ggml's spinning
+worker threads do not. ``--threads 2 --wall`` measures the usual setting.
 
 * ``plain``          full model, no eval callback (the reference);
 * ``trampoline``     full model, a callback that claims nothing: the price of the scheduler calling into Python;
@@ -45,45 +48,47 @@ def _model_path() -> Path:
     return Path(g.assemble(Path.home() / ".cache" / "swarmroute" / "models" / "gemma-3-270m-q4_k_m.gguf"))
 
 
-def _stage_with_callback(path: Path, callback: Any) -> Stage:
+def _stage_with_callback(path: Path, callback: Any, n_threads: int) -> Stage:
     """A whole-model stage whose context runs ``callback`` as cb_eval (kept alive by the caller)."""
     stage = open_stage(path, n_ctx=N_CTX)
     llama_cpp.llama_free(stage.ctx)
     params = llama_cpp.llama_context_default_params()
     params.n_ctx = params.n_batch = params.n_ubatch = N_CTX
-    params.n_threads = params.n_threads_batch = 2
+    params.n_threads = params.n_threads_batch = n_threads
     params.kv_unified, params.no_perf = True, True
     params.cb_eval = callback
     stage.ctx = llama_cpp.llama_init_from_model(stage.model, params)
     return stage
 
 
-def _decode_steps(stages: Sequence[Stage], first_token: int, start: int, n: int) -> float:
+def _decode_steps(stages: Sequence[Stage], first_token: int, start: int, n: int, clock: Callable[[], float]) -> float:
     """Seconds per token for ``n`` one-position steps through ``stages`` (hidden rows handed stage to stage)."""
     tokens = [first_token]
-    began = time.perf_counter()
+    began = clock()
     for i in range(n):
         out = stages[0].run(tokens=tokens, pos=[start + i], seq=[0])
         for stage in stages[1:]:
             out = stage.run(hidden=out, pos=[start + i], seq=[0])
-    elapsed = time.perf_counter() - began
+    elapsed = clock() - began
     for stage in stages:
         llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(stage.ctx), 0, start, -1)
     return elapsed / n
 
 
-def time_configs(path: Path, shard_dir: Path, n_tokens: int, rounds: int) -> dict[str, float]:
+def time_configs(path: Path, shard_dir: Path, n_tokens: int, rounds: int, n_threads: int,
+                 clock: Callable[[], float]) -> dict[str, float]:
     nothing = llama_cpp.ggml_backend_sched_eval_callback(lambda _t, _ask, _ud: False)
     configs: dict[str, list[Stage]] = {
-        "plain": [open_stage(path, n_ctx=N_CTX)],
-        "trampoline": [_stage_with_callback(path, nothing)],
-        "capture": [open_stage(path, n_ctx=N_CTX, capture_last=True, stop_after=False)],
-        "capture+stop": [open_stage(path, n_ctx=N_CTX, capture_last=True)],
+        "plain": [open_stage(path, n_ctx=N_CTX, n_threads=n_threads)],
+        "trampoline": [_stage_with_callback(path, nothing, n_threads)],
+        "capture": [open_stage(path, n_ctx=N_CTX, n_threads=n_threads, capture_last=True, stop_after=False)],
+        "capture+stop": [open_stage(path, n_ctx=N_CTX, n_threads=n_threads, capture_last=True)],
     }
     for bounds in SPLITS:
-        name = "chain " + "+".join(f"[{a},{b})" for a, b in zip(bounds[:-1], bounds[1:], strict=True))
-        configs[name] = open_chain([shard_dir / f"shard-{a}-{b}.gguf" for a, b in zip(bounds[:-1], bounds[1:],
-                                                                                        strict=True)], n_ctx=N_CTX)
+        pairs = list(zip(bounds[:-1], bounds[1:], strict=True))
+        paths = [shard_dir / f"shard-{a}-{b}.gguf" for a, b in pairs]
+        configs["chain " + "+".join(f"[{a},{b})" for a, b in pairs)] = open_chain(paths, n_ctx=N_CTX,
+                                                                                    n_threads=n_threads)
     try:
         prompt = tokenize(configs["plain"][0], PROMPT)
         n = len(prompt)
@@ -92,7 +97,7 @@ def time_configs(path: Path, shard_dir: Path, n_tokens: int, rounds: int) -> dic
         samples: dict[str, list[float]] = {k: [] for k in configs}
         for _ in range(rounds + 1):  # the first round warms caches and is dropped
             for name, stages in configs.items():
-                samples[name].append(_decode_steps(stages, prompt[-1], n, n_tokens))
+                samples[name].append(_decode_steps(stages, prompt[-1], n, n_tokens, clock))
         return {k: statistics.median(v[1:]) for k, v in samples.items()}
     finally:
         for stages in configs.values():
@@ -130,7 +135,7 @@ def memory_child(path: Path, first: int, last: bool, n_steps: int) -> dict[str, 
 
     A head (``first == 0``) gets token ids; any other shard gets hidden rows (their values do not matter for memory).
     """
-    before = _vm_kib("VmRSS")
+    before = {f: _vm_kib(f) for f in ("VmRSS", "RssAnon", "RssFile")}
     stage = open_stage(path, n_ctx=N_CTX, capture_last=not last)
     rows = np.full((64, stage.n_embd), 0.5, np.float32)
     for i in range(-1, n_steps):
@@ -139,7 +144,9 @@ def memory_child(path: Path, first: int, last: bool, n_steps: int) -> dict[str, 
             stage.run(tokens=[2] + [818] * (len(pos) - 1) if i < 0 else [818], pos=pos, seq=[0] * len(pos))
         else:
             stage.run(hidden=rows[:len(pos)], pos=pos, seq=[0] * len(pos))
-    return {"rss_growth_mib": (_vm_kib("VmHWM") - before) / 1024,
+    return {"rss_growth_mib": (_vm_kib("VmHWM") - before["VmRSS"]) / 1024,
+            "anon_mib": (_vm_kib("RssAnon") - before["RssAnon"]) / 1024,
+            "file_backed_mib": (_vm_kib("RssFile") - before["RssFile"]) / 1024,
             "model_bytes_mib": llama_cpp.llama_model_size(stage.model) / 2**20,
             "state_bytes_mib": llama_cpp.llama_state_get_size(stage.ctx) / 2**20,
             "file_mib": path.stat().st_size / 2**20}
@@ -159,6 +166,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
     parser.add_argument("--tokens", type=int, default=64, help="decode steps per round")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1, help="ggml threads per context")
+    parser.add_argument("--wall", action="store_true", help="wall time instead of the calling thread's CPU time")
     parser.add_argument("--memory-child", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--first", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--last", action=argparse.BooleanOptionalAction, default=True, help=argparse.SUPPRESS)
@@ -177,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 target = shard_dir / f"shard-{a}-{b}.gguf"
                 if not target.exists():
                     write_shard(path, target, a, b)
-        _report_timing(path, shard_dir, args.tokens, args.rounds)
+        _report_timing(path, shard_dir, args.tokens, args.rounds, args.threads, args.wall)
         files = {"whole [0,18)": (path, 0, True)}
         for bounds in SPLITS:
             for a, b in zip(bounds[:-1], bounds[1:], strict=True):
@@ -185,28 +194,31 @@ def main(argv: Sequence[str] | None = None) -> None:
         _report_memory(measure_memory(files, 16))
 
 
-def _report_timing(path: Path, shard_dir: Path, n_tokens: int, rounds: int) -> None:
+def _report_timing(path: Path, shard_dir: Path, n_tokens: int, rounds: int, n_threads: int, wall: bool) -> None:
     asks_whole, asks_stopped = count_asks(path)
-    t = time_configs(path, shard_dir, n_tokens, rounds)
+    t = time_configs(path, shard_dir, n_tokens, rounds, n_threads, time.perf_counter if wall else time.thread_time)
     ref = t["plain"]
-    print(f"decode, {n_tokens} tokens x {rounds} rounds (median), Gemma 3 270M Q4_K_M, 2 threads")
+    print(f"decode, {n_tokens} tokens x {rounds} rounds (median), Gemma 3 270M Q4_K_M, {n_threads} thread(s), "
+          f"{'wall' if wall else 'calling-thread CPU'} time")
     for name, sec in t.items():
         print(f"  {name:28s} {sec * 1e3:8.3f} ms/token   x{sec / ref:.3f} of plain")
     per_token = t["capture"] - ref
     fmt: Callable[[float], str] = lambda s: f"{s * 1e6:.1f} us"  # noqa: E731
     print(f"  name checks per token: {asks_whole} (whole graph), {asks_stopped} (stopped after the last layer)")
     print(f"  capture overhead per token: {fmt(per_token)} ({per_token / ref:+.2%} of plain); "
-          f"per callback: {fmt(per_token / asks_whole)}; trampoline alone: {fmt((t['trampoline'] - ref))}")
+          f"per callback: {fmt(per_token / asks_whole)}; trampoline alone: {fmt(t['trampoline'] - ref)}")
     print(f"  lm_head skipped by stop: {fmt(t['capture'] - t['capture+stop'])} per token")
 
 
 def _report_memory(mem: dict[str, dict[str, float]]) -> None:
     whole = mem["whole [0,18)"]["rss_growth_mib"]
-    print("memory, after load + 64-token prompt + 16 decode steps (n_ctx 512), child process per file")
+    print("memory, after load + 64-token prompt (all rows output) + 16 decode steps (n_ctx 512), "
+          "child process per file")
     for name, m in mem.items():
         print(f"  {name:14s} file {m['file_mib']:7.1f} MiB  tensors {m['model_bytes_mib']:7.1f} MiB  "
               f"state {m['state_bytes_mib']:6.2f} MiB  peak RSS growth {m['rss_growth_mib']:7.1f} MiB "
-              f"(x{m['rss_growth_mib'] / whole:.2f} of whole)")
+              f"(x{m['rss_growth_mib'] / whole:.2f} of whole; now {m['file_backed_mib']:.0f} file-backed + "
+              f"{m['anon_mib']:.0f} anonymous)")
 
 
 if __name__ == "__main__":

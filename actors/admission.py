@@ -1,0 +1,84 @@
+"""A node's gate: which requests may open, drive or close a Route Session here.
+
+Off when no verifier is configured (no swarm secret, no Ed25519 key): everything is admitted, as before. On, a
+session is opened only with a capability that verifies, is unexpired, names this node, this hop, this session and
+this exact route, and has not opened a session here before (no replay). The open binds the session to the
+capability's session token; every later request about the session must carry that token, checked with a
+constant-time compare — one header lookup and one ``hmac.compare_digest`` on the per-token path.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+
+from bus import capability as caps
+from schemas.capability import Capability
+from schemas.errors import CapabilityError, PermissionDeniedError
+from schemas.session import SessionOpen
+
+
+class Admission:
+    def __init__(self, verifier: caps.Verifier | None, node_id: str, *, skew_s: float) -> None:
+        self._verifier = verifier
+        self._node_id = node_id
+        self._skew_s = skew_s
+        self._used: dict[str, float] = {}
+        """session id -> the capability's expiry: a capability opens its session once (bounded by expiry)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self._verifier is not None
+
+    def _verified(self, token: str, *, now: float) -> Capability:
+        assert self._verifier is not None
+        claims = caps.verify(token, self._verifier)
+        if now > claims.expires_at + self._skew_s:
+            raise CapabilityError(f"session capability expired {now - claims.expires_at:.0f}s ago; "
+                                  f"ask the tracker for a new route", code="capability_expired")
+        if claims.node_id != self._node_id:
+            raise PermissionDeniedError(f"session capability is for node {claims.node_id}, not {self._node_id}")
+        return claims
+
+    def admit_open(self, request: SessionOpen) -> Capability | None:
+        """Check ``request.capability`` (None when admission is off); ``record`` it once the session is open."""
+        if self._verifier is None:
+            return None
+        now = time.time()
+        claims = self._verified(request.capability, now=now)
+        if claims.session_id != request.session_id:
+            raise PermissionDeniedError(f"session capability is for session {claims.session_id}, "
+                                        f"not {request.session_id}")
+        if claims.hop != request.hop_index:
+            raise PermissionDeniedError(f"session capability is for hop {claims.hop}, not hop {request.hop_index}")
+        if claims.route_digest != caps.route_digest(request.route):
+            raise PermissionDeniedError("session capability was issued for a different route (hops, endpoints or "
+                                        "layers changed)")
+        self._forget_expired(now)
+        if claims.session_id in self._used:
+            raise PermissionDeniedError(f"session capability for {claims.session_id} was already used on this node")
+        return claims
+
+    def record(self, claims: Capability | None) -> None:
+        """The session opened: its capability may not open it again (a replay after close)."""
+        if claims is not None:
+            self._used[claims.session_id] = claims.expires_at
+
+    def _forget_expired(self, now: float) -> None:
+        for sid in [s for s, exp in self._used.items() if now > exp + self._skew_s]:
+            del self._used[sid]
+
+    def check_capability(self, token: str | None) -> None:
+        """Session-less calls (tokenize): any live capability for this node will do."""
+        if self._verifier is not None:
+            self._verified(token or "", now=time.time())
+
+    @staticmethod
+    def check_session_token(bound: str | None, given: str | None) -> None:
+        """Per request on an open session: constant-time compare against the token bound at open."""
+        if bound is None:
+            return
+        if not given:
+            raise CapabilityError(f"missing {caps.HEADER_SESSION_TOKEN} header for this session")
+        if not hmac.compare_digest(bound.encode(), given.encode()):
+            raise PermissionDeniedError("wrong session token for this session")

@@ -1,0 +1,542 @@
+"""The llama.cpp backend: one GGUF (a whole model or a layer-range shard) served through llama-cpp-python's C API.
+
+One model, one context shared by every session. Each session owns a llama.cpp sequence id (its KV cells); the KV
+cache is unified (``kv_unified``) so that a step mixing prefill chunks of one session with decode positions of
+others is a single ``llama_decode`` call over one ubatch, its rows in batch order. ``n_ctx`` is per session: the
+context holds ``n_ctx * max_sessions`` cells and the backend stops any session at ``n_ctx`` positions.
+
+Layer ranges: a shard GGUF (``artifacts.shard``) holds layers ``[start, end)`` renumbered from 0. The head looks
+tokens up itself; every other hop is fed the previous hop's hidden states through ``llama_batch.embd``. A non-tail
+hop asks for every row as an output (llama.cpp prunes the last layer to output rows) and copies its last layer's
+output ``l_out-<n-1>`` out of the graph with ``ggml_capture.LayerCapture``, which also stops the graph there so the
+lm_head never runs. The tail samples with each session's llama.cpp sampler chain.
+
+Every public method takes ``_lock``: the node drives ``step`` from one worker thread, but a close arriving from
+elsewhere must never run ``llama_memory_seq_rm`` in the middle of a decode.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import hashlib
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+import numpy as np
+
+from actors.backend import Hidden, StepInput, StepOutput
+from actors.backends.chat_template import ChatTemplate, select_template
+from actors.backends.ggml_capture import LayerCapture
+from actors.backends.gguf_check import GGUFFacts, ModelLoadError, inspect_gguf
+from actors.backends.llama_batch import Batch
+from actors.backends.sampling import Sampler
+from schemas.errors import BackendError, BadRequestError, CapacityError, ContextLengthError, SessionNotFoundError
+from schemas.node import BackendInfo, LayerRange
+from schemas.session import CONTEXT_CAP, Prompt, SamplingParams
+
+__all__ = ["LlamaCppBackend", "LlamaCppConfig", "ModelLoadError", "load_llamacpp"]
+
+log = logging.getLogger(__name__)
+
+_backend_ready = False
+_backend_lock = threading.Lock()
+
+
+@dataclasses.dataclass
+class LlamaCppConfig:
+    """How to load and run one GGUF."""
+
+    model_path: Path
+    """A whole-model GGUF, or a shard GGUF written by ``artifacts.shard.write_shard``."""
+
+    n_ctx: int = 4096
+    """Context per session (prompt + generated tokens); capped at the model's training context."""
+
+    max_sessions: int = 4
+    """Sessions holding KV at once: llama.cpp sequences in the shared context."""
+
+    threads: int = 0
+    """CPU threads for decode and prefill; 0 means every core."""
+
+    n_batch: int = 512
+    """Most positions one step may carry across its sessions (one ubatch, so one graph per step)."""
+
+    layer_start: int | None = None
+    layer_end: int | None = None
+    """Serve layers ``[layer_start, layer_end)`` of a whole-model file: the shard GGUF is cut (once) into
+    ``shard_dir``. ``None`` means the file's own range (the whole model, or what a shard file holds)."""
+
+    shard_dir: Path | None = None
+    """Where cut shards go; default ``<model dir>/<model stem>.shards``."""
+
+    flash_attn: bool = False
+    """llama.cpp flash attention; off by default like llama-cpp-python's ``Llama``."""
+
+    sha256: str | None = None
+    """The loaded file's sha256 when already known (a verified artifact); otherwise it is computed at load."""
+
+    verbose: bool = False
+    """Let llama.cpp's own log through (it is chatty: off by default)."""
+
+    def __post_init__(self) -> None:
+        self.model_path = Path(self.model_path)
+        self.shard_dir = Path(self.shard_dir) if self.shard_dir is not None else None
+        if self.n_ctx < 1 or self.max_sessions < 1 or self.n_batch < 1 or self.threads < 0:
+            raise ValueError("n_ctx, max_sessions and n_batch must be positive and threads non-negative")
+        if self.max_sessions > llama_cpp.llama_max_parallel_sequences():
+            raise ValueError(f"max_sessions {self.max_sessions} exceeds llama.cpp's "
+                             f"{llama_cpp.llama_max_parallel_sequences()} sequences")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Placement:
+    """Which file is loaded and which layers of the whole model it holds."""
+
+    facts: GGUFFacts
+    layers: LayerRange
+    n_layers_total: int
+
+    @property
+    def is_head(self) -> bool:
+        return self.layers.start == 0
+
+    @property
+    def is_tail(self) -> bool:
+        return self.layers.end == self.n_layers_total
+
+
+@dataclasses.dataclass
+class _Session:
+    seq_id: int
+    position: int = 0
+    sampler: Sampler | None = None
+    sampled_row: int = -1
+    """Batch row whose logits the last sample read (the row ``last_logits`` returns)."""
+
+
+def _init_llama(verbose: bool) -> None:
+    global _backend_ready
+    logging.getLogger("llama-cpp-python").setLevel(logging.DEBUG if verbose else logging.ERROR)
+    with _backend_lock:
+        if not _backend_ready:
+            llama_cpp.llama_backend_init()
+            _backend_ready = True
+
+
+def _place(config: LlamaCppConfig) -> _Placement:
+    """Inspect the file and, when asked for a sub-range of a whole model, cut (or reuse) the shard GGUF."""
+    facts = inspect_gguf(config.model_path)
+    shard = facts.shard
+    if shard is not None:
+        own = (shard.start, shard.end)
+        wanted = (config.layer_start if config.layer_start is not None else shard.start,
+                  config.layer_end if config.layer_end is not None else shard.end)
+        if wanted != own:
+            raise ModelLoadError(f"{config.model_path} is a shard of layers [{own[0]}, {own[1]}), "
+                                 f"not [{wanted[0]}, {wanted[1]})")
+        return _Placement(facts, LayerRange(start=shard.start, end=shard.end), shard.n_layers_total)
+    n = facts.layout.n_layers
+    start = config.layer_start if config.layer_start is not None else 0
+    end = config.layer_end if config.layer_end is not None else n
+    if not 0 <= start < end <= n:
+        raise ModelLoadError(f"layer range [{start}, {end}) is not within the {n} layers of {config.model_path}")
+    if (start, end) == (0, n):
+        return _Placement(facts, LayerRange(start=0, end=n), n)
+    return _Placement(inspect_gguf(_cut_shard(config, start, end)), LayerRange(start=start, end=end), n)
+
+
+def _cut_shard(config: LlamaCppConfig, start: int, end: int) -> Path:
+    from artifacts.shard import shard_file_name, write_shard
+
+    directory = config.shard_dir or config.model_path.parent / f"{config.model_path.stem}.shards"
+    path = directory / shard_file_name(start, end)
+    if not path.exists():
+        log.info("cutting layers [%d, %d) of %s into %s", start, end, config.model_path, path)
+        write_shard(config.model_path, path, start, end)
+    return path
+
+
+def _file_sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+class LlamaCppBackend:
+    """A ``Backend`` over one llama.cpp model and context. Build it with ``load_llamacpp``."""
+
+    def __init__(self, config: LlamaCppConfig) -> None:
+        _init_llama(config.verbose)
+        self.config = config
+        self._placement = _place(config)
+        self._path = self._placement.facts.path
+        self._lock = threading.RLock()
+        self._sessions: dict[str, _Session] = {}
+        self._free_seqs = list(range(config.max_sessions - 1, -1, -1))
+        self._piece_cache: dict[int, bytes] = {}
+        self._model: Any = None
+        self._ctx: Any = None
+        try:
+            self._load()
+        except BaseException:
+            self.close()
+            raise
+
+    # --- loading ----------------------------------------------------------------------------------------------
+
+    def _load(self) -> None:
+        params = llama_cpp.llama_model_default_params()
+        self._model = llama_cpp.llama_model_load_from_file(str(self._path).encode(), params)
+        if not self._model:
+            raise ModelLoadError(f"llama.cpp could not load model file {self._path} (see its log with verbose=True)")
+        self._vocab = llama_cpp.llama_model_get_vocab(self._model)
+        self._n_embd = int(llama_cpp.llama_model_n_embd(self._model))
+        self._n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
+        self._n_ctx = min(self.config.n_ctx, int(llama_cpp.llama_model_n_ctx_train(self._model)), CONTEXT_CAP)
+        self._threads = self.config.threads or os.cpu_count() or 1
+        self._capture = None if self.is_tail else LayerCapture(
+            int(llama_cpp.llama_model_n_layer(self._model)) - 1, self._n_embd)
+        self._ctx = llama_cpp.llama_init_from_model(self._model, self._context_params())
+        if not self._ctx:
+            raise ModelLoadError(f"llama.cpp could not create a context for {self._path} "
+                                 f"({self.config.max_sessions} x {self._n_ctx} tokens)")
+        self._memory = llama_cpp.llama_get_memory(self._ctx)
+        self._batch = Batch(self.config.n_batch, 0 if self.is_head else self._n_embd)
+        self._template = self._chat_template() if self.is_head else None
+        self._info = self._make_info()
+
+    def _context_params(self) -> llama_cpp.llama_context_params:
+        c = self.config
+        p = llama_cpp.llama_context_default_params()
+        p.n_ctx = self._n_ctx * c.max_sessions
+        p.n_batch = p.n_ubatch = c.n_batch
+        p.n_seq_max = c.max_sessions
+        p.n_threads = p.n_threads_batch = self._threads
+        p.kv_unified = True
+        # Windowed layers keep only their window per sequence: sessions never roll back, so the full-size SWA
+        # cache (llama.cpp's default, for prefix reuse) would only cost memory.
+        p.swa_full = False
+        p.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if c.flash_attn
+                             else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        # The tail needs one logits row per sampling session; a non-tail hop needs every row (its hidden states).
+        # Sizing the output to that keeps a vocab-wide logits buffer per batch row (0.5 GB here) out of memory.
+        p.n_outputs_max = c.max_sessions if self.is_tail else c.n_batch
+        p.no_perf = True
+        if self._capture is not None:
+            self._capture.install(p)
+        return p
+
+    def _chat_template(self) -> ChatTemplate | None:
+        bos, eos = llama_cpp.llama_vocab_bos(self._vocab), llama_cpp.llama_vocab_eos(self._vocab)
+        return select_template(self._placement.facts.chat_template, self._placement.facts.architecture,
+                               bos_token=self._token_text(bos), eos_token=self._token_text(eos))
+
+    def _token_text(self, token: int) -> str:
+        if token < 0:
+            return ""
+        text = llama_cpp.llama_vocab_get_text(self._vocab, token)
+        return text.decode("utf-8", errors="replace") if text else ""
+
+    def _make_info(self) -> BackendInfo:
+        facts = self._placement.facts
+        version = llama_cpp.llama_version().decode()
+        return BackendInfo(
+            kind="llamacpp", model_name=facts.name, architecture=facts.architecture, file_type=facts.file_type,
+            n_layers=self._placement.n_layers_total, hidden_size=self._n_embd, hidden_shape=[self._n_embd],
+            n_vocab=self._n_vocab, context_length=self._n_ctx, threads=self._threads,
+            version=f"llama.cpp {version} (llama-cpp-python {llama_cpp.__version__})",
+            artifact_sha256=self.config.sha256 or _file_sha256(self._path), wire_dtype="f32")
+
+    # --- Backend properties -------------------------------------------------------------------------------------
+
+    @property
+    def info(self) -> BackendInfo:
+        return self._info
+
+    @property
+    def layers(self) -> LayerRange:
+        return self._placement.layers
+
+    @property
+    def is_head(self) -> bool:
+        return self._placement.is_head
+
+    @property
+    def is_tail(self) -> bool:
+        return self._placement.is_tail
+
+    @property
+    def max_sessions(self) -> int:
+        return self.config.max_sessions
+
+    @property
+    def max_batch_tokens(self) -> int:
+        return self.config.n_batch
+
+    @property
+    def model_file(self) -> Path:
+        """The file actually loaded (the cut shard when a sub-range of a whole model was asked for)."""
+        return self._path
+
+    @property
+    def chat_template(self) -> ChatTemplate | None:
+        return self._template
+
+    # --- tokens -------------------------------------------------------------------------------------------------
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if not self.is_head:
+            raise BadRequestError("only the head node tokenizes")
+        if prompt.messages is not None:
+            text = self._render(prompt.messages, prompt.add_generation_prompt)
+        elif prompt.text is not None:
+            text = prompt.text
+        else:
+            raise BadRequestError("prompt has neither text nor messages")
+        tokens = self._tokenize(text)
+        if not tokens:
+            raise BadRequestError("the prompt is empty")
+        return tokens
+
+    def _render(self, messages: Sequence[dict[str, object]], add_generation_prompt: bool) -> str:
+        if self._template is None:
+            raise BadRequestError(f"{self._info.model_name} has no chat template and no known fallback for "
+                                  f"architecture {self._info.architecture!r}; use the completions endpoint")
+        text = self._template.render(messages, add_generation_prompt=add_generation_prompt)
+        # Templates write BOS themselves; tokenizing adds it again when the vocabulary wants one, so drop the
+        # written one rather than send it twice (llama.cpp's server does the same).
+        bos = self._template.bos_token
+        if bos and text.startswith(bos) and llama_cpp.llama_vocab_get_add_bos(self._vocab):
+            text = text[len(bos):]
+        return text
+
+    def _tokenize(self, text: str) -> list[int]:
+        raw = text.encode("utf-8")
+        room = len(raw) + 8
+        buf = (llama_cpp.llama_token * room)()
+        n = llama_cpp.llama_tokenize(self._vocab, raw, len(raw), buf, room, True, True)
+        if n < 0:
+            room = -n
+            buf = (llama_cpp.llama_token * room)()
+            n = llama_cpp.llama_tokenize(self._vocab, raw, len(raw), buf, room, True, True)
+        if n < 0:
+            raise BackendError(f"llama.cpp failed to tokenize a {len(raw)}-byte prompt")
+        return list(buf[:n])
+
+    def token_bytes(self, token: int) -> bytes:
+        piece = self._piece_cache.get(token)
+        if piece is None:
+            piece = self._piece(token)
+            self._piece_cache[token] = piece
+        return piece
+
+    def _piece(self, token: int) -> bytes:
+        if not 0 <= token < self._n_vocab:
+            raise BadRequestError(f"token {token} is outside the vocabulary (0..{self._n_vocab - 1})")
+        # special=False: control tokens render as nothing, as in llama.cpp's server and llama-cpp-python output.
+        size = 64
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, size, 0, False)
+            if n >= 0:
+                return buf.raw[:n]
+            size = -n
+
+    def is_end_of_generation(self, token: int) -> bool:
+        return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
+
+    # --- sessions -----------------------------------------------------------------------------------------------
+
+    def open_session(self, session_id: str, *, prompt_tokens: list[int], sampling: SamplingParams) -> None:
+        with self._lock:
+            self._require_open()
+            if session_id in self._sessions:
+                raise BadRequestError(f"session {session_id} is already open on this node")
+            if len(prompt_tokens) >= self._n_ctx:
+                raise ContextLengthError(f"prompt of {len(prompt_tokens)} tokens leaves no room in the "
+                                         f"{self._n_ctx}-token context")
+            if not self._free_seqs:
+                raise CapacityError(f"all {self.config.max_sessions} sequences of this node are in use")
+            seq_id = self._free_seqs.pop()
+            # Defensive: a sequence id comes back to the pool only after its cells were removed.
+            llama_cpp.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
+            session = _Session(seq_id)
+            if self.is_tail:
+                try:
+                    session.sampler = Sampler(sampling, n_vocab=self._n_vocab, prompt_tokens=prompt_tokens)
+                except BaseException:
+                    self._free_seqs.append(seq_id)
+                    raise
+            self._sessions[session_id] = session
+
+    def close_session(self, session_id: str) -> None:
+        with self._lock:
+            session = self._sessions.pop(session_id, None)
+            if session is None:
+                return
+            if self._ctx is not None:
+                llama_cpp.llama_memory_seq_rm(self._memory, session.seq_id, -1, -1)
+            if session.sampler is not None:
+                session.sampler.close()
+            self._free_seqs.append(session.seq_id)
+
+    @property
+    def open_sessions(self) -> list[str]:
+        with self._lock:
+            return list(self._sessions)
+
+    def session_position(self, session_id: str) -> int:
+        """Positions of ``session_id`` held in KV so far."""
+        with self._lock:
+            return self._session(session_id).position
+
+    def kv_cells(self, session_id: str) -> tuple[int, int]:
+        """(lowest, highest) position llama.cpp holds for the session's sequence; (-1, -1) when it holds none."""
+        with self._lock:
+            seq = self._session(session_id).seq_id
+            return (int(llama_cpp.llama_memory_seq_pos_min(self._memory, seq)),
+                    int(llama_cpp.llama_memory_seq_pos_max(self._memory, seq)))
+
+    def seq_cells(self, seq_id: int) -> tuple[int, int]:
+        """As ``kv_cells`` for a raw sequence id (to check a closed session left nothing behind)."""
+        with self._lock:
+            return (int(llama_cpp.llama_memory_seq_pos_min(self._memory, seq_id)),
+                    int(llama_cpp.llama_memory_seq_pos_max(self._memory, seq_id)))
+
+    def seq_id_of(self, session_id: str) -> int:
+        with self._lock:
+            return self._session(session_id).seq_id
+
+    def kv_bytes_in_use(self) -> int:
+        with self._lock:
+            if self._ctx is None:
+                return 0
+            return sum(int(llama_cpp.llama_state_seq_get_size(self._ctx, s.seq_id))
+                       for s in self._sessions.values() if s.position)
+
+    def _session(self, session_id: str) -> _Session:
+        try:
+            return self._sessions[session_id]
+        except KeyError:
+            raise SessionNotFoundError(f"session {session_id} is not open on this node") from None
+
+    def _require_open(self) -> None:
+        if self._ctx is None:
+            raise BackendError("the llama.cpp backend is closed")
+
+    # --- the forward pass ---------------------------------------------------------------------------------------
+
+    def step(self, batch: list[StepInput]) -> list[StepOutput]:
+        with self._lock:
+            self._require_open()
+            sessions = self._check(batch)
+            spans = self._fill(batch, sessions)
+            if self._capture is not None:
+                self._capture.arm(self._batch.n)
+            rc = llama_cpp.llama_decode(self._ctx, self._batch.struct())
+            if rc != 0:
+                self._after_failed_decode(rc, sessions, batch)
+            outputs = self._collect(batch, sessions, spans)
+            for item, session in zip(batch, sessions, strict=True):
+                session.position = item.start_position + item.n_positions
+            return outputs
+
+    def _check(self, batch: list[StepInput]) -> list[_Session]:
+        if not batch:
+            raise BadRequestError("empty step")
+        sessions = [self._session(item.session_id) for item in batch]
+        if len({id(s) for s in sessions}) != len(sessions):
+            raise BadRequestError("a step may carry each session at most once")
+        total = 0
+        for item, session in zip(batch, sessions, strict=True):
+            n = item.n_positions
+            total += n
+            if item.start_position != session.position:
+                raise BadRequestError(f"session {item.session_id}: step starts at position {item.start_position}, "
+                                      f"the node holds {session.position}")
+            if item.start_position + n > self._n_ctx:
+                raise ContextLengthError(f"session {item.session_id} would exceed its {self._n_ctx}-token context")
+            if item.tokens is not None and any(not 0 <= t < self._n_vocab for t in item.tokens):
+                raise BadRequestError(f"token id outside the vocabulary (0..{self._n_vocab - 1})")
+        if total > self.config.n_batch:
+            raise BadRequestError(f"step carries {total} positions, more than {self.config.n_batch}")
+        return sessions
+
+    def _fill(self, batch: list[StepInput], sessions: list[_Session]) -> list[tuple[int, int]]:
+        self._batch.clear()
+        spans = []
+        for item, session in zip(batch, sessions, strict=True):
+            if not self.is_tail:
+                output = "all"
+            else:
+                output = "last" if item.sample else "none"
+            hidden = None if item.hidden is None else np.asarray(item.hidden, dtype=np.float32)
+            spans.append(self._batch.add(session.seq_id, item.start_position, tokens=item.tokens, hidden=hidden,
+                                         output=output))
+        return spans
+
+    def _after_failed_decode(self, rc: int, sessions: list[_Session], batch: list[StepInput]) -> None:
+        # llama.cpp rolls back what the failed call wrote; cells past each session's position are dropped here
+        # too so that a retry starts from a clean sequence.
+        for session in sessions:
+            llama_cpp.llama_memory_seq_rm(self._memory, session.seq_id, session.position, -1)
+        ids = ", ".join(item.session_id for item in batch)
+        if rc == 1:
+            raise CapacityError(f"llama.cpp found no KV room for this step (sessions {ids})")
+        raise BackendError(f"llama_decode failed with status {rc} (sessions {ids})")
+
+    def _collect(self, batch: list[StepInput], sessions: list[_Session],
+                 spans: list[tuple[int, int]]) -> list[StepOutput]:
+        if self._capture is not None:
+            hidden: Hidden = self._capture.take()
+            return [StepOutput(hidden=hidden[lo:hi]) for lo, hi in spans]
+        outputs = []
+        for item, session, (_lo, hi) in zip(batch, sessions, spans, strict=True):
+            token = None
+            session.sampled_row = -1
+            if item.sample:
+                assert session.sampler is not None
+                token = session.sampler.sample(self._ctx, hi - 1)
+                session.sampled_row = hi - 1
+            outputs.append(StepOutput(token=token))
+        return outputs
+
+    def last_logits(self, session_id: str) -> np.ndarray[Any, np.dtype[np.float32]]:
+        """The logits the session's last sample was drawn from (a copy; valid until the next step). Tail only:
+        for diagnostics and tests that need to tell a near-tie from a real divergence."""
+        with self._lock:
+            row = self._session(session_id).sampled_row
+            ptr = llama_cpp.llama_get_logits_ith(self._ctx, row) if row >= 0 else None
+            if not ptr:
+                raise BadRequestError(f"session {session_id} sampled nothing in the last step")
+            return np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)).copy()
+
+    # --- teardown -----------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        with self._lock:
+            for session in self._sessions.values():
+                if session.sampler is not None:
+                    session.sampler.close()
+            self._sessions.clear()
+            if self._ctx is not None:
+                llama_cpp.llama_free(self._ctx)
+                self._ctx = None
+            if self._model is not None:
+                llama_cpp.llama_model_free(self._model)
+                self._model = None
+
+
+def load_llamacpp(**options: Any) -> LlamaCppBackend:
+    """``load_backend("llamacpp", ...)``: options are ``LlamaCppConfig`` fields (``model_path``, ``n_ctx``,
+    ``max_sessions``, ``threads``, ``n_batch``, ``layer_start``, ``layer_end``, ...)."""
+    try:
+        config = LlamaCppConfig(**options)
+    except TypeError as e:
+        raise ValueError(f"bad llamacpp backend options: {e}") from e
+    return LlamaCppBackend(config)

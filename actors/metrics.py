@@ -1,0 +1,115 @@
+"""Prometheus metrics of a node, served at ``GET /metrics`` on the node's HTTP API.
+
+Each ``NodeMetrics`` has its own registry, so several nodes in one process (tests) keep separate series. The
+artifact plane's byte counters are per process instead (one torrent session serves every shard of a process):
+its code calls ``count_artifact_fetched`` / ``count_artifact_served``, and every node of the process exposes them.
+
+Series (all names prefixed ``swarmroute_``)::
+
+    node_sessions_opened_total{role}          head | middle | tail | whole
+    node_sessions_ended_total{outcome}        head only: complete | failed
+    node_live_sessions                        sessions holding KV now
+    node_max_sessions                         KV slots
+    node_kv_bytes                             KV memory in use (backend's count)
+    node_step_seconds{kind}                   backend compute of one step (prefill chunk / decode position)
+    node_queue_seconds                        wait for the backend worker before a step ran
+    node_hop_seconds{peer,kind}               sending a frame (or token) to the next hop until it answered;
+                                              a hop answers after computing, so this is link + peer compute
+    node_link_overhead_seconds                head: per-link cost of a decode step, (wall - compute) / links
+    node_ttft_seconds                         head: session start to first sampled token
+    node_time_per_output_token_seconds        head: one decode step around the ring
+    node_frame_bytes_received_total           activation bytes received from the previous hop
+    artifact_bytes_fetched_total{model}       artifact bytes downloaded by this process
+    artifact_bytes_served_total{model}        artifact bytes uploaded to peers by this process
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from schemas.session import HopTiming
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+"""Per-step and per-hop times: sub-millisecond loopback links up to multi-second prefill chunks."""
+_SLOW = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+"""Time to first token: includes prefill of long prompts."""
+
+_ARTIFACTS = CollectorRegistry(auto_describe=True)
+_FETCHED = Counter("swarmroute_artifact_bytes_fetched", "Model artifact bytes downloaded by this process",
+                   ["model"], registry=_ARTIFACTS)
+_SERVED = Counter("swarmroute_artifact_bytes_served", "Model artifact bytes uploaded to peers by this process",
+                  ["model"], registry=_ARTIFACTS)
+
+
+def count_artifact_fetched(nbytes: int, model_id: str = "") -> None:
+    """The artifact plane calls this with each chunk of payload bytes it downloads (deltas, not totals)."""
+    if nbytes > 0:
+        _FETCHED.labels(model=model_id).inc(nbytes)
+
+
+def count_artifact_served(nbytes: int, model_id: str = "") -> None:
+    """The artifact plane calls this with each chunk of payload bytes it uploads to a peer (deltas, not totals)."""
+    if nbytes > 0:
+        _SERVED.labels(model=model_id).inc(nbytes)
+
+
+class NodeMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.sessions_opened = Counter("swarmroute_node_sessions_opened", "Route Sessions opened on this node",
+                                       ["role"], registry=r)
+        self.sessions_ended = Counter("swarmroute_node_sessions_ended", "Route Sessions this node drove as head, "
+                                      "by outcome", ["outcome"], registry=r)
+        self.live_sessions = Gauge("swarmroute_node_live_sessions", "Sessions holding KV on this node", registry=r)
+        self.max_sessions = Gauge("swarmroute_node_max_sessions", "KV slots of this node", registry=r)
+        self.kv_bytes = Gauge("swarmroute_node_kv_bytes", "KV memory in use", registry=r)
+        self.step_seconds = Histogram("swarmroute_node_step_seconds", "Backend compute of one step",
+                                      ["kind"], buckets=_FAST, registry=r)
+        self.queue_seconds = Histogram("swarmroute_node_queue_seconds", "Wait for the backend worker", buckets=_FAST,
+                                       registry=r)
+        self.hop_seconds = Histogram("swarmroute_node_hop_seconds", "Send to the next hop until it answered "
+                                     "(link + the peer's compute)", ["peer", "kind"], buckets=_FAST, registry=r)
+        self.link_overhead = Histogram("swarmroute_node_link_overhead_seconds", "Head: per-link overhead of a "
+                                       "decode step", buckets=_FAST, registry=r)
+        self.ttft = Histogram("swarmroute_node_ttft_seconds", "Head: session start to first token", buckets=_SLOW,
+                              registry=r)
+        self.tpot = Histogram("swarmroute_node_time_per_output_token_seconds", "Head: one decode step around the "
+                              "ring", buckets=_FAST, registry=r)
+        self.frame_bytes = Counter("swarmroute_node_frame_bytes_received", "Activation bytes received", registry=r)
+
+    def bind(self, *, live_sessions: Callable[[], int], max_sessions: Callable[[], int],
+             kv_bytes: Callable[[], int]) -> None:
+        """Gauges read at scrape time (in the event loop, like the heartbeat that reads the same values)."""
+        self.live_sessions.set_function(lambda: float(live_sessions()))
+        self.max_sessions.set_function(lambda: float(max_sessions()))
+        self.kv_bytes.set_function(lambda: float(kv_bytes()))
+
+    def session_opened(self, hop_index: int, n_hops: int) -> None:
+        role = "whole" if n_hops == 1 else "head" if hop_index == 0 else "tail" if hop_index == n_hops - 1 else "middle"
+        self.sessions_opened.labels(role=role).inc()
+
+    def step(self, kind: str, compute_ms: float, queue_ms: float) -> None:
+        self.step_seconds.labels(kind=kind).observe(compute_ms / 1e3)
+        self.queue_seconds.observe(queue_ms / 1e3)
+
+    def hop(self, peer: str, kind: str, seconds: float) -> None:
+        self.hop_seconds.labels(peer=peer, kind=kind).observe(seconds)
+
+    def token(self, generated: int, ttft_ms: float | None, step_wall_ms: float | None,
+              timings: Sequence[HopTiming], n_hops: int) -> None:
+        """Head, after each token: the first gives TTFT, the others a decode step and its per-link overhead."""
+        if generated == 1 and ttft_ms is not None:
+            self.ttft.observe(ttft_ms / 1e3)
+        if step_wall_ms is None:
+            return
+        self.tpot.observe(step_wall_ms / 1e3)
+        if n_hops > 1:
+            compute = sum(t.compute_ms + t.queue_ms for t in timings)
+            self.link_overhead.observe(max(0.0, step_wall_ms - compute) / n_hops / 1e3)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry) + generate_latest(_ARTIFACTS)

@@ -1,0 +1,461 @@
+"""Fleets from a fleet file (schemas.fleet): run one member, run them all, check a file, report health.
+
+    swarmroute fleet check  FILE                 validate; print each member's layer range and command
+    swarmroute fleet up     FILE                 every member as a child process of this one (one machine)
+    swarmroute fleet status [FILE] [--nats URL]  health of every member, from NATS ($SRV ping + registry)
+    swarmroute node|tracker|gateway --fleet FILE --name X    one member (one per machine in a real fleet)
+
+A member's command line and Settings come from the file; ``--nats``, ``--home`` and ``--log-level`` given on the
+command line win over it. Secrets are resolved from their references (env/file) in the process that needs them,
+so they never appear on a command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+from nats.aio.client import Client as NATS
+
+from actors.routes import uncovered_layers
+from bus import codec
+from bus.connection import connect_settings
+from bus.service import discover
+from bus.subjects import Subjects
+from schemas.errors import BadRequestError, SwarmrouteError
+from schemas.fleet import Fleet, GatewaySpec, NodeSpec, load_fleet, parse_listen
+from schemas.node import NodeAdvertisement
+from schemas.settings import Settings
+from swarmroute.launcher import _stop, split_layers
+
+MemberRole = Literal["tracker", "gateway", "node"]
+
+
+# ---- layer ranges -----------------------------------------------------------------------------------------------
+
+def _gguf_layers(path: Path) -> int:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    return int(reader.fields[f"{arch}.block_count"].parts[-1][0])
+
+
+def model_layers(fleet: Fleet, key: str) -> int:
+    """The model's layer count: from the file, else from the GGUF header at ``path`` (read only, never fetched)."""
+    spec = fleet.models[key]
+    if spec.layer_count is not None:
+        return spec.layer_count
+    if spec.path is not None and spec.path.is_file():
+        return _gguf_layers(spec.path)
+    where = spec.path or "the bundled model (not assembled here)"
+    raise BadRequestError(f"models.{key}.n_layers: needed for layers: auto, and no GGUF is readable at {where}",
+                          code="invalid_fleet")
+
+
+def _planned(fleet: Fleet, key: str, nodes: list[tuple[int, NodeSpec]]) -> list[tuple[int, int]]:
+    """Memory-proportional ranges from the planner (artifacts.layer_split), sized for each node's sessions."""
+    from artifacts.layer_split import NodeSpec as PlanNode
+    from artifacts.layer_split import PlanSettings, parse_nodes, split
+    from artifacts.plan import load_shape
+
+    spec = fleet.models[key]
+    if spec.path is None or not spec.path.is_file():
+        raise BadRequestError(f"models.{key}.path: the planner (nodes with memory) needs the model's GGUF or shape "
+                              f"file here", code="invalid_fleet")
+    plan_nodes = [PlanNode(n.name, parse_nodes([n.memory or ""])[0].memory_bytes) for _, n in nodes]
+    context = max((n.ctx or spec.context or 4096) for _, n in nodes)
+    sessions = max(n.max_sessions for _, n in nodes)
+    plan = split(load_shape(spec.path), plan_nodes, PlanSettings(context=context, sessions=sessions))
+    if plan.unused:
+        unused = {u.label for u in plan.unused}
+        first = next(i for i, n in nodes if n.name in unused)
+        raise BadRequestError(f"nodes[{first}].memory: the planner needs no layers on {', '.join(sorted(unused))}; "
+                              f"remove them or give explicit ranges", code="invalid_fleet")
+    return [(a.start, a.end) for a in plan.assignments]
+
+
+def resolve_layers(fleet: Fleet) -> dict[str, tuple[int, int]]:
+    """Every node's ``[start, end)``: explicit ranges as written, ``auto`` split per model in file order."""
+    ranges: dict[str, tuple[int, int]] = {}
+    for key in fleet.models:
+        nodes = [(i, n) for i, n in enumerate(fleet.nodes) if fleet.model_key(n) == key]
+        if all(n.fixed_range is not None for _, n in nodes):
+            ranges.update((n.name, n.fixed_range) for _, n in nodes if n.fixed_range is not None)
+            continue
+        if all(n.memory is not None for _, n in nodes):
+            split = _planned(fleet, key, nodes)
+        else:
+            split = split_layers(model_layers(fleet, key), len(nodes))
+        ranges.update((n.name, r) for (_, n), r in zip(nodes, split, strict=True))
+    return ranges
+
+
+# ---- one member -------------------------------------------------------------------------------------------------
+
+def member_settings(fleet: Fleet, role: MemberRole, name: str, *, nats_url: str | None = None,
+                    home: Path | None = None, log_level: str | None = None) -> Settings:
+    """Settings of one member: NATS servers, role credentials, secrets and overrides from the file."""
+    member = fleet.member(role, name)
+    values: dict[str, Any] = dict(fleet.settings)
+    values.update(nats_url=nats_url or ",".join(member.nats_servers or fleet.nats.servers),
+                  namespace=fleet.namespace, registry_replicas=fleet.nats.registry_replicas,
+                  nats_randomize=fleet.nats.randomize, member_name=name)
+    auth = fleet.nats.auth.get(role)
+    if auth is not None:
+        values.update(nats_user=auth.user, nats_creds=auth.creds,
+                      nats_password=auth.password.resolve() if auth.password else None,
+                      nats_token=auth.token.resolve() if auth.token else None,
+                      nats_inbox_prefix=auth.inbox_prefix or f"_INBOX_{role}")
+    for setting, ref in fleet.secrets.items():
+        if ref.roles is None or role in ref.roles:
+            values[setting] = ref.resolve()
+    if isinstance(member, GatewaySpec):
+        values["api_keys"] = [k.resolve() for k in member.api_keys]
+    if home is not None:
+        values["home"] = home
+    if log_level is not None:
+        values["log_level"] = log_level
+    return Settings(**values)
+
+
+def monitor_settings(fleet: Fleet, *, nats_url: str | None = None) -> Settings:
+    """Settings for operators' tools (status, fleet up's readiness check): the read-only ``monitor`` role's
+    credentials (``admin``'s if the file gives no monitor)."""
+    values: dict[str, Any] = dict(nats_url=nats_url or ",".join(fleet.nats.servers), namespace=fleet.namespace)
+    role = "monitor" if "monitor" in fleet.nats.auth else "admin"
+    auth = fleet.nats.auth.get(role)
+    if auth is not None:
+        values.update(nats_user=auth.user, nats_creds=auth.creds,
+                      nats_password=auth.password.resolve() if auth.password else None,
+                      nats_token=auth.token.resolve() if auth.token else None,
+                      nats_inbox_prefix=auth.inbox_prefix or f"_INBOX_{role}")
+    return Settings(**values)
+
+
+def _node_argv(fleet: Fleet, node: NodeSpec, layers: tuple[int, int]) -> list[str]:
+    key = fleet.model_key(node)
+    model = fleet.models[key]
+    host, port = parse_listen(node.listen)
+    argv = ["--node-id", node.name, "--backend", model.backend, "--model-id", fleet.model_id(key),
+            "--layers", f"{layers[0]}:{layers[1]}", "--max-sessions", str(node.max_sessions),
+            "--wire-dtype", node.wire_dtype, "--host", host, "--port", str(port)]
+    if model.backend == "stub":
+        argv += ["--model", fleet.model_id(key), "--n-layers", str(model.layer_count),
+                 "--hidden-shape", "x".join(map(str, model.hidden_shape)), "--stub-delay", str(model.stub_delay)]
+    elif model.path is not None:
+        argv += ["--model", str(model.path)]
+    ctx = node.ctx or model.context
+    if ctx:
+        argv += ["--ctx", str(ctx)]
+    if node.threads:
+        argv += ["--threads", str(node.threads)]
+    if node.advertise_url:
+        argv += ["--advertise-url", node.advertise_url]
+    return argv
+
+
+def member_argv(fleet: Fleet, role: MemberRole, name: str,
+                layers: dict[str, tuple[int, int]] | None = None) -> list[str]:
+    """The ``swarmroute <role> ...`` arguments this member runs with (no secrets: those come from Settings)."""
+    member = fleet.member(role, name)
+    if isinstance(member, NodeSpec):
+        ranges = layers if layers is not None else resolve_layers(fleet)
+        return [role, *_node_argv(fleet, member, ranges[name])]
+    if isinstance(member, GatewaySpec):
+        host, port = parse_listen(member.listen)
+        return [role, "--host", host, "--port", str(port)]
+    return [role]
+
+
+def resolve_member(args: argparse.Namespace) -> argparse.Namespace:
+    """``swarmroute <role> --fleet FILE --name X``: the member's own arguments, parsed, with its Settings attached."""
+    from swarmroute.cli import build_parser
+
+    if not args.name:
+        raise SystemExit(f"swarmroute {args.command} --fleet needs --name (which member of the fleet this is)")
+    role: MemberRole = args.command
+    try:
+        fleet = load_fleet(args.fleet)
+        parsed = build_parser().parse_args(member_argv(fleet, role, args.name))
+        parsed.fleet_settings = member_settings(fleet, role, args.name, nats_url=args.nats_url, home=args.home,
+                                                log_level=args.log_level)
+    except SwarmrouteError as exc:
+        raise SystemExit(f"swarmroute {role}: {exc.message}") from None
+    parsed.log_level = args.log_level
+    return parsed
+
+
+# ---- health from NATS -------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class MemberStatus:
+    role: str
+    name: str
+    state: Literal["ok", "missing", "not-advertising", "stale", "extra"]
+    detail: str = ""
+
+
+@dataclasses.dataclass
+class FleetReport:
+    members: list[MemberStatus]
+    models: dict[str, bool]
+    """Model id -> complete (every layer covered by fresh, verified advertisements in the registry)."""
+    registry: dict[str, Any]
+    """The registry bucket's replication: replicas, leader, replicas current."""
+
+    @property
+    def healthy(self) -> bool:
+        return all(m.state in ("ok", "extra") for m in self.members) and bool(self.models) and all(self.models.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {"healthy": self.healthy, "members": [dataclasses.asdict(m) for m in self.members],
+                "models": self.models, "registry": self.registry}
+
+
+async def _registry(nc: NATS, subjects: Subjects) -> tuple[dict[str, NodeAdvertisement], dict[str, Any]]:
+    js = nc.jetstream()
+    adverts: dict[str, NodeAdvertisement] = {}
+    replication: dict[str, Any] = {}
+    try:
+        kv = await js.key_value(subjects.registry_bucket)
+        for key in await kv.keys():
+            entry = await kv.get(key)
+            if entry.value:
+                adverts[key] = codec.decode(entry.value, NodeAdvertisement)
+    except Exception as exc:  # noqa: BLE001 - an empty or unreachable registry is a finding, not a crash
+        replication["error"] = f"{type(exc).__name__}: {exc}"
+    try:
+        info = await js.stream_info(f"KV_{subjects.registry_bucket}")
+        cluster = info.cluster
+        replication.update(replicas=info.config.num_replicas, leader=cluster.leader if cluster else None,
+                           current=sum(1 for r in (cluster.replicas or []) if r.current) + 1 if cluster else 1)
+    except Exception as exc:  # noqa: BLE001
+        replication.setdefault("error", f"{type(exc).__name__}: {exc}")
+    return adverts, replication
+
+
+def _models(adverts: list[NodeAdvertisement], ttl_s: float) -> dict[str, bool]:
+    """Model id -> every layer served by a fresh, verified advertisement (what a tracker could route)."""
+    fresh = [a for a in adverts if a.verified and time.time() - a.sent_at <= ttl_s]
+    return {model: not uncovered_layers([a for a in fresh if a.model_id == model],
+                                        max(a.backend.n_layers for a in adverts if a.model_id == model))
+            for model in sorted({a.model_id for a in adverts})}
+
+
+def _node_status(name: str, pinged: dict[str, Any] | None, advert: NodeAdvertisement | None,
+                 ttl_s: float) -> MemberStatus:
+    if advert is None:
+        state: Literal["ok", "missing", "not-advertising", "stale"] = "not-advertising" if pinged else "missing"
+        return MemberStatus("node", name, state)
+    age = max(0.0, time.time() - advert.sent_at)
+    detail = (f"{advert.model_id} {advert.layers.start}:{advert.layers.end}  sessions "
+              f"{advert.capacity.active_sessions}/{advert.capacity.max_sessions}  {advert.endpoint}  "
+              f"heartbeat {age:.1f}s ago")
+    return MemberStatus("node", name, "ok" if pinged and age <= ttl_s else "stale", detail)
+
+
+async def fleet_report(nc: NATS, namespace: str, fleet: Fleet | None, *, ttl_s: float = 6.0,
+                       wait_s: float = 0.5) -> FleetReport:
+    subjects = Subjects(namespace)
+    pings = [p for p in await discover(nc, wait_s=wait_s)
+             if isinstance(p.get("metadata"), dict) and p["metadata"].get("namespace") == namespace]
+    seen: dict[tuple[str, str], dict[str, Any]] = {}
+    for p in pings:
+        meta = p["metadata"]
+        seen.setdefault((str(meta.get("role")), str(meta.get("member"))), p)
+    adverts, replication = await _registry(nc, subjects)
+    expected = [(r, m.name) for r, m in fleet.members()] if fleet else []
+    if fleet is None:  # no file: whatever answers is the fleet
+        expected = sorted(set(seen) | {("node", k) for k in adverts})
+    members: list[MemberStatus] = []
+    for role, name in expected:
+        ping = seen.get((role, name))
+        if role == "node":
+            members.append(_node_status(name, ping, adverts.get(name), ttl_s))
+        else:
+            url = (ping or {}).get("metadata", {}).get("url", "")
+            members.append(MemberStatus(role, name, "ok" if ping else "missing", str(url)))
+    for role, name in sorted(set(seen) - set(expected)):
+        members.append(MemberStatus(role, name, "extra", "answers $SRV ping but is not in the fleet file"))
+    return FleetReport(members, _models(list(adverts.values()), ttl_s), replication)
+
+
+def render_report(report: FleetReport, title: str) -> str:
+    lines = [title, f"{'ROLE':<8} {'NAME':<16} {'STATE':<16} DETAIL"]
+    lines += [f"{m.role:<8} {m.name:<16} {m.state:<16} {m.detail}" for m in report.members]
+    for model, complete in sorted(report.models.items()):
+        lines.append(f"model {model}: {'complete' if complete else 'INCOMPLETE (some layers unserved)'}")
+    if not report.models:
+        lines.append("no node advertises a model")
+    reg = report.registry
+    if "replicas" in reg:
+        lines.append(f"registry: {reg['replicas']} replica(s), leader {reg.get('leader') or '-'}, "
+                     f"{reg.get('current')} current")
+    elif "error" in reg:
+        lines.append(f"registry: {reg['error']}")
+    lines.append("healthy" if report.healthy else "NOT healthy")
+    return "\n".join(lines)
+
+
+async def _status_once(settings: Settings, fleet: Fleet | None, ttl_s: float) -> FleetReport:
+    nc = await connect_settings(settings, name="fleet-status")
+    try:
+        return await fleet_report(nc, settings.namespace, fleet, ttl_s=ttl_s)
+    finally:
+        await nc.drain()
+
+
+# ---- commands ---------------------------------------------------------------------------------------------------
+
+def _status_settings(args: argparse.Namespace, fleet: Fleet | None) -> tuple[Settings, float]:
+    if fleet is not None:
+        settings = monitor_settings(fleet, nats_url=args.nats_url)
+        ttl = float(fleet.settings.get("registry_ttl_s", Settings.model_fields["registry_ttl_s"].default))
+        return settings, ttl
+    overrides: dict[str, Any] = {k: v for k in ("nats_url", "namespace") if (v := getattr(args, k, None))}
+    settings = Settings(**overrides)
+    return settings, settings.registry_ttl_s
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    fleet = load_fleet(args.file) if args.file else None
+    settings, ttl = _status_settings(args, fleet)
+    report = asyncio.run(_status_once(settings, fleet, ttl))
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        name = fleet.name if fleet else "(no fleet file)"
+        print(render_report(report, f"fleet {name}, namespace {settings.namespace}, NATS {settings.nats_url}"))
+    return 0 if report.healthy else 1
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    fleet = load_fleet(args.file)
+    layers = resolve_layers(fleet)
+    print(f"fleet {fleet.name}: {len(fleet.trackers)} tracker(s), {len(fleet.nodes)} node(s), "
+          f"{len(fleet.gateways)} gateway(s); NATS {', '.join(fleet.nats.servers)}")
+    for role, member in fleet.members():
+        shown = f" layers {layers[member.name][0]}:{layers[member.name][1]}" if role == "node" else ""
+        print(f"  {role:<8} {member.name:<16}{shown}")
+        print(f"           swarmroute {role} --fleet {args.file} --name {member.name}")
+        print(f"           (= swarmroute {' '.join(member_argv(fleet, role, member.name, layers))})")
+    return 0
+
+
+async def _wait_healthy(settings: Settings, fleet: Fleet, children: list[subprocess.Popen[bytes]], timeout: float,
+                        ttl_s: float) -> FleetReport:
+    """Poll the fleet's health on one NATS connection until every member is up and every model routable."""
+    deadline = time.monotonic() + timeout
+    nc = await connect_settings(settings, name="fleet-up")
+    report: FleetReport | None = None
+    try:
+        while time.monotonic() < deadline:
+            if any(c.poll() is not None for c in children):
+                raise RuntimeError("a fleet member exited during start-up (see its log above)")
+            report = await fleet_report(nc, settings.namespace, fleet, ttl_s=ttl_s)
+            if report.healthy:
+                return report
+            await asyncio.sleep(0.5)
+    finally:
+        await nc.drain()
+    detail = render_report(report, "last status:") if report else ""
+    raise RuntimeError(f"the fleet did not become healthy within {timeout:g}s\n{detail}")
+
+
+def _start_embedded(fleet: Fleet, home: Path) -> Any:
+    from bus.server import EmbeddedNats, NatsServerConfig
+
+    config = NatsServerConfig(store_dir=home / "fleet-nats" / fleet.name, config_file=fleet.nats.embedded_config)
+    return EmbeddedNats(config).start()
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    fleet = load_fleet(args.file)
+    resolve_layers(fleet)  # fail here, once, rather than in every child
+    home = args.home or Settings().home
+    nats = _start_embedded(fleet, home) if fleet.nats.embedded else None
+    nats_url = nats.url if nats is not None else args.nats_url
+    stopping = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    children: list[subprocess.Popen[bytes]] = []
+    try:
+        for role, member in fleet.members():
+            argv = [sys.executable, "-m", "swarmroute", role, "--fleet", str(args.file), "--name", member.name,
+                    "--log-level", args.log_level or "warning", "--home", str(home)]
+            children.append(subprocess.Popen(argv + (["--nats", nats_url] if nats_url else [])))
+        ttl = float(fleet.settings.get("registry_ttl_s", Settings.model_fields["registry_ttl_s"].default))
+        try:
+            report = asyncio.run(_wait_healthy(monitor_settings(fleet, nats_url=nats_url), fleet, children,
+                                               args.timeout, ttl))
+        except RuntimeError as exc:
+            print(f"swarmroute fleet up: {exc}", file=sys.stderr, flush=True)
+            return 1
+        print(render_report(report, f"fleet {fleet.name} is up ({len(children)} members); Ctrl-C stops it"),
+              flush=True)
+        while not stopping:
+            if any(c.poll() is not None for c in children):
+                print("a fleet member exited; stopping the fleet", file=sys.stderr, flush=True)
+                return 1
+            time.sleep(0.3)
+        return 0
+    finally:
+        _stop(children)
+        if nats is not None:
+            nats.stop()
+
+
+def _reporting_errors(command: Any) -> Any:
+    """A bad fleet file or missing secret is a message for the operator, not a traceback."""
+    def run(args: argparse.Namespace) -> int:
+        try:
+            result: int = command(args)
+        except SwarmrouteError as exc:
+            print(f"swarmroute fleet {args.fleet_command}: {exc.message}", file=sys.stderr)
+            return 2
+        return result
+
+    return run
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    fleet = subparsers.add_parser("fleet", help="run, check or inspect a fleet described by a fleet file")
+    verbs = fleet.add_subparsers(dest="fleet_command", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--nats", dest="nats_url", help="NATS URL(s), overriding the file's nats.servers")
+        p.add_argument("--home", type=Path, help="state directory (env SWARMROUTE_HOME)")
+        p.add_argument("--log-level", dest="log_level", help="debug, info, warning")
+
+    up = verbs.add_parser("up", help="run every member of the fleet on this machine, as child processes")
+    up.add_argument("file", type=Path)
+    up.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the fleet to be healthy")
+    common(up)
+    up.set_defaults(func=_reporting_errors(cmd_up))
+
+    status = verbs.add_parser("status", help="each member's health from NATS ($SRV ping + registry)")
+    status.add_argument("file", type=Path, nargs="?", help="fleet file (else: whatever answers on --nats)")
+    status.add_argument("--namespace", help="subject namespace when no file is given")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    common(status)
+    status.set_defaults(func=_reporting_errors(cmd_status))
+
+    check = verbs.add_parser("check", help="validate a fleet file and print each member's layers and command")
+    check.add_argument("file", type=Path)
+    common(check)
+    check.set_defaults(func=_reporting_errors(cmd_check))
+    return fleet

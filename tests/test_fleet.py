@@ -1,0 +1,265 @@
+"""Fleet files: validation that names the wrong field, layer resolution, member settings without secrets on the
+command line, ``fleet up`` serving end to end, members started one by one (``--fleet F --name X``) and
+``fleet status`` telling who is missing."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from bus.server import EmbeddedNats
+from schemas.errors import BadRequestError
+from schemas.fleet import Fleet, load_fleet, parse_fleet
+from schemas.session import Prompt
+from swarmroute.fleet import member_argv, member_settings, resolve_layers
+from tests.support.fleet import Proc, stub_reference, write_fleet
+from tests.support.nats_cluster import free_port
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+
+BASE: dict[str, Any] = {
+    "version": 1,
+    "nats": {"servers": ["nats://127.0.0.1:4222"],
+             "auth": {"node": {"user": "node", "password": {"env": "FLEET_TEST_NODE_PASSWORD"}}}},
+    "models": {"stub-model": {"backend": "stub", "n_layers": 8}},
+    "trackers": [{"name": "tracker-1"}],
+    "gateways": [{"name": "gateway", "listen": "127.0.0.1:8000"}],
+    "nodes": [{"name": "n1", "layers": "0:4"}, {"name": "n2", "layers": "4:8"}, {"name": "n3", "layers": "4:8"}],
+}
+
+
+def _mutate(path: str, value: object) -> dict[str, Any]:
+    """BASE with ``a.b[2].c`` set to value (``...=None`` deletes the key)."""
+    doc = copy.deepcopy(BASE)
+    parts = path.replace("[", ".[").split(".")
+    target: Any = doc
+    for part in parts[:-1]:
+        target = target[int(part[1:-1])] if part.startswith("[") else target.setdefault(part, {})
+    last = parts[-1]
+    key: Any = int(last[1:-1]) if last.startswith("[") else last
+    if value is None:
+        del target[key]
+    else:
+        target[key] = value
+    return doc
+
+
+MISTAKES = [
+    ("nodes[2].layers", "4:12", "nodes[2].layers: range 4:12 goes past the 8 layers"),
+    ("nodes[0].layers", "0:3", "models.stub-model: layers 3:4 are served by no node"),
+    ("nodes[1].layers", "8:4", "nodes[1].layers: layer range '8:4' is empty"),
+    ("nodes[0].layers", "first half", "nodes[0].layers: 'first half' is not START:END"),
+    ("nodes[1].layers", "auto", "nodes[1].layers: auto cannot be mixed with explicit ranges"),
+    ("nodes[2].name", "n1", "nodes[2].name: 'n1' is already used by nodes[0].name"),
+    ("nodes[0].model", "gemma", "nodes[0].model: 'gemma' is not in models"),
+    ("nodes[1].listen", "9000", "nodes[1].listen: '9000' is not host:port"),
+    ("nodes[1].threads", 0, "nodes[1].threads: Input should be greater than or equal to 1"),
+    ("nodes[1].colour", "red", "nodes[1].colour: unknown field"),
+    ("gateways[0].listen", "localhost", "gateways[0].listen: 'localhost' is not host:port"),
+    ("gateways[0].api_keys", ["sk-inline"], "gateways[0].api_keys[0]: inline secrets are not allowed"),
+    ("nats.auth.node.password", "hunter2", "nats.auth.node.password: inline secrets are not allowed"),
+    ("nats.auth.node.password", {"env": "A", "file": "/b"}, "nats.auth.node.password: give exactly one of env or file"),
+    ("nats.auth.robot", {"user": "x"}, "nats.auth.robot"),
+    ("nats.servers", ["http://127.0.0.1:4222"], "nats.servers: 'http://127.0.0.1:4222' is not a NATS URL"),
+    ("nats.registry_replicas", 7, "nats.registry_replicas: Input should be less than or equal to 5"),
+    ("settings", {"heartbeat": 1}, "settings.heartbeat: unknown setting"),
+    ("settings", {"heartbeat_s": -1}, "settings.heartbeat_s: Input should be greater than 0"),
+    ("settings", {"swarm_secret": "x"}, "settings.swarm_secret: a credential"),
+    ("settings", {"nats_url": "nats://x:1"}, "settings.nats_url: set by the fleet file itself"),
+    ("secrets", {"heartbeat_s": {"env": "X"}}, "secrets.heartbeat_s: not a secret setting"),
+    ("models.stub-model.n_layers", 0, "models.stub-model.n_layers: Input should be greater than or equal to 1"),
+    ("trackers", [], "trackers: List should have at least 1 item"),
+    ("gateways", None, "gateways: required field is missing"),
+]
+
+
+@pytest.mark.parametrize(("where", "value", "expected"), MISTAKES, ids=[m[0] + "=" + str(m[1]) for m in MISTAKES])
+def test_fleet_file_mistakes_name_the_field(where: str, value: object, expected: str) -> None:
+    import yaml
+
+    text = yaml.safe_dump(_mutate(where, value))
+    parse_fleet(yaml.safe_dump(BASE))  # the unmutated file is valid: the mutation alone causes the error
+    with pytest.raises(BadRequestError) as err:
+        parse_fleet(text, source="fleet.yaml")
+    assert expected in err.value.message
+    assert err.value.message.startswith("fleet.yaml: ")
+
+
+def test_toml_fleet_file_and_syntax_errors(tmp_path: Path) -> None:
+    toml = tmp_path / "fleet.toml"
+    toml.write_text('[models.m]\nbackend = "stub"\n[[trackers]]\nname = "t"\n[[gateways]]\nname = "g"\n'
+                    '[[nodes]]\nname = "a"\n[[nodes]]\nname = "b"\n')
+    fleet = load_fleet(toml)
+    assert resolve_layers(fleet) == {"a": (0, 4), "b": (4, 8)}  # stub models default to 8 layers
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("nodes: [\n")
+    with pytest.raises(BadRequestError, match="broken.yaml: not valid YAML"):
+        load_fleet(broken)
+
+
+def test_auto_layers_split_every_model_evenly_in_file_order() -> None:
+    doc = copy.deepcopy(BASE)
+    doc["models"] = {"a": {"backend": "stub", "n_layers": 11}, "b": {"backend": "stub", "n_layers": 3}}
+    doc["nodes"] = [{"name": f"a{i}", "model": "a"} for i in range(4)] + [{"name": "b0", "model": "b"}]
+    fleet = Fleet.model_validate(doc)
+    ranges = resolve_layers(fleet)
+    a = [ranges[f"a{i}"] for i in range(4)]
+    assert a[0][0] == 0 and a[-1][1] == 11
+    assert all(prev[1] == nxt[0] for prev, nxt in zip(a, a[1:], strict=False))  # contiguous, in file order
+    sizes = [end - start for start, end in a]
+    assert max(sizes) - min(sizes) <= 1
+    assert ranges["b0"] == (0, 3)
+
+
+@pytest.mark.slow
+def test_auto_layers_by_memory_use_the_planner(gemma_path: Path) -> None:
+    doc = copy.deepcopy(BASE)
+    doc["models"] = {"gemma": {"backend": "llamacpp", "path": str(gemma_path)}}
+    doc["nodes"] = [{"name": "small", "memory": "150MB"}, {"name": "big", "memory": "450MB"}]
+    ranges = resolve_layers(Fleet.model_validate(doc))
+    (s0, s1), (b0, b1) = ranges["small"], ranges["big"]
+    assert s0 == 0 and s1 == b0 and b1 == 18  # 18 layers read from the GGUF header, covered once
+    assert b1 - b0 > s1 - s0  # three times the memory takes more layers
+    doc["nodes"][1]["memory"] = None
+    with pytest.raises(BadRequestError, match=r"nodes\[1\].memory: give every auto node"):
+        parse_fleet(json.dumps(doc))
+
+
+def test_member_settings_resolve_secrets_and_keep_them_off_the_command_line(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    key_file = tmp_path / "gateway.key"
+    key_file.write_text("sk-from-file\n")
+    doc = copy.deepcopy(BASE)
+    doc["gateways"][0]["api_keys"] = [{"file": "gateway.key"}]  # relative to the fleet file
+    doc["secrets"] = {"swarm_secret": {"env": "FLEET_TEST_SWARM_SECRET", "roles": ["tracker", "node"]}}
+    doc["settings"] = {"heartbeat_s": 0.25}
+    fleet = load_fleet(write_fleet(tmp_path / "fleet.yaml", doc))
+    monkeypatch.setenv("FLEET_TEST_NODE_PASSWORD", "pw-node-123")
+    monkeypatch.setenv("FLEET_TEST_SWARM_SECRET", "swarm-456")
+
+    node = member_settings(fleet, "node", "n2")
+    assert node.nats_user == "node" and node.nats_password is not None
+    assert node.nats_password.get_secret_value() == "pw-node-123"
+    assert node.swarm_secret is not None and node.swarm_secret.get_secret_value() == "swarm-456"
+    assert node.nats_inbox_prefix == "_INBOX_node" and node.member_name == "n2" and node.heartbeat_s == 0.25
+    gateway = member_settings(fleet, "gateway", "gateway")
+    assert [k.get_secret_value() for k in gateway.api_keys] == ["sk-from-file"]
+    assert gateway.swarm_secret is None  # not one of the secret's roles
+    assert gateway.nats_password is None  # the gateway role has no credentials in this file
+
+    argv = " ".join(member_argv(fleet, "node", "n2") + member_argv(fleet, "gateway", "gateway"))
+    for secret in ("pw-node-123", "swarm-456", "sk-from-file"):
+        assert secret not in argv
+    assert "--layers 4:8" in argv and "--node-id n2" in argv
+
+    monkeypatch.delenv("FLEET_TEST_NODE_PASSWORD")
+    with pytest.raises(BadRequestError, match="FLEET_TEST_NODE_PASSWORD"):
+        member_settings(fleet, "node", "n1")
+    with pytest.raises(BadRequestError, match="no node named 'n9'"):
+        member_settings(fleet, "node", "n9")
+
+
+@pytest.mark.parametrize("path", sorted(DEPLOY.rglob("fleet*.yaml")), ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_shipped_fleet_files_are_valid(path: Path) -> None:
+    fleet = load_fleet(path)
+    ranges = resolve_layers(fleet)
+    assert set(ranges) == {n.name for n in fleet.nodes}
+
+
+# ---- real processes -----------------------------------------------------------------------------------------------
+
+def _stub_fleet(nats_url: str, gateway_port: int, n_nodes: int = 2) -> dict[str, Any]:
+    return {
+        "version": 1, "name": "test",
+        "nats": {"servers": [nats_url]},
+        "settings": {"heartbeat_s": 0.5, "registry_ttl_s": 3.0, "token_timeout_s": 10.0},
+        "models": {"stub-model": {"backend": "stub", "n_layers": 8}},
+        "trackers": [{"name": "tracker-1"}],
+        "nodes": [{"name": f"node-{i + 1}", "layers": "auto"} for i in range(n_nodes)],
+        "gateways": [{"name": "gateway", "listen": f"127.0.0.1:{gateway_port}"}],
+    }
+
+
+def _status(fleet_file: Path, home: Path) -> tuple[int, dict[str, Any]]:
+    proc = Proc(["fleet", "status", str(fleet_file), "--json", "--home", str(home)])
+    code = proc.run(60)
+    start = next(i for i, line in enumerate(proc.output) if line.startswith("{"))
+    return code, json.loads("\n".join(proc.output[start:]))
+
+
+def _chat(port: int, content: str, n: int) -> tuple[str, list[str]]:
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    reply = client.chat.completions.create(model="stub-model", messages=[{"role": "user", "content": content}],
+                                           max_tokens=n, temperature=0, extra_body={"ignore_eos": True})
+    route = [h["node_id"] for h in (reply.model_extra or {})["swarmroute"]["route"]]
+    return reply.choices[0].message.content or "", route
+
+
+def test_fleet_up_serves_a_request_end_to_end(nats_server: EmbeddedNats, tmp_path: Path) -> None:
+    port = free_port()
+    fleet_file = write_fleet(tmp_path / "fleet.yaml", _stub_fleet(nats_server.url, port))
+    up = Proc(["fleet", "up", str(fleet_file), "--home", str(tmp_path / "home"), "--timeout", "90"])
+    try:
+        up.wait_for(r"fleet test is up \(4 members\)", timeout=120)
+        text, route = _chat(port, "Hello fleet", 24)
+        expected = stub_reference(Prompt(messages=[{"role": "user", "content": "Hello fleet"}]), 24)
+        assert text == expected
+        assert route == ["node-1", "node-2"]  # the auto split: node-1 holds [0, 4), node-2 [4, 8)
+
+        code, report = _status(fleet_file, tmp_path / "home")
+        assert code == 0 and report["healthy"]
+        states = {(m["role"], m["name"]): m["state"] for m in report["members"]}
+        assert states == {("tracker", "tracker-1"): "ok", ("node", "node-1"): "ok", ("node", "node-2"): "ok",
+                          ("gateway", "gateway"): "ok"}
+        details = {m["name"]: m["detail"] for m in report["members"]}
+        assert "stub-model 0:4" in details["node-1"] and "stub-model 4:8" in details["node-2"]
+        assert details["gateway"] == f"http://127.0.0.1:{port}"
+        assert report["models"] == {"stub-model": True}
+    finally:
+        up.stop()
+    assert up.proc.returncode == 0
+
+
+def test_members_started_one_by_one_and_status_names_the_missing_one(nats_server: EmbeddedNats,
+                                                                     tmp_path: Path) -> None:
+    port = free_port()
+    fleet_file = write_fleet(tmp_path / "fleet.yaml", _stub_fleet(nats_server.url, port))
+    home = ["--home", str(tmp_path / "home")]
+    members = [Proc(["tracker", "--fleet", str(fleet_file), "--name", "tracker-1", *home]),
+               Proc(["node", "--fleet", str(fleet_file), "--name", "node-1", *home]),
+               Proc(["gateway", "--fleet", str(fleet_file), "--name", "gateway", *home])]
+    try:
+        members[1].wait_for(r"node node-1 ready at \S+ serving stub-model layers \[0, 4\)", timeout=60)
+        members[2].wait_for(rf"gateway ready at http://127.0.0.1:{port}", timeout=60)
+        code, report = _status(fleet_file, tmp_path / "home")
+        states = {m["name"]: m["state"] for m in report["members"]}
+        assert code == 1 and not report["healthy"]
+        assert states == {"tracker-1": "ok", "node-1": "ok", "node-2": "missing", "gateway": "ok"}
+        assert report["models"] == {"stub-model": False}  # layers 4:8 have no node yet
+
+        members.append(Proc(["node", "--fleet", str(fleet_file), "--name", "node-2", *home]))
+        members[3].wait_for(r"node node-2 ready at \S+ serving stub-model layers \[4, 8\)", timeout=60)
+        code, report = _status(fleet_file, tmp_path / "home")
+        assert code == 0 and report["healthy"], report
+        text, route = _chat(port, "one by one", 16)
+        assert text == stub_reference(Prompt(messages=[{"role": "user", "content": "one by one"}]), 16)
+        assert route == ["node-1", "node-2"]
+    finally:
+        for m in members:
+            m.stop()
+
+
+def test_a_member_with_a_bad_file_or_name_exits_with_a_message(tmp_path: Path) -> None:
+    fleet_file = write_fleet(tmp_path / "fleet.yaml", _mutate("nodes[0].layers", "0:3"))
+    proc = Proc(["node", "--fleet", str(fleet_file), "--name", "n1"])
+    assert proc.run(60) != 0
+    assert any("models.stub-model: layers 3:4 are served by no node" in line for line in proc.output)
+    good = write_fleet(tmp_path / "good.yaml", BASE)
+    proc = Proc(["tracker", "--fleet", str(good), "--name", "nobody"])
+    assert proc.run(60) != 0
+    assert any("the fleet has no tracker named 'nobody'" in line for line in proc.output)

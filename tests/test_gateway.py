@@ -1,0 +1,660 @@
+"""The OpenAI gateway with the official client against a real swarm (real NATS, stub nodes on loopback).
+
+What the stream promises: the route on the first chunk before any token; usage on the last chunk when asked;
+choice-less telemetry chunks only when asked; telemetry before the first token and during decode, in order, on NATS
+and as SSE; OpenAI-shaped errors for bad input; API keys; a client that goes away frees the session everywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import nats
+import openai
+import pytest
+import pytest_asyncio
+from pydantic import SecretStr
+
+from actors.backends.stub import StubBackend, StubConfig
+from bus import codec
+from bus.server import EmbeddedNats, NatsServerConfig
+from bus.subjects import Subjects
+from schemas.session import Prompt
+from schemas.settings import Settings
+from schemas.telemetry import GenerationTelemetry
+from tests.support.swarm import Swarm, make_settings, start_swarm
+
+MODEL = "stub-model"
+MESSAGES = [{"role": "user", "content": "Tell me about the fox."}]
+GREEDY: dict[str, Any] = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+def stubs(delay_s: float = 0.0, **kw: Any) -> list[StubBackend]:
+    return [StubBackend(StubConfig(model=MODEL, n_layers=8, layer_start=a, layer_end=b, delay_s=delay_s, **kw))
+            for a, b in ((0, 3), (3, 8))]
+
+
+def client(swarm: Swarm, api_key: str = "unused") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=swarm.base_url, api_key=api_key, max_retries=0)
+
+
+# One NATS server and two swarms (in their own namespaces) serve the whole module: starting a swarm per test
+# would cost about a second each. Tests that need other settings start their own swarm in a fresh namespace.
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest.fixture(scope="module")
+def module_nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNats]:
+    server = EmbeddedNats(NatsServerConfig(store_dir=tmp_path_factory.mktemp("nats")))
+    server.start()
+    yield server
+    server.stop()
+
+
+_namespaces = itertools.count()
+
+
+def fresh_settings(server: EmbeddedNats, tmp: Path, **overrides: Any) -> Settings:
+    return make_settings(server.url, tmp / "home", namespace=f"gw{next(_namespaces)}", **overrides)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def swarm(module_nats: EmbeddedNats, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Swarm]:
+    s = await start_swarm(fresh_settings(module_nats, tmp_path_factory.mktemp("swarm")), stubs(), model_id=MODEL)
+    yield s
+    await s.stop()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def slow_swarm(module_nats: EmbeddedNats, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Swarm]:
+    """A few ms of compute per step, so a generation lasts long enough to watch it (and to walk away from it)."""
+    s = await start_swarm(fresh_settings(module_nats, tmp_path_factory.mktemp("slow")), stubs(delay_s=0.003),
+                          model_id=MODEL)
+    yield s
+    await s.stop()
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def nc(module_nats: EmbeddedNats) -> AsyncIterator[Any]:
+    """A plain nats-py client, as a monitoring tool would use."""
+    client = await nats.connect(module_nats.url)
+    yield client
+    await client.drain()
+
+
+def prompt_tokens(swarm: Swarm, **prompt: Any) -> int:
+    return len(swarm.nodes[0].backend.tokenize(Prompt(**prompt)))
+
+
+class TelemetryTap:
+    """A plain nats-py subscriber on ``<ns>.telemetry.>``, as any monitoring tool would run."""
+
+    def __init__(self) -> None:
+        self.snaps: list[tuple[float, GenerationTelemetry]] = []
+
+    async def on_msg(self, msg: Any) -> None:
+        self.snaps.append((time.monotonic(), codec.decode(msg.data, GenerationTelemetry)))
+
+    def of(self, sid: str) -> list[tuple[float, GenerationTelemetry]]:
+        return [(t, s) for t, s in self.snaps if s.session_id == sid]
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def tap(nc: Any, slow_swarm: Swarm) -> TelemetryTap:
+    t = TelemetryTap()
+    await nc.subscribe(Subjects(slow_swarm.settings.namespace).telemetry_all, cb=t.on_msg)
+    await nc.flush()
+    return t
+
+
+async def wait_for(predicate: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not met in time")
+
+
+# ---- chat and completions -----------------------------------------------------------------------------------------
+
+async def test_chat_non_streaming(swarm: Swarm) -> None:
+    result = await client(swarm).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, **GREEDY)
+    choice = result.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason == "length"
+    assert result.id.startswith("chatcmpl-") and result.model == MODEL
+    assert result.usage is not None
+    assert result.usage.prompt_tokens == prompt_tokens(swarm, messages=MESSAGES)
+    assert result.usage.completion_tokens == 12
+    assert result.usage.total_tokens == result.usage.prompt_tokens + 12
+    telemetry = result.model_extra["swarmroute"]  # type: ignore[index]
+    assert telemetry["phase"] == "complete" and telemetry["generated_tokens"] == 12
+    assert [h["node_id"] for h in telemetry["route"]] == ["n1", "n2"]
+
+
+async def test_chat_streaming_text_equals_non_streaming(swarm: Swarm) -> None:
+    c = client(swarm)
+    whole = await c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=20, **GREEDY)
+    stream = await c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=20, stream=True, **GREEDY)
+    chunks = [chunk async for chunk in stream]
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(ch.id == chunks[0].id for ch in chunks)
+
+
+async def test_completions_streaming_and_not(swarm: Swarm) -> None:
+    c = client(swarm)
+    whole = await c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, **GREEDY)
+    assert whole.choices[0].finish_reason == "length" and whole.choices[0].text
+    assert whole.usage is not None and whole.usage.prompt_tokens == prompt_tokens(swarm, text="Once upon a time")
+    stream = await c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, stream=True, **GREEDY)
+    chunks = [chunk async for chunk in stream]
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+async def test_completions_token_prompt_and_echo(swarm: Swarm) -> None:
+    c = client(swarm)
+    text = await c.completions.create(model=MODEL, prompt="abc", max_tokens=6, **GREEDY)
+    ids = swarm.nodes[0].backend.tokenize(Prompt(text="abc"))
+    tokens = await c.completions.create(model=MODEL, prompt=ids, max_tokens=6, **GREEDY)
+    assert tokens.choices[0].text == text.choices[0].text
+    echoed = await c.completions.create(model=MODEL, prompt="abc", max_tokens=6, echo=True, **GREEDY)
+    assert echoed.choices[0].text == "abc" + text.choices[0].text
+
+
+async def test_models_lists_the_served_model(swarm: Swarm) -> None:
+    models = await client(swarm).models.list()
+    cards = {m.id: m for m in models.data}
+    assert MODEL in cards and cards[MODEL].model_extra["complete"] is True  # type: ignore[index]
+
+
+# ---- what the stream carries --------------------------------------------------------------------------------------
+
+async def test_first_chunk_carries_the_route_before_any_token(swarm: Swarm) -> None:
+    stream = await client(swarm).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, stream=True,
+                                                         **GREEDY)
+    chunks = [chunk async for chunk in stream]
+    first = chunks[0]
+    assert first.choices[0].delta.role == "assistant" and not first.choices[0].delta.content
+    telemetry = first.model_extra["swarmroute"]  # type: ignore[index]
+    assert [(h["node_id"], h["layers"]["start"], h["layers"]["end"]) for h in telemetry["route"]] == [
+        ("n1", 0, 3), ("n2", 3, 8)]
+    assert telemetry["generated_tokens"] == 0
+    assert telemetry["session_id"] == first.id.removeprefix("chatcmpl-")
+
+
+async def test_first_completion_chunk_carries_the_route_too(swarm: Swarm) -> None:
+    stream = await client(swarm).completions.create(model=MODEL, prompt="x", max_tokens=4, stream=True, **GREEDY)
+    chunks = [chunk async for chunk in stream]
+    assert chunks[0].choices[0].text == ""
+    assert [h["node_id"] for h in chunks[0].model_extra["swarmroute"]["route"]] == ["n1", "n2"]  # type: ignore[index]
+
+
+async def test_usage_on_the_last_chunk_with_include_usage(swarm: Swarm) -> None:
+    stream = await client(swarm).chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=9, stream=True, stream_options={"include_usage": True}, **GREEDY)
+    chunks = [chunk async for chunk in stream]
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None
+    assert last.usage.completion_tokens == 9
+    assert last.usage.prompt_tokens == prompt_tokens(swarm, messages=MESSAGES)
+    assert last.usage.total_tokens == last.usage.prompt_tokens + 9
+    assert chunks[-2].choices[0].finish_reason == "length"
+    # Only the usage chunk is choice-less: telemetry was not asked for.
+    assert [i for i, ch in enumerate(chunks) if not ch.choices] == [len(chunks) - 1]
+    assert all(ch.usage is None for ch in chunks[:-1])
+
+
+@pytest.mark.parametrize("options", [None, {"include_usage": False}, {"include_telemetry": False}])
+async def test_no_choiceless_chunks_unless_asked(slow_swarm: Swarm, options: dict[str, Any] | None) -> None:
+    extra = {"stream_options": options} if options is not None else {}
+    stream = await client(slow_swarm).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=60,
+                                                              stream=True, **extra, **GREEDY)
+    chunks = [chunk async for chunk in stream]
+    assert len(chunks) >= 60
+    assert all(ch.choices for ch in chunks)
+    # Telemetry still rides along, on chunks that carry a choice.
+    assert sum(1 for ch in chunks if ch.model_extra and "swarmroute" in ch.model_extra) > 1
+
+
+async def test_telemetry_chunks_when_asked_before_first_token_and_during_decode(slow_swarm: Swarm) -> None:
+    max_tokens = 120
+    stream = await client(slow_swarm).chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=max_tokens, stream=True,
+        stream_options={"include_telemetry": True, "include_usage": True}, **GREEDY)
+    chunks = [chunk async for chunk in stream]
+    kinds: list[tuple[str, GenerationTelemetry | None]] = []
+    for ch in chunks:
+        snap = GenerationTelemetry.model_validate(ch.model_extra["swarmroute"]) if (
+            ch.model_extra and "swarmroute" in ch.model_extra) else None
+        if ch.choices and ch.choices[0].delta.content:
+            kinds.append(("token", snap))
+        elif not ch.choices and ch.usage is None:
+            assert snap is not None, "a choice-less chunk without usage must carry telemetry"
+            kinds.append(("telemetry", snap))
+        else:
+            kinds.append(("other", snap))
+    first_token = next(i for i, (k, _) in enumerate(kinds) if k == "token")
+    last_token = max(i for i, (k, _) in enumerate(kinds) if k == "token")
+    before = [s for k, s in kinds[:first_token] if k == "telemetry"]
+    during = [s for k, s in kinds[first_token:last_token] if k == "telemetry"]
+    assert before and all(s is not None and s.generated_tokens == 0 for s in before)
+    assert any(s is not None and s.phase.value == "prefill" for s in before)
+    assert len(during) >= 2
+    assert all(s is not None and s.phase.value == "decode" and 0 < s.generated_tokens < max_tokens for s in during)
+    seqs = [s.seq for k, s in kinds if k == "telemetry" and s is not None]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+    every = [s.seq for _, s in kinds if s is not None]
+    assert every == sorted(every)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == max_tokens
+
+
+async def test_telemetry_on_nats_in_order_before_first_token_and_during_decode(slow_swarm: Swarm,
+                                                                               tap: TelemetryTap) -> None:
+    max_tokens = 120
+    stream = await client(slow_swarm).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=max_tokens,
+                                                              stream=True, **GREEDY)
+    first_token_at: float | None = None
+    sid = ""
+    async for chunk in stream:
+        sid = chunk.id.removeprefix("chatcmpl-")
+        if first_token_at is None and chunk.choices and chunk.choices[0].delta.content:
+            first_token_at = time.monotonic()
+    assert first_token_at is not None
+    await wait_for(lambda: any(s.phase.terminal for _, s in tap.of(sid)))
+    snaps = tap.of(sid)
+    seqs = [s.seq for _, s in snaps]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs), seqs
+    phases = [s.phase.value for _, s in snaps]
+    order = ["routing", "prefill", "decode", "complete"]
+    assert [p for i, p in enumerate(phases) if i == 0 or phases[i - 1] != p] == order
+    assert snaps[-1][1].finish_reason == "length" and snaps[-1][1].generated_tokens == max_tokens
+    early = [(t, s) for t, s in snaps if s.generated_tokens == 0 and s.phase.value == "prefill"]
+    assert early and early[0][0] < first_token_at
+    during = [s for _, s in snaps if s.phase.value == "decode" and 0 < s.generated_tokens < max_tokens]
+    assert len(during) >= 2
+    # The first token comes out of prefill; from the first decode step on, the per-link overhead is measured.
+    assert all(s.hop_overhead_ms is not None and s.hop_overhead_ms >= 0 for s in during if s.generated_tokens >= 2)
+    assert [h.node_id for h in snaps[-1][1].route] == ["n1", "n2"]
+    assert all(h.mean_compute_ms is not None for h in snaps[-1][1].route)
+
+
+async def test_session_telemetry_sse_endpoint(slow_swarm: Swarm) -> None:
+    max_tokens = 150
+    c = client(slow_swarm)
+    async with c.chat.completions.with_streaming_response.create(
+            model=MODEL, messages=MESSAGES, max_tokens=max_tokens, stream=True, **GREEDY) as response:
+        sid = response.headers["x-swarmroute-session"]
+        chat_chunks: list[Any] = []
+
+        async def read_chat() -> None:
+            async for chunk in await response.parse():
+                chat_chunks.append(chunk)
+
+        async def read_telemetry() -> list[dict[str, Any]]:
+            events: list[dict[str, Any]] = []
+            async with httpx.AsyncClient(timeout=20) as http, http.stream(
+                    "GET", f"{slow_swarm.url}/v1/sessions/{sid}/telemetry") as r:
+                assert r.status_code == 200
+                assert r.headers["content-type"].startswith("text/event-stream")
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: "):
+                        assert line == "" or line.startswith(":"), line  # only data lines and comments
+                        continue
+                    if line == "data: [DONE]":
+                        return events
+                    events.append(json.loads(line[6:]))
+            raise AssertionError("telemetry stream ended without [DONE]")
+
+        _, events = await asyncio.gather(read_chat(), read_telemetry())
+    assert chat_chunks[0].id == f"chatcmpl-{sid}"
+    snaps = [GenerationTelemetry.model_validate(e) for e in events]
+    assert snaps and all(s.session_id == sid for s in snaps)
+    seqs = [s.seq for s in snaps]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs), seqs
+    assert snaps[-1].phase.value == "complete" and snaps[-1].generated_tokens == max_tokens
+    assert any(s.phase.value == "decode" and 0 < s.generated_tokens < max_tokens for s in snaps)
+
+    # After the session, the endpoint still answers with its final snapshot.
+    async with httpx.AsyncClient(timeout=5) as http:
+        r = await http.get(f"{slow_swarm.url}/v1/sessions/{sid}/telemetry")
+    lines = [ln for ln in r.text.splitlines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:])["phase"] == "complete"
+
+
+async def test_session_header_on_non_streaming_response(swarm: Swarm) -> None:
+    raw = await client(swarm).chat.completions.with_raw_response.create(model=MODEL, messages=MESSAGES,
+                                                                        max_tokens=3, **GREEDY)
+    sid = raw.headers["x-swarmroute-session"]
+    result = raw.parse()
+    assert result.id == f"chatcmpl-{sid}"
+    assert result.model_extra["swarmroute"]["session_id"] == sid  # type: ignore[index]
+
+
+# ---- stop strings ---------------------------------------------------------------------------------------------
+
+def pick_stop(text: str) -> tuple[str, str]:
+    """A 3-character stop string from the middle of ``text`` whose first occurrence is not at the start."""
+    for i in range(8, len(text) - 3):
+        stop = text[i:i + 3]
+        if text.index(stop) >= 4:
+            return stop, text[: text.index(stop)]
+    raise AssertionError(f"no usable stop string in {text!r}")
+
+
+async def test_stop_string_cut_exactly_through_the_gateway(swarm: Swarm) -> None:
+    c = client(swarm)
+    prompt = "The quick brown fox"
+    full = (await c.completions.create(model=MODEL, prompt=prompt, max_tokens=48, **GREEDY)).choices[0].text
+    stop, expected = pick_stop(full)
+    cut = await c.completions.create(model=MODEL, prompt=prompt, max_tokens=48, stop=[stop, "\x00never"], **GREEDY)
+    assert cut.choices[0].text == expected
+    assert cut.choices[0].finish_reason == "stop"
+    stream = await c.completions.create(model=MODEL, prompt=prompt, max_tokens=48, stop=stop, stream=True, **GREEDY)
+    chunks = [chunk async for chunk in stream]
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+async def test_stop_string_in_chat(swarm: Swarm) -> None:
+    c = client(swarm)
+    full = (await c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=48, **GREEDY)
+            ).choices[0].message.content or ""
+    stop, expected = pick_stop(full)
+    stream = await c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=48, stop=stop, stream=True,
+                                             **GREEDY)
+    chunks = [chunk async for chunk in stream]
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+# ---- bad input ----------------------------------------------------------------------------------------------------
+
+def assert_openai_error(r: httpx.Response, status: int, *fragments: str) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    error = r.json()["error"]
+    assert set(error) >= {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    for fragment in fragments:
+        assert fragment in error["message"], error["message"]
+    return error
+
+
+async def post(swarm: Swarm, path: str, body: Any, **kw: Any) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=10) as http:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        return await http.post(f"{swarm.base_url}{path}", content=content,
+                               headers={"content-type": "application/json", **kw.pop("headers", {})}, **kw)
+
+
+async def test_malformed_json_is_400(swarm: Swarm) -> None:
+    error = assert_openai_error(await post(swarm, "/chat/completions", b'{"model": "stub-model", "messages": ['),
+                                400, "not valid JSON")
+    assert error["type"] == "invalid_request_error"
+    assert_openai_error(await post(swarm, "/completions", b"\xff\xfe"), 400, "not valid JSON")
+    assert_openai_error(await post(swarm, "/completions", [1, 2]), 400, "JSON object")
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/chat/completions", {"model": MODEL}, "messages"),
+    ("/chat/completions", {"messages": MESSAGES}, "model"),
+    ("/completions", {"model": MODEL}, "prompt"),
+])
+async def test_missing_field_is_400_naming_it(swarm: Swarm, path: str, body: dict[str, Any], field: str) -> None:
+    assert_openai_error(await post(swarm, path, body), 400, field, "required")
+
+
+@pytest.mark.parametrize("patch, field", [
+    ({"max_tokens": "many"}, "max_tokens"),
+    ({"messages": "hello"}, "messages"),
+    ({"temperature": 7}, "temperature"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "role"),
+    ({"stream": "sometimes"}, "stream"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"stop": [""]}, "stop"),
+])
+async def test_wrong_types_are_400(swarm: Swarm, patch: dict[str, Any], field: str) -> None:
+    body = {"model": MODEL, "messages": MESSAGES, **patch}
+    assert_openai_error(await post(swarm, "/chat/completions", body), 400, field)
+
+
+async def test_unsupported_parameters_are_rejected(swarm: Swarm) -> None:
+    c = client(swarm)
+    with pytest.raises(openai.BadRequestError) as info:
+        await c.chat.completions.create(model=MODEL, messages=MESSAGES, n=2)
+    assert info.value.status_code == 400 and "n=1" in info.value.message
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    with pytest.raises(openai.BadRequestError) as info:
+        await c.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[tool])  # type: ignore[list-item]
+    assert "tools" in info.value.message
+    with pytest.raises(openai.BadRequestError):
+        await c.chat.completions.create(model=MODEL, messages=MESSAGES, logprobs=True)
+
+
+async def test_unknown_model_is_404(swarm: Swarm) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        await client(swarm).chat.completions.create(model="no-such-model", messages=MESSAGES)
+    assert "no-such-model" in info.value.message
+    assert not swarm.gateway.serving.sessions.live  # type: ignore[union-attr]
+
+
+async def test_prompt_plus_max_tokens_over_context_is_400_naming_the_numbers(swarm: Swarm) -> None:
+    ctx = swarm.nodes[0].backend.info.context_length
+    prompt = "y" * 100
+    n_prompt = prompt_tokens(swarm, text=prompt)
+    too_many = ctx - n_prompt + 1
+    with pytest.raises(openai.BadRequestError) as info:
+        await client(swarm).completions.create(model=MODEL, prompt=prompt, max_tokens=too_many)
+    for number in (n_prompt, too_many, n_prompt + too_many, ctx):
+        assert str(number) in info.value.message
+    assert info.value.code == "context_length_exceeded"
+    ok = await client(swarm).completions.create(model=MODEL, prompt=prompt, max_tokens=1)  # the boundary is real
+    assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+async def test_prompt_alone_over_context_is_400(module_nats: EmbeddedNats, tmp_path: Path) -> None:
+    swarm = await start_swarm(fresh_settings(module_nats, tmp_path), stubs(context_length=64), model_id=MODEL)
+    try:
+        prompt = "z" * 80
+        with pytest.raises(openai.BadRequestError) as info:
+            await client(swarm).completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+        assert str(prompt_tokens(swarm, text=prompt)) in info.value.message and "64" in info.value.message
+    finally:
+        await swarm.stop()
+
+
+async def test_oversized_body_is_413(module_nats: EmbeddedNats, tmp_path: Path) -> None:
+    limit = 2048
+    s = fresh_settings(module_nats, tmp_path, max_body_bytes=limit)
+    swarm = await start_swarm(s, stubs(), model_id=MODEL)
+    try:
+        with pytest.raises(openai.APIStatusError) as info:
+            await client(swarm).completions.create(model=MODEL, prompt="w" * (2 * limit), max_tokens=1)
+        assert info.value.status_code == 413 and str(limit) in info.value.message
+
+        async def chunked() -> AsyncIterator[bytes]:  # no content-length: the limit is enforced while reading
+            yield b'{"model": "stub-model", "prompt": "'
+            for _ in range(10):
+                yield b"w" * 512
+            yield b'"}'
+
+        async with httpx.AsyncClient(timeout=10) as http:
+            r = await http.post(f"{swarm.base_url}/completions", content=chunked(),
+                                headers={"content-type": "application/json"})
+        assert_openai_error(r, 413, str(limit))
+        small = await client(swarm).completions.create(model=MODEL, prompt="w" * 100, max_tokens=1)
+        assert small.choices
+    finally:
+        await swarm.stop()
+
+
+async def test_unknown_endpoint_is_404_json(swarm: Swarm) -> None:
+    async with httpx.AsyncClient(timeout=5) as http:
+        r = await http.get(f"{swarm.base_url}/embeddings")
+        error = assert_openai_error(r, 404, "/v1/embeddings")
+        assert error["code"] == "not_found"
+        r = await http.get(f"{swarm.url}/health")
+        assert r.status_code == 200 and r.json()["status"] == "ok"
+
+
+async def test_unknown_session_telemetry_is_404(swarm: Swarm) -> None:
+    async with httpx.AsyncClient(timeout=5) as http:
+        r = await http.get(f"{swarm.base_url}/sessions/{'0' * 32}/telemetry")
+    error = assert_openai_error(r, 404, "0" * 32)
+    assert error["code"] == "session_not_found"
+
+
+# ---- API keys -----------------------------------------------------------------------------------------------------
+
+async def test_api_keys(module_nats: EmbeddedNats, tmp_path: Path) -> None:
+    s = fresh_settings(module_nats, tmp_path, api_keys=[SecretStr("key-one"), SecretStr("key-two")])
+    swarm = await start_swarm(s, stubs(), model_id=MODEL)
+    try:
+        with pytest.raises(openai.AuthenticationError) as info:
+            await client(swarm, api_key="wrong").chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+        assert info.value.status_code == 401
+        async with httpx.AsyncClient(timeout=5) as http:
+            for headers in ({}, {"authorization": "key-one"}, {"authorization": "Bearer"}, {"authorization": "Bearer key-one-and-more"},
+                            {"authorization": "Basic key-one"}):
+                r = await http.post(f"{swarm.base_url}/chat/completions", headers=headers,
+                                    json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2})
+                error = assert_openai_error(r, 401)
+                assert error["type"] == "authentication_error"
+                assert "key-one" not in r.text
+            r = await http.get(f"{swarm.base_url}/models")
+            assert r.status_code == 401
+            assert (await http.get(f"{swarm.url}/health")).status_code == 200  # probes need no key
+        for key in ("key-one", "key-two"):
+            ok = await client(swarm, api_key=key).chat.completions.create(model=MODEL, messages=MESSAGES,
+                                                                          max_tokens=2, **GREEDY)
+            assert ok.choices[0].finish_reason == "length"
+        stream = await client(swarm, api_key="key-two").chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=4, stream=True, **GREEDY)
+        assert sum(1 for ch in [c async for c in stream] if ch.choices and ch.choices[0].delta.content) == 4
+    finally:
+        await swarm.stop()
+
+
+# ---- a client that goes away --------------------------------------------------------------------------------------
+
+async def _all_freed(swarm: Swarm) -> bool:
+    return (not any(n.sessions for n in swarm.nodes)
+            and not any(n.backend.open_sessions for n in swarm.nodes)  # type: ignore[attr-defined]
+            and not swarm.gateway.serving.sessions.live)  # type: ignore[union-attr]
+
+
+async def test_client_disconnect_mid_stream_frees_the_session_everywhere(slow_swarm: Swarm,
+                                                                         tap: TelemetryTap) -> None:
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 3000, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    tokens = 0
+    async with httpx.AsyncClient(timeout=10) as http, http.stream(
+            "POST", f"{slow_swarm.base_url}/chat/completions", json=body) as r:
+        sid = r.headers["x-swarmroute-session"]
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and '"content":"' in line and '"content":""' not in line:
+                tokens += 1
+            if tokens >= 5:
+                break
+        assert any(n.sessions for n in slow_swarm.nodes)  # still generating when we walk away
+    # The response is closed here: the client went away mid-stream.
+    deadline = time.monotonic() + 10
+    while not await _all_freed(slow_swarm):
+        assert time.monotonic() < deadline, "the session was not freed on every node"
+        await asyncio.sleep(0.05)
+    await wait_for(lambda: any(s.phase.value == "cancelled" for _, s in tap.of(sid)), 5)
+    generated = max(s.generated_tokens for _, s in tap.of(sid))
+    assert generated < 3000  # generation really stopped, it did not run to max_tokens
+    cancelled = [s for _, s in tap.of(sid) if s.phase.value == "cancelled"]
+    assert len(cancelled) == 1
+
+
+async def test_client_disconnect_during_non_streaming_request_frees_the_session(slow_swarm: Swarm) -> None:
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
+    async with httpx.AsyncClient(timeout=10) as http:
+        request = asyncio.create_task(http.post(f"{slow_swarm.base_url}/chat/completions", json=body))
+        await wait_for(lambda: any(n.sessions for n in slow_swarm.nodes), 5)
+        await asyncio.sleep(0.3)
+        request.cancel()
+        await asyncio.gather(request, return_exceptions=True)
+    deadline = time.monotonic() + 10
+    while not await _all_freed(slow_swarm):
+        assert time.monotonic() < deadline, "the session was not freed after the client went away"
+        await asyncio.sleep(0.05)
+
+
+async def _collect_sse(events: AsyncIterator[bytes], timeout: float) -> list[bytes]:
+    out: list[bytes] = []
+
+    async def run() -> None:
+        async for item in events:
+            out.append(item)
+
+    await asyncio.wait_for(run(), timeout)
+    return out
+
+
+async def test_telemetry_sse_of_a_session_that_just_ended_terminates(nc: Any) -> None:
+    """A watcher arriving between the session's last snapshot and its cleanup gets that snapshot and [DONE]."""
+    from types import SimpleNamespace
+
+    from gateway.app import _telemetry_events
+    from schemas.session import SessionPhase
+
+    final = GenerationTelemetry(session_id="s" * 32, seq=9, phase=SessionPhase.COMPLETE, finish_reason="stop")
+    live = SimpleNamespace(telemetry=final)
+    out = await _collect_sse(_telemetry_events(nc, Subjects(), final.session_id, live, None), 3.0)
+    assert out[-1] == b"data: [DONE]\n\n"
+    assert [json.loads(o[6:])["seq"] for o in out[:-1]] == [9]
+
+
+async def test_telemetry_sse_never_repeats_or_reorders_a_snapshot(nc: Any) -> None:
+    """Snapshots already shown (the session's latest) are not sent again when they also arrive on NATS."""
+    from types import SimpleNamespace
+
+    from gateway.app import _telemetry_events
+    from schemas.session import SessionPhase
+
+    subjects = Subjects()
+    sid = "a" * 32
+    live = SimpleNamespace(telemetry=GenerationTelemetry(session_id=sid, seq=5, phase=SessionPhase.DECODE))
+    events = _telemetry_events(nc, subjects, sid, live, None)
+    first = await anext(events)  # subscribes, then yields the latest snapshot
+    for seq, phase in ((4, SessionPhase.DECODE), (5, SessionPhase.DECODE), (6, SessionPhase.DECODE),
+                       (7, SessionPhase.COMPLETE)):
+        await nc.publish(subjects.telemetry(sid), codec.encode(GenerationTelemetry(session_id=sid, seq=seq,
+                                                                                   phase=phase)))
+    rest = await _collect_sse(events, 3.0)
+    seqs = [json.loads(o[6:])["seq"] for o in [first, *rest] if o.startswith(b"data: {")]
+    assert seqs == [5, 6, 7]
+    assert rest[-1] == b"data: [DONE]\n\n"
+
+
+async def test_telemetry_sse_ends_on_a_terminal_snapshot_even_with_a_lagging_seq(nc: Any) -> None:
+    from types import SimpleNamespace
+
+    from gateway.app import _telemetry_events
+    from schemas.session import SessionPhase
+
+    subjects = Subjects()
+    sid = "b" * 32
+    live = SimpleNamespace(telemetry=GenerationTelemetry(session_id=sid, seq=8, phase=SessionPhase.DECODE))
+    events = _telemetry_events(nc, subjects, sid, live, None)
+    await anext(events)
+    await nc.publish(subjects.telemetry(sid), codec.encode(GenerationTelemetry(session_id=sid, seq=7,
+                                                                               phase=SessionPhase.CANCELLED)))
+    rest = await _collect_sse(events, 3.0)
+    assert json.loads(rest[0][6:])["phase"] == "cancelled"
+    assert rest[-1] == b"data: [DONE]\n\n"
