@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from nats.aio.client import Client as NATS
@@ -42,7 +42,7 @@ from artifacts.progress import ProgressPrinter
 from artifacts.shard import ShardSource, write_shard
 from artifacts.store import Store
 from artifacts.torrent import SwarmConfig, TorrentSession, is_private_address
-from artifacts.verify import RangeVerdict, StoreReport, verify_shard, verify_store
+from artifacts.verify import RangeVerdict, StoreReport, verify_store
 from bus.codec import DecodeError, decode, encode
 from bus.connection import connect_settings
 from bus.subjects import Subjects
@@ -210,8 +210,8 @@ class ArtifactSync:
     # -- fetching and seeding --------------------------------------------------------------------------------------
 
     def _progress_sink(self, loop: asyncio.AbstractEventLoop, printer: ProgressPrinter | None
-                       ) -> tuple[threading.Event, object]:
-        done = threading.Event()
+                       ) -> Callable[[FetchProgress], None]:
+        """Called on the fetch thread: print, and hand the event to the loop for NATS (rate-limited)."""
 
         def sink(p: FetchProgress) -> None:
             if printer is not None:
@@ -224,7 +224,7 @@ class ArtifactSync:
                 loop.call_soon_threadsafe(lambda: asyncio.ensure_future(
                     self.nc.publish(self.subjects.artifact_progress(self.config.node_id), data)))
 
-        return done, sink
+        return sink
 
     async def fetch(self, manifest: ModelManifest, start: int, end: int, *, printer: ProgressPrinter | None = None,
                     options: FetchOptions | None = None) -> FetchResult:
@@ -232,12 +232,12 @@ class ArtifactSync:
         await self.hold(manifest)
         await self.discover(manifest.model_id)
         loop = asyncio.get_running_loop()
-        _, sink = self._progress_sink(loop, printer)
+        sink = self._progress_sink(loop, printer)
         held = self._held[manifest.model_id]
 
         def run() -> FetchResult:
             return fetch_range(self.store, manifest, start, end, session=self.session, peers=lambda: held.addresses,
-                               progress=sink, node_id=self.config.node_id, options=options)  # type: ignore[arg-type]
+                               progress=sink, node_id=self.config.node_id, options=options)
 
         try:
             result = await asyncio.to_thread(run)
@@ -246,14 +246,11 @@ class ArtifactSync:
                               phase="failed", message=exc.message)
             await self.nc.publish(self.subjects.artifact_progress(self.config.node_id), encode(p))
             raise
-        verdict = verify_shard(manifest, result.shard, start, end)
-        self.advertise(manifest.model_id, [*self._verdicts_now(manifest.model_id), verdict])
+        held_before = [RangeVerdict(r.start, r.end, "held", ()) for r in held.ranges]  # verified earlier
+        self.advertise(manifest.model_id, [*held_before, result.verdict])
         await self.announce(manifest.model_id)
         await self.nc.flush()
         return result
-
-    def _verdicts_now(self, model_id: str) -> list[RangeVerdict]:
-        return [RangeVerdict(r.start, r.end, "held", ()) for r in self._held[model_id].ranges]
 
     async def seed(self, model_id: str) -> StoreReport:
         """Verify what the store holds (repairing shards the data can rebuild), let libtorrent hash-check the file
@@ -330,8 +327,13 @@ async def _serve_forever(stop: asyncio.Event) -> None:
 def _stop_event(cancel: threading.Event) -> asyncio.Event:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        stop.set()
+        cancel.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda: (stop.set(), cancel.set()))
+        loop.add_signal_handler(sig, on_signal)
     return stop
 
 

@@ -312,6 +312,14 @@ class RouteSession:
                          prompt_tokens=len(self.request.prompt_tokens), completion_tokens=event.seq + 1)
         await self.rt.publish(self.rt.subjects.tokens(self.id), end)
         await self.close()
+        await self._release_route()
+
+    async def _release_route(self) -> None:
+        """Head, at the end: free the session on every other hop. The gateway does the same, but it may be gone,
+        and then the tail (and any middle hop) would hold its KV until the idle TTL. Idempotent on the nodes."""
+        await asyncio.gather(*(self.rt.client.close_session(h.node_id, h.endpoint, self.id, timeout=1.0,
+                                                            session_token=self.session_token)
+                               for h in self.route.hops[1:]), return_exceptions=True)
 
     async def _fail(self, reason: FailureReason) -> None:
         assert self.telemetry is not None
@@ -324,4 +332,5 @@ class RouteSession:
                          completion_tokens=self.telemetry.generated)
         await self.rt.publish(self.rt.subjects.tokens(self.id), end)
         await self.close()
+        await self._release_route()
 

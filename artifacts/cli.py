@@ -8,6 +8,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import cast
 
 from artifacts.bundled import bundled_model_path
 from artifacts.manifest import build_manifest, save_manifest
@@ -99,9 +100,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     failed = False
     for model_id in ids:
         report = verify_store(store, model_id)
-        held_bad = [v for v in report.shards if not v.ok]
-        held_bad += [p for p in report.data.tensors.values() if p is not None and p.kind != "missing"]
-        failed = failed or bool(held_bad)
+        bad_shards = [v for v in report.shards if not v.ok]
+        bad_data = [p for p in report.data.tensors.values() if p is not None and p.kind != "missing"]
+        failed = failed or bool(bad_shards or bad_data)
         if args.range is not None:
             a, b = args.range
             servable = {(x, y) for x, y, _ in report.servable}
@@ -154,7 +155,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse._SubParsersActi
 
     for p in (build, verify, shard):
         p.add_argument("--home", help="swarmroute home (default: $SWARMROUTE_HOME or ~/.cache/swarmroute)")
-    return commands
+    return cast("argparse._SubParsersAction", commands)  # type: ignore[type-arg]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -31,7 +31,7 @@ from artifacts.shard import (
 )
 from artifacts.store import Store
 from artifacts.torrent import TorrentJob, TorrentSession, wanted_pieces
-from artifacts.verify import check_data_file, verify_shard
+from artifacts.verify import RangeVerdict, check_data_file, verify_shard
 from schemas.artifact import FetchPhase, FetchProgress
 from schemas.errors import ArtifactError
 from schemas.manifest import ModelManifest
@@ -68,13 +68,15 @@ class FetchResult:
     job: TorrentJob
     """Still in the session: the node keeps seeding the pieces it fetched."""
     progress: FetchProgress
+    verdict: RangeVerdict
+    """The shard's verification, passed (``fetch_range`` raises otherwise)."""
 
 
 class _Reporter:
     def __init__(self, job: TorrentJob, manifest: ModelManifest, start: int, end: int, sink: ProgressSink | None,
                  node_id: str) -> None:
         self.job, self.sink, self.node_id = job, sink, node_id
-        self.base = dict(model_id=manifest.model_id, start=start, end=end)
+        self.model_id, self.start, self.end = manifest.model_id, start, end
         self.needed = sum(hi - lo for lo, hi in needed_byte_ranges(manifest, start, end))
         size, n = manifest.torrent.piece_size, manifest.torrent.n_pieces
         self.wanted_bytes = sum(min(size, manifest.file_size - p * size) for p in job.wanted if p < n)
@@ -95,7 +97,8 @@ class _Reporter:
                              bytes_downloaded=self.downloaded(int(st.total_payload_download)),
                              bytes_needed=self.needed, bytes_wanted=self.wanted_bytes,
                              rate_bps=float(st.download_payload_rate), peers=int(st.num_peers),
-                             hash_failures=self.job.counters.hash_failures, message=message, **self.base)
+                             hash_failures=self.job.counters.hash_failures, message=message,
+                             model_id=self.model_id, start=self.start, end=self.end)
 
     def report(self, phase: FetchPhase, message: str = "") -> FetchProgress:
         p = self.snapshot(phase, message)
@@ -160,8 +163,9 @@ def fetch_range(store: Store, manifest: ModelManifest, start: int, end: int, *, 
     job = session.add(manifest, model_dir, pieces, resume=resume)
     rep = _Reporter(job, manifest, start, end, progress, node_id)
     shard = store.shard_path(manifest.model_id, start, end)
-    if verify_shard(manifest, shard, start, end).ok:
-        return FetchResult(shard, job, rep.report("done", "shard already verified"))
+    verdict = verify_shard(manifest, shard, start, end)
+    if verdict.ok:
+        return FetchResult(shard, job, rep.report("done", "shard already verified"), verdict)
     data = store.data_path(manifest)
     for attempt in range(opts.max_repairs + 1):
         _wait_for_pieces(job, rep, peers, resume_path, opts)
@@ -182,4 +186,4 @@ def fetch_range(store: Store, manifest: ModelManifest, start: int, end: int, *, 
     if not verdict.ok:
         rep.report("failed", verdict.describe())
         raise ArtifactError(f"written shard does not verify: {verdict.describe()}")
-    return FetchResult(shard, job, rep.report("done"))
+    return FetchResult(shard, job, rep.report("done"), verdict)

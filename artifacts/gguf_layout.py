@@ -99,6 +99,22 @@ class _Cursor:
         self.pos += n
         return data
 
+    def _strings(self, n: int) -> list[bytes]:
+        # Raw bytes: tokenizer vocabularies are not guaranteed to be valid UTF-8. A tight loop: a vocabulary has
+        # hundreds of thousands of entries.
+        buf, pos = self.buf, self.pos
+        out: list[bytes] = []
+        append, from_bytes = out.append, int.from_bytes
+        for _ in range(n):
+            size = from_bytes(buf[pos : pos + 8], "little")
+            pos += 8
+            append(buf[pos : pos + size])
+            pos += size
+        if pos > len(buf):
+            raise ValueError("string array runs past the end of the file")
+        self.pos = pos
+        return out
+
     def value(self, vtype: GGUFValueType) -> Any:
         if vtype == GGUFValueType.STRING:
             return self.raw_string().decode("utf-8")
@@ -108,8 +124,7 @@ class _Cursor:
         sub = GGUFValueType(self.unpack("<I"))
         n = self.unpack("<Q")
         if sub == GGUFValueType.STRING:
-            # Raw bytes: tokenizer vocabularies are not guaranteed to be valid UTF-8.
-            return sub, [self.raw_string() for _ in range(n)]
+            return sub, self._strings(n)
         if sub == GGUFValueType.ARRAY:
             raise ValueError("nested GGUF arrays are not supported")
         dtype = np.dtype(_NUMPY[sub])
@@ -164,7 +179,7 @@ def _parse(path: Path, buf: mmap.mmap) -> GGUFLayout:
 
 
 def read_layout(path: Path) -> GGUFLayout:
-    """Parse the header of ``path``; tensor data is not read, so a partially downloaded file works once its header is in."""
+    """Parse the header of ``path``. Tensor data is not read: a partially downloaded file works once its header is."""
     try:
         with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             layout = _parse(path, buf)

@@ -132,7 +132,8 @@ def _groups(layout: GGUFLayout) -> TensorGroups:
             layers[il].append(t.name)
         else:
             by_role[role].append(t.name)
-    return TensorGroups(layers=layers, **by_role)
+    return TensorGroups(layers=layers, embedding=by_role["embedding"], output=by_role["output"],
+                        shared=by_role["shared"])
 
 
 def _file_type(layout: GGUFLayout) -> str:

@@ -27,12 +27,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import struct
 from collections.abc import Sequence
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFEndian, GGUFValueType, GGUFWriter
 
 from artifacts.gguf_layout import KV, TensorLayout, read_layout, renumber, role_of
 from artifacts.layer_metadata import RangeSpec, shard_fields
@@ -198,6 +199,30 @@ class ShardSource:
         return [kv for kv in read_layout(self.data_path).fields if kv.key.startswith("tokenizer.")]
 
 
+_NUMPY_TYPES = {
+    GGUFValueType.UINT8: "<u1", GGUFValueType.INT8: "<i1", GGUFValueType.UINT16: "<u2", GGUFValueType.INT16: "<i2",
+    GGUFValueType.UINT32: "<u4", GGUFValueType.INT32: "<i4", GGUFValueType.FLOAT32: "<f4", GGUFValueType.UINT64: "<u8",
+    GGUFValueType.INT64: "<i8", GGUFValueType.FLOAT64: "<f8", GGUFValueType.BOOL: "?",
+}
+
+
+class _ArrayWriter(GGUFWriter):
+    """GGUFWriter that packs arrays in bulk: the stock one packs a 262k-token vocabulary element by element (~1-4 s
+    per shard); the bytes written are identical."""
+
+    def _pack_val(self, val: Any, vtype: GGUFValueType, add_vtype: bool, sub_type: GGUFValueType | None = None
+                  ) -> bytes:
+        if vtype != GGUFValueType.ARRAY or sub_type is None or self.endianess != GGUFEndian.LITTLE or not val:
+            return super()._pack_val(val, vtype, add_vtype, sub_type)
+        head = struct.pack("<I", vtype) if add_vtype else b""
+        head += struct.pack("<IQ", sub_type, len(val))
+        if sub_type == GGUFValueType.STRING:
+            pack = struct.Struct("<Q").pack
+            items = [v.encode("utf-8") if isinstance(v, str) else v for v in val]
+            return head + b"".join([pack(len(v)) + v for v in items])
+        return head + np.asarray(val, dtype=_NUMPY_TYPES[sub_type]).tobytes()
+
+
 def _add_fields(writer: GGUFWriter, fields: list[KV]) -> None:
     for kv in fields:
         writer.add_key_value(kv.key, kv.value, kv.type, kv.sub_type)
@@ -233,7 +258,7 @@ def _writer_for(source: ShardSource, plan: ShardPlan, dst: Path) -> GGUFWriter:
     spec = RangeSpec(source.architecture, source.n_layers, plan.start, plan.end, plan.keep_tokenizer,
                      source.manifest_id)
     fields = list(source.metadata) + (source.tokenizer_fields() if plan.keep_tokenizer else [])
-    writer = GGUFWriter(dst, source.architecture)
+    writer = _ArrayWriter(dst, source.architecture)
     if source.alignment != writer.data_alignment:
         writer.add_custom_alignment(source.alignment)
     _add_fields(writer, shard_fields(fields, spec))

@@ -164,7 +164,9 @@ class TorrentSession:
 
     def __init__(self, config: SwarmConfig | None = None) -> None:
         self.config = config or SwarmConfig()
-        self._session = lt.session(self._settings())
+        params = lt.session_params()
+        params.settings = self._settings()  # type: ignore[assignment]  # the binding takes a plain dict
+        self._session = lt.session(params)
         self._session.set_ip_filter(_ip_filter())
         self._jobs: dict[str, TorrentJob] = {}
         self._lock = threading.RLock()
@@ -207,7 +209,7 @@ class TorrentSession:
                 existing.want(wanted)
                 return existing
             atp = lt.read_resume_data(resume) if resume else lt.add_torrent_params()
-            atp.ti = lt.torrent_info(lt.bdecode(torrent_bytes(manifest)))
+            atp.ti = lt.torrent_info(torrent_bytes(manifest))
             if str(atp.ti.info_hashes().v1) != manifest.torrent.info_hash:
                 raise ArtifactError("torrent rebuilt from the manifest has a different info-hash")
             atp.save_path = str(save_dir)

@@ -116,7 +116,8 @@ def _piece_problem(f: object, manifest: ModelManifest, name: str, offset: int, s
     downloaded (``missing``); a failing piece with data in it is corrupt (``hash_mismatch``)."""
     assert hasattr(f, "seek") and hasattr(f, "read")
     piece = manifest.torrent.piece_size
-    absent, corrupt = [], []
+    absent: list[int] = []
+    corrupt: list[int] = []
     for i in range(offset // piece, (offset + size - 1) // piece + 1):
         f.seek(i * piece)
         data = f.read(min(piece, manifest.file_size - i * piece))

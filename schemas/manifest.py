@@ -16,11 +16,11 @@ from pydantic import Field, model_validator
 
 from schemas.base import WireModel
 
-MANIFEST_FORMAT = "swarmroute.model-artifact"
+MANIFEST_FORMAT: Literal["swarmroute.model-artifact"] = "swarmroute.model-artifact"
 
 
 class KVEntry(WireModel):
-    """One GGUF metadata key/value; ``type``/``sub_type`` are gguf ``GGUFValueType`` names (``UINT32``, ``ARRAY``...)."""
+    """One GGUF metadata key/value; ``type``/``sub_type`` are gguf ``GGUFValueType`` names (``UINT32``, ``ARRAY``)."""
 
     key: str
     type: str

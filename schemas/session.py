@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from schemas.base import WireModel
 from schemas.route import Route
@@ -41,6 +41,13 @@ class SamplingParams(WireModel):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     penalty_last_n: int = Field(default=64, ge=0)
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_bits(cls, v: int | None) -> int | None:
+        # OpenAI clients send any integer (negative, beyond 64 bits); every backend's RNG takes an unsigned 64-bit
+        # seed (llama.cpp 32), so wrap it here instead of letting a backend fail on it (found by tests/test_fuzz.py).
+        return None if v is None else v & 0xFFFF_FFFF_FFFF_FFFF
 
 
 class Prompt(WireModel):

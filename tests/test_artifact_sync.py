@@ -18,6 +18,7 @@ from pathlib import Path
 
 import nats
 import pytest
+from nats.aio.msg import Msg
 
 from artifacts.manifest import save_manifest
 from artifacts.shard import needed_byte_ranges
@@ -58,6 +59,10 @@ class Proc:
             raise AssertionError(f"no output in {timeout}s (rc={self.proc.poll()}): {self.log.read_text()[-2000:]}"
                                  ) from None
 
+    async def json(self, timeout: float) -> dict[str, object]:
+        """``next_json`` without blocking the event loop (NATS callbacks keep running meanwhile)."""
+        return await asyncio.to_thread(self.next_json, timeout)
+
     def kill(self, sig: int = signal.SIGTERM) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
@@ -81,18 +86,20 @@ class Swarm:
         self.procs.append(proc)
         return proc
 
-    def seed(self, name: str, home: Path, model_id: str) -> tuple[Proc, dict[str, object]]:
+    async def seed(self, name: str, home: Path, model_id: str) -> tuple[Proc, dict[str, object]]:
         proc = self.artifact(name, "seed", model_id, "--home", str(home))
-        return proc, proc.next_json(120)
+        return proc, await proc.json(120)
 
     def fetch(self, name: str, home: Path, *args: str) -> Proc:
         return self.artifact(name, "fetch", "--home", str(home), "--quiet", *args)
 
-    def corrupt_peer(self, manifest: Path, directory: Path) -> int:
+    async def corrupt_peer(self, manifest: Path, directory: Path) -> int:
         proc = Proc([sys.executable, str(CORRUPT_PEER), str(manifest), str(directory)], self.env,
                     self.tmp / "corrupt.log")
         self.procs.append(proc)
-        return int(proc.next_json(60)["port"])  # type: ignore[call-overload]
+        port = (await proc.json(60))["port"]
+        assert isinstance(port, int)
+        return port
 
     def stop(self) -> None:
         for proc in self.procs:
@@ -116,10 +123,10 @@ class Watch:
     async def start(self, url: str, model_id: str) -> Watch:
         self.nc = await nats.connect(url)
 
-        async def on_peer(msg: nats.aio.msg.Msg) -> None:
+        async def on_peer(msg: Msg) -> None:
             self.peers.append(decode(msg.data, ArtifactPeer))
 
-        async def on_progress(msg: nats.aio.msg.Msg) -> None:
+        async def on_progress(msg: Msg) -> None:
             self.progress.append(decode(msg.data, FetchProgress))
 
         await self.nc.subscribe(SUBJECTS.artifact_peers(model_id), cb=on_peer)
@@ -172,29 +179,27 @@ async def test_two_leechers_fetch_their_ranges_and_advertise_only_them(
     manifest = seed_store(tmp_path / "h0", gemma_copy)
     mid = manifest.model_id
     watch = await Watch().start(nats_server.url, mid)
-    _, seeding = swarm.seed("seed0", tmp_path / "h0", mid)
+    _, seeding = await swarm.seed("seed0", tmp_path / "h0", mid)
     assert seeding["ranges"] == [[0, 18]]
     splits = {"leechA": (0, 9), "leechB": (9, 18)}
     # only the model id: each leecher gets the manifest from the swarm over NATS
     procs = {n: swarm.fetch(n, tmp_path / n, "--model-id", mid, "--range", f"{a}:{b}", "--seed-after")
              for n, (a, b) in splits.items()}
-    results = {n: p.next_json(300) for n, p in procs.items()}
+    results = {n: FetchProgress.model_validate(await p.json(300)) for n, p in procs.items()}
     await watch.until(lambda: all([r] in watch.ranges_of(n) for n, r in splits.items()), 10)
     for node, (a, b) in splits.items():
         r = results[node]
-        assert r["event"] == "fetched" and r["phase"] == "done"
-        shard = Path(str(r["shard"]))
-        assert verify_shard(manifest, shard, a, b).ok
-        assert r["bytes_needed"] == sum(hi - lo for lo, hi in needed_byte_ranges(manifest, a, b))
-        downloaded = int(r["bytes_downloaded"])  # type: ignore[call-overload]
-        assert r["bytes_needed"] <= downloaded <= 1.02 * wanted_bytes(manifest, a, b)  # type: ignore[operator]
+        assert r.model_extra is not None and r.model_extra["event"] == "fetched" and r.phase == "done"
+        assert verify_shard(manifest, Path(r.model_extra["shard"]), a, b).ok
+        assert r.bytes_needed == sum(hi - lo for lo, hi in needed_byte_ranges(manifest, a, b))
+        assert r.bytes_needed <= r.bytes_downloaded <= 1.02 * wanted_bytes(manifest, a, b)
         # every announcement: nothing before the range verified, then exactly that range
         assert all(ranges in ([], [(a, b)]) for ranges in watch.ranges_of(node))
         phases = [p.phase for p in watch.progress if p.node_id == node]
         assert "fetching" in phases and phases[-1] == "done"
     assert all(ranges == [(0, 18)] for ranges in watch.ranges_of("seed0"))
     # a 2-way split moves 2 x ~219 MB: the 178 MB tied embedding is needed by both the head and the tail
-    print("downloaded", {n: r["bytes_downloaded"] for n, r in results.items()}, "file", manifest.file_size)
+    print("downloaded", {n: r.bytes_downloaded for n, r in results.items()}, "file", manifest.file_size)
     await watch.close()
 
 
@@ -205,7 +210,7 @@ async def test_flipped_byte_is_detected_and_never_advertised(swarm: Swarm, nats_
     store = Store(tmp_path / "h0")
     flip_in_tensors(store.data_path(manifest), manifest, ["blk.2.attn_v.weight"])
     watch = await Watch().start(nats_server.url, manifest.model_id)
-    _, seeding = swarm.seed("seed0", tmp_path / "h0", manifest.model_id)
+    _, seeding = await swarm.seed("seed0", tmp_path / "h0", manifest.model_id)
     assert seeding["ranges"] == [[0, 2], [3, 6]]
     await watch.until(lambda: watch.ranges_of("seed0"), 10)
     assert all(not any(a <= 2 < b for a, b in ranges) for ranges in watch.ranges_of("seed0"))
@@ -221,7 +226,7 @@ async def test_interrupted_fetch_resumes(swarm: Swarm, nats_server: EmbeddedNats
     manifest = seed_store(tmp_path / "h0", gemma_copy)
     mid = manifest.model_id
     watch = await Watch().start(nats_server.url, mid)
-    swarm.seed("seed0", tmp_path / "h0", mid)
+    await swarm.seed("seed0", tmp_path / "h0", mid)
     wanted = wanted_bytes(manifest, 6, 12)
     first = swarm.fetch("leech", tmp_path / "h1", "--model-id", mid, "--range", "6:12",
                         "--download-limit", "3000000")
@@ -233,12 +238,13 @@ async def test_interrupted_fetch_resumes(swarm: Swarm, nats_server: EmbeddedNats
     first.kill(signal.SIGKILL)  # a crash: no chance to save anything
     held = max(p.pieces_done for p in watch.progress if p.node_id == "leech")
     assert held < max(p.pieces_wanted for p in watch.progress if p.node_id == "leech")
-    second = swarm.fetch("leech", tmp_path / "h1", "--model-id", mid, "--range", "6:12").next_json(120)
-    assert second["event"] == "fetched"
-    assert verify_shard(manifest, Path(str(second["shard"])), 6, 12).ok
+    second = FetchProgress.model_validate(
+        await swarm.fetch("leech", tmp_path / "h1", "--model-id", mid, "--range", "6:12").json(120))
+    assert second.phase == "done" and second.model_extra is not None
+    assert verify_shard(manifest, Path(second.model_extra["shard"]), 6, 12).ok
     piece = manifest.torrent.piece_size
     # the restart fetched only what the crash left missing (a few in-flight pieces may be lost)
-    assert int(second["bytes_downloaded"]) <= wanted - (held - 8) * piece  # type: ignore[call-overload]
+    assert second.bytes_downloaded <= wanted - (held - 8) * piece
     await watch.close()
 
 
@@ -253,14 +259,14 @@ async def test_corrupt_peer_is_survived(swarm: Swarm, nats_server: EmbeddedNats,
     shutil.copyfile(gemma_copy, bad_dir / manifest.torrent.file_name)
     flip_in_tensors(bad_dir / manifest.torrent.file_name, manifest,
                     [n for il in range(6, 12) for n in manifest.groups.layers[il]])
-    bad_port = swarm.corrupt_peer(manifest_file, bad_dir)
+    bad_port = await swarm.corrupt_peer(manifest_file, bad_dir)
     watch = await Watch().start(nats_server.url, mid)
     leech = swarm.fetch("leech", tmp_path / "h1", "--manifest", str(manifest_file), "--range", "6:12",
                         "--peer", f"127.0.0.1:{bad_port}")
     # at first the liar is the only peer: wait until its data has failed the piece hashes
     await watch.until(lambda: any(p.node_id == "leech" and p.hash_failures for p in watch.progress), 60)
-    swarm.seed("seed0", tmp_path / "h0", mid)  # an honest seeder joins, found over NATS
-    result = leech.next_json(120)
-    assert result["event"] == "fetched" and int(result["hash_failures"]) >= 1  # type: ignore[call-overload]
-    assert verify_shard(manifest, Path(str(result["shard"])), 6, 12).ok
+    await swarm.seed("seed0", tmp_path / "h0", mid)  # an honest seeder joins, found over NATS
+    result = FetchProgress.model_validate(await leech.json(120))
+    assert result.phase == "done" and result.hash_failures >= 1 and result.model_extra is not None
+    assert verify_shard(manifest, Path(result.model_extra["shard"]), 6, 12).ok
     await watch.close()

@@ -526,8 +526,8 @@ async def test_api_keys(module_nats: EmbeddedNats, tmp_path: Path) -> None:
             await client(swarm, api_key="wrong").chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
         assert info.value.status_code == 401
         async with httpx.AsyncClient(timeout=5) as http:
-            for headers in ({}, {"authorization": "key-one"}, {"authorization": "Bearer"}, {"authorization": "Bearer key-one-and-more"},
-                            {"authorization": "Basic key-one"}):
+            for headers in ({}, {"authorization": "key-one"}, {"authorization": "Bearer"},
+                            {"authorization": "Bearer key-one-and-more"}, {"authorization": "Basic key-one"}):
                 r = await http.post(f"{swarm.base_url}/chat/completions", headers=headers,
                                     json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2})
                 error = assert_openai_error(r, 401)

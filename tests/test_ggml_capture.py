@@ -220,3 +220,23 @@ def test_shards_exact_with_two_sequences_interleaved_in_one_batch(shard_dir: Pat
         whole.close()
         for s in stages:
             s.close()
+
+
+def test_without_kv_unified_rows_come_grouped_by_sequence(gemma_path: Path) -> None:
+    """Why LayerCapture's docs demand kv_unified=True: otherwise llama.cpp's ubatch groups rows by sequence."""
+    unified = open_stage(gemma_path, capture_last=True)
+    split = open_stage(gemma_path, capture_last=True, kv_unified=False)
+    try:
+        a, b = tokenize(unified, PROMPT), tokenize(unified, OTHER_PROMPT)
+        m = min(len(a), len(b))
+        tokens = [t for pair in zip(a[:m], b[:m], strict=True) for t in pair]
+        pos, seq = [p for p in range(m) for _ in (0, 1)], [0, 1] * m
+        in_batch_order = unified.run(tokens=tokens, pos=pos, seq=seq)
+        rows = split.run(tokens=tokens, pos=pos, seq=seq)
+        grouped = np.concatenate([in_batch_order[0::2], in_batch_order[1::2]])
+        # Per-sequence KV streams change the attention kernels' layout, so equal only up to float rounding.
+        assert np.abs(rows - grouped).max() < 1e-4 * np.abs(grouped).max()
+        assert np.abs(rows - in_batch_order).max() > 0.5 * np.abs(grouped).max()
+    finally:
+        unified.close()
+        split.close()

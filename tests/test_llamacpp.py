@@ -62,6 +62,9 @@ def reference(gemma_path: Path) -> Iterator[llama_cpp.Llama]:
 
 
 def reference_greedy(llm: llama_cpp.Llama, tokens: list[int], n: int) -> list[int]:
+    # Without a reset, generate() keeps the common prefix (BOS) of the previous prompt in its KV and prefills only
+    # the rest: a different batch shape, so different rounding (see TIE). A fresh prompt is what the backend runs.
+    llm.reset()
     out: list[int] = []
     for token in llm.generate(tokens, temp=0.0):
         out.append(int(token))

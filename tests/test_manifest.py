@@ -105,7 +105,7 @@ def test_manifest_of_the_bundled_gemma(gemma_path: Path) -> None:
     assert keys == {name: field.contents() for name, field in reader.fields.items()
                     if not name.startswith(("tokenizer.", "GGUF."))}
 
-    info = lt.torrent_info(lt.bdecode(torrent_bytes(manifest)))
+    info = lt.torrent_info(torrent_bytes(manifest))
     assert str(info.info_hashes().v1) == manifest.torrent.info_hash
     assert info.num_pieces() == manifest.torrent.n_pieces and info.piece_length() == manifest.torrent.piece_size
     assert info.total_size() == manifest.file_size and info.priv()

@@ -210,6 +210,12 @@ async def test_two_trackers_share_the_queue_group_and_answer_each_request_once(s
     try:
         await wait_model(t1, MODEL)
         await wait_model(t2, MODEL)
+        # A tracker's subscription reaches the server shortly after start() returns: wait until both have answered.
+        deadline = time.monotonic() + 5
+        while min(answered.values()) == 0:
+            assert time.monotonic() < deadline, f"both trackers should answer route requests: {answered}"
+            assert (await ask_route(nc, settings)).route is not None
+        answered.update(t1=0, t2=0)
         inbox = nc.new_inbox()
         replies: list[RouteReply] = []
 

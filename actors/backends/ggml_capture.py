@@ -6,7 +6,9 @@ libllama has no API to run a layer range and hand back hidden states: ``llama_ge
 the caller wants that node's data; for a node the caller claims, it computes everything up to it, synchronizes and
 calls again (``ask=False``) with the data ready. Every layer's output is named ``l_out-<il>``, so claiming that
 node and copying it out gives the hidden states after layer ``il``; returning ``False`` from the ``ask=False``
-call cancels the rest of the scheduler split, which skips ``output_norm`` and the lm_head on a CPU-only context.
+call cancels the rest of the scheduler split, which skips ``output_norm`` and the lm_head on a CPU-only context
+(one split). With layers offloaded to several devices later splits still run: the capture stays right, only the
+saving is lost. Device-resident tensors are fine: the copy goes through ``ggml_backend_tensor_get``.
 
 Usage (low-level llama-cpp-python API)::
 
@@ -24,8 +26,9 @@ post-attention norm, so when ``layer_index`` is the model's last layer only outp
 ``kv_unified=True`` the batch is split into ubatches in batch order; with ``kv_unified=False`` and several
 sequences, rows come grouped by sequence instead, which this class cannot undo.
 
-Cost: the scheduler calls back for every graph node (~17 per layer for gemma3), so the ``ask=True`` path is a
-single 8-byte load and integer compare before a full name check; the copy runs once per ubatch.
+Cost: the scheduler calls back for every graph node (about 40 per layer for gemma3: 727 per decode step of the
+18-layer 270M model), so the ``ask=True`` path is one 8-byte load and an integer compare before any full name
+check; the copy runs once per ubatch. ``tests/bench/bench_ggml_capture.py`` measures it.
 """
 
 from __future__ import annotations
@@ -125,6 +128,13 @@ def _check_layout(lib: ctypes.CDLL) -> None:
         raise BackendError(f"ggml_tensor layout of {_library_path()} differs from the one ggml_capture was written for")
 
 
+def tensor_name(tensor: int) -> str:
+    """The name of the ggml tensor at address ``tensor`` (as an eval callback receives it); for diagnostics."""
+    _ggml()  # the layout check
+    name: bytes = _TensorHead.from_address(tensor).name
+    return name.decode(errors="replace")
+
+
 @dataclasses.dataclass(slots=True)
 class CaptureStats:
     """What a ``LayerCapture`` did since it was made (or since ``reset_stats``)."""
@@ -206,8 +216,8 @@ class LayerCapture:
         self.stats = CaptureStats()
 
     def _make_callback(self, count_asks: bool) -> Callable[[int, bool, int | None], bool]:
-        # Locals, not attributes: this runs for every graph node. The first 8 bytes of the name settle almost every
-        # node ("l_out-<il>\0" is at least 8 bytes); only "l_out-1x"-like names reach the full compare.
+        # Locals, not attributes: this runs for every graph node. One 8-byte load settles almost every node
+        # ("l_out-<il>\0" is at least 8 bytes); only names sharing those 8 bytes reach the full compare.
         key, n_key, name_offset = self._key, len(self._key), _NAME_OFFSET
         prefix = int.from_bytes(key[:8], "little")
         load_u64, string_at, on_claimed = ctypes.c_uint64.from_address, ctypes.string_at, self._copy

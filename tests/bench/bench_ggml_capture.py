@@ -15,6 +15,11 @@ worker threads do not. ``--threads 2 --wall`` measures the usual setting.
 * ``capture+stop``   same, ``stop_after=True``: output_norm + lm_head skipped (what a non-tail shard saves);
 * ``chain a..b``     the shard chain in one process (no network): sum of the stages' decode steps.
 
+Per callback: the node names of a real decode graph are recorded, real ggml tensors with those names are made with
+libggml-base, and a small C loop (compiled here with ``cc``) calls a callback on each of them as the scheduler
+does (GIL released around the loop, re-taken per call): ns per ask for a callback that does nothing, for
+LayerCapture's name check, and for the counting variant.
+
 Memory: each shard (and the whole model) in a child process: peak RSS after load + prompt + decode steps, minus
 the RSS of the same child just before loading; plus llama.cpp's model tensor bytes and session state size.
 """
@@ -22,6 +27,7 @@ the RSS of the same child just before loading; plus llama.cpp's model tensor byt
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import statistics
 import subprocess
@@ -35,6 +41,7 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
+from actors.backends.ggml_capture import LayerCapture, tensor_name
 from tests.support.llama_stage import Stage, open_chain, open_stage, run_chain, tokenize
 
 PROMPT = "<start_of_turn>user\nWrite a short story about a lighthouse keeper.<end_of_turn>\n<start_of_turn>model\n"
@@ -123,6 +130,81 @@ def count_asks(path: Path) -> tuple[int, int]:
     return counts[0], counts[1]
 
 
+_ASK_LOOP_C = r"""
+#include <stdbool.h>
+#include <stddef.h>
+typedef bool (*eval_cb)(void *, bool, void *);
+long ask_all(eval_cb cb, void **nodes, long n_nodes, long reps) {
+    long claimed = 0;
+    for (long r = 0; r < reps; r++)
+        for (long i = 0; i < n_nodes; i++)
+            claimed += cb(nodes[i], true, NULL);
+    return claimed;
+}
+"""
+
+
+def record_node_names(path: Path) -> list[str]:
+    """The names the scheduler asks about during one decode step of the whole model, in order."""
+    names: list[str] = []
+
+    def record(tensor: int, ask: bool, _ud: int | None) -> bool:
+        if ask:
+            names.append(tensor_name(tensor))
+        return False
+
+    callback = llama_cpp.ggml_backend_sched_eval_callback(record)
+    stage = _stage_with_callback(path, callback, 1)
+    try:
+        stage.run(tokens=[2], pos=[0], seq=[0])
+    finally:
+        stage.close()
+    return names
+
+
+class _GgmlInit(ctypes.Structure):
+    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
+
+
+def time_asks(names: Sequence[str], reps: int) -> dict[str, float]:
+    """Nanoseconds per ask call, the C loop calling each callback over tensors named like a real graph."""
+    ggml = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+    ggml.ggml_init.argtypes, ggml.ggml_init.restype = [_GgmlInit], ctypes.c_void_p
+    ggml.ggml_tensor_overhead.restype = ctypes.c_size_t
+    ggml.ggml_new_tensor_1d.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
+    ggml.ggml_new_tensor_1d.restype = ctypes.c_void_p
+    ggml.ggml_set_name.argtypes, ggml.ggml_set_name.restype = [ctypes.c_void_p, ctypes.c_char_p], ctypes.c_void_p
+    ggml.ggml_free.argtypes = [ctypes.c_void_p]
+    ctx = ggml.ggml_init(_GgmlInit((len(names) + 8) * ggml.ggml_tensor_overhead(), None, True))
+    with tempfile.TemporaryDirectory(prefix="ask-loop-") as tmp:
+        src, lib_path = Path(tmp) / "ask_loop.c", Path(tmp) / "ask_loop.so"
+        src.write_text(_ASK_LOOP_C)
+        subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", str(lib_path), str(src)], check=True)
+        loop = ctypes.CDLL(str(lib_path)).ask_all
+    loop.argtypes = [llama_cpp.ggml_backend_sched_eval_callback, ctypes.POINTER(ctypes.c_void_p), ctypes.c_long,
+                     ctypes.c_long]
+    loop.restype = ctypes.c_long
+    try:
+        nodes = (ctypes.c_void_p * len(names))()
+        for i, name in enumerate(names):
+            nodes[i] = ggml.ggml_new_tensor_1d(ctx, 0, 1)
+            ggml.ggml_set_name(nodes[i], name.encode())
+        last = max(int(n.rsplit("-", 1)[1]) for n in names if n.startswith("l_out-"))
+        callbacks = {"no-op callback": llama_cpp.ggml_backend_sched_eval_callback(lambda _t, _a, _u: False),
+                     "LayerCapture": LayerCapture(last, 640).callback,
+                     "LayerCapture(count_asks)": LayerCapture(last, 640, count_asks=True).callback}
+        result: dict[str, list[float]] = {k: [] for k in callbacks}
+        for _ in range(5):
+            for name, cb in callbacks.items():
+                began = time.perf_counter()
+                claimed = loop(cb, nodes, len(names), reps)
+                result[name].append((time.perf_counter() - began) / (reps * len(names)) * 1e9)
+                assert claimed == (0 if name.startswith("no-op") else reps)
+        return {k: min(v) for k, v in result.items()}
+    finally:
+        ggml.ggml_free(ctx)
+
+
 def _vm_kib(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -196,6 +278,11 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 def _report_timing(path: Path, shard_dir: Path, n_tokens: int, rounds: int, n_threads: int, wall: bool) -> None:
     asks_whole, asks_stopped = count_asks(path)
+    names = record_node_names(path)
+    ns = time_asks(names, 200)
+    print(f"per ask call (C loop over the {len(names)} node names of a real decode graph, best of 5):")
+    for name, v in ns.items():
+        print(f"  {name:28s} {v:7.0f} ns/call   {v * asks_whole / 1e3:7.1f} us/token")
     t = time_configs(path, shard_dir, n_tokens, rounds, n_threads, time.perf_counter if wall else time.thread_time)
     ref = t["plain"]
     print(f"decode, {n_tokens} tokens x {rounds} rounds (median), Gemma 3 270M Q4_K_M, {n_threads} thread(s), "

@@ -23,7 +23,7 @@ def main(manifest_path: str, directory: str) -> None:
                           "enable_upnp": False, "enable_natpmp": False, "enable_outgoing_utp": False,
                           "enable_incoming_utp": False, "allow_multiple_connections_per_ip": True})
     atp = lt.add_torrent_params()
-    atp.ti = lt.torrent_info(lt.bdecode(torrent_bytes(manifest)))
+    atp.ti = lt.torrent_info(torrent_bytes(manifest))
     atp.save_path = directory
     atp.flags &= ~(lt.torrent_flags.auto_managed | lt.torrent_flags.paused)
     atp.have_pieces = [True] * manifest.torrent.n_pieces  # the lie: no hash check of what is on disk

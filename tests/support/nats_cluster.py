@@ -69,13 +69,13 @@ class NatsCluster:
         return None
 
 
-def _config(name: str, client: int, route: int, monitor: int, routes: list[int], store: Path, auth: bool) -> str:
+def _config(name: str, client: int, route: int, monitor: int, routes: list[int], auth: bool) -> str:
+    """The store directory comes from EmbeddedNats' command line (--store_dir), so it is not repeated here."""
     route_urls = "\n    ".join(f"nats://127.0.0.1:{p}" for p in routes)
     return f"""server_name: {name}
 listen: 127.0.0.1:{client}
 http: 127.0.0.1:{monitor}
 jetstream {{
-  store_dir: "{store}"
   max_memory_store: 64MB
   max_file_store: 64MB
 }}
@@ -103,7 +103,7 @@ def start_cluster(base: Path, *, size: int = 3, auth_conf: Path | None = None) -
         if auth_conf is not None:
             shutil.copy(auth_conf, home / "auth.conf")
         conf = home / "server.conf"
-        conf.write_text(_config(f"s{i}", client, route, monitor, routes, home / "js", auth_conf is not None))
+        conf.write_text(_config(f"s{i}", client, route, monitor, routes, auth_conf is not None))
         server = EmbeddedNats(NatsServerConfig(store_dir=home / "js", port=client, config_file=conf,
                                                server_name=f"s{i}", ready_timeout_s=30))
         try:
@@ -131,7 +131,7 @@ async def wait_jetstream(urls: list[str], *, user: str | None = None, password: 
     """Until the cluster has a JetStream meta leader (account info answers)."""
     import nats
 
-    nc = await nats.connect(",".join(urls), user=user, password=password)
+    nc = await nats.connect(servers=urls, user=user, password=password)
     try:
         deadline = time.monotonic() + timeout
         while True:

