@@ -34,7 +34,7 @@ from pathlib import Path
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from artifacts.cli import home_of, parse_range
+from artifacts.cli import artifact_group, guarded, home_of, parse_range
 from artifacts.cli import register as register_artifact_commands
 from artifacts.fetch import FetchCancelled, FetchOptions, FetchResult, fetch_range
 from artifacts.manifest import check_manifest, load_manifest
@@ -380,8 +380,10 @@ async def _command(sync: ArtifactSync, args: argparse.Namespace, stop: asyncio.E
     return 0
 
 
-def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Add ``fetch`` and ``seed`` to the ``artifact`` command group returned by ``artifacts.cli.register``."""
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add ``artifact fetch|seed`` to the top-level ``subparsers`` (joining ``artifacts.cli``'s ``artifact``
+    group). Each command sets ``func(args) -> int``."""
+    commands = artifact_group(subparsers)
     fetch = commands.add_parser("fetch", help="fetch the pieces a layer range needs from the swarm; write its shard")
     fetch.add_argument("--model-id", help="model id (sha256 of the GGUF) to fetch; the manifest comes from peers")
     fetch.add_argument("--manifest", help="a manifest JSON file instead of asking peers")
@@ -401,19 +403,17 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
         p.add_argument("--listen-port", type=int, default=0, help="torrent listen port (0: any free port)")
         p.add_argument("--download-limit", type=int, default=0, help="bytes/s, 0 for unlimited")
         p.add_argument("--upload-limit", type=int, default=0, help="bytes/s, 0 for unlimited")
-        p.set_defaults(handler=lambda args: asyncio.run(_run(args)))
+        p.set_defaults(func=guarded(lambda args: asyncio.run(_run(args))))
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     parser = argparse.ArgumentParser(prog="swarmroute")
-    register(register_artifact_commands(parser.add_subparsers(dest="command", required=True)))
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    register_artifact_commands(subparsers)
+    register(subparsers)
     args = parser.parse_args(argv)
-    try:
-        return int(args.handler(args))
-    except SwarmrouteError as exc:
-        print(f"error: {exc.message}", file=sys.stderr)
-        return 2
+    return int(args.func(args))
 
 
 if __name__ == "__main__":

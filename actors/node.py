@@ -60,6 +60,8 @@ from schemas.session import CONTEXT_CAP, FailureReason, Prompt, SessionOpen, Ses
 from schemas.settings import Settings
 
 log = logging.getLogger(__name__)
+MIN_BEAT_SPACING_S = 0.05
+"""Heartbeats triggered by freed sessions are coalesced to at most one per this interval."""
 
 
 @dataclasses.dataclass
@@ -110,9 +112,12 @@ class Node:
         self.runtime: NodeRuntime | None = None
         self.hidden_shape = tuple(backend.info.hidden_shape)
         self.metrics = NodeMetrics()
+        self.draining = False
+        """Set by ``drain()``: no more heartbeats, so the registry forgets this node while its sessions finish."""
         self.metrics.bind(live_sessions=lambda: len(self.sessions), max_sessions=lambda: self.backend.max_sessions,
                           kv_bytes=self.backend.kv_bytes_in_use)
         self._service: object | None = None
+        self._beat_soon = asyncio.Event()
         self.admission = Admission(verifier_from_settings(settings), config.node_id, skew_s=settings.capability_ttl_s)
 
     @property
@@ -141,6 +146,21 @@ class Node:
         log.info("node %s serving layers %s of %s at %s", self.config.node_id, self.backend.layers,
                  self.config.model_id, self.endpoint)
         return self
+
+    async def drain(self, timeout_s: float) -> int:
+        """Stop advertising (trackers route no new session here), then wait up to ``timeout_s`` for the open
+        sessions to finish. Returns how many are still open; ``stop()`` afterwards frees them."""
+        if not self._started or self._stopped:
+            return len(self.sessions)
+        self.draining = True
+        if self._kv is not None:
+            with contextlib.suppress(Exception):
+                await self._kv.delete(self.config.node_id)  # type: ignore[attr-defined]
+        log.info("node %s draining: %d session(s) open", self.config.node_id, len(self.sessions))
+        deadline = time.monotonic() + timeout_s
+        while self.sessions and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return len(self.sessions)
 
     async def stop(self) -> None:
         if self._stopped or not self._started:
@@ -193,11 +213,18 @@ class Node:
 
     async def _heartbeat_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.settings.heartbeat_s)
+            # Every heartbeat_s, and at once (coalesced) when a session frees its slot: a stale "full" would make
+            # the tracker refuse routes the swarm has room for.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._beat_soon.wait(), self.settings.heartbeat_s)
+            self._beat_soon.clear()
+            if self.draining:
+                continue  # a draining node stays out of the registry
             try:
                 await self._heartbeat_once()
             except Exception as exc:  # noqa: BLE001 - a NATS outage must not kill the node; retry next beat
                 log.warning("heartbeat failed: %s", type(exc).__name__)
+            await asyncio.sleep(MIN_BEAT_SPACING_S)
 
     async def _sweep_loop(self) -> None:
         ttl = self.settings.session_idle_ttl_s
@@ -215,6 +242,7 @@ class Node:
             del self.sessions[session.id]
         with contextlib.suppress(Exception):
             await self.engine.call(self.backend.close_session, session.id)
+        self._beat_soon.set()
 
     async def open_session(self, request: SessionOpen) -> SessionOpened:
         grant = self.admission.admit_open(request)

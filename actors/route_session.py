@@ -310,9 +310,11 @@ class RouteSession:
         await self.telemetry.complete(event.finish_reason)
         end = SessionEnd(session_id=self.id, phase=SessionPhase.COMPLETE, finish_reason=event.finish_reason,
                          prompt_tokens=len(self.request.prompt_tokens), completion_tokens=event.seq + 1)
-        await self.rt.publish(self.rt.subjects.tokens(self.id), end)
+        # Every hop frees the session before the client can learn it ended: a client that opens its next session
+        # at once must find the slots free, or a swarm within its capacity refuses it (tests/test_load.py).
         await self.close()
         await self._release_route()
+        await self.rt.publish(self.rt.subjects.tokens(self.id), end)
 
     async def _release_route(self) -> None:
         """Head, at the end: free the session on every other hop. The gateway does the same, but it may be gone,

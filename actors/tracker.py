@@ -28,6 +28,8 @@ from schemas.route import ModelsReply, RouteReply, RouteRequest, ServedModel
 from schemas.settings import Settings
 
 log = logging.getLogger(__name__)
+OPEN_GRACE_S = 0.25
+"""Longest expected time from handing out a route to the node's heartbeat that includes the opened session."""
 QUEUE_GROUP = "tracker"
 
 
@@ -84,11 +86,16 @@ class Tracker:
         await self.stop()
 
     def _pending_counts(self) -> dict[str, int]:
-        # A route handed out counts against its nodes until their next heartbeats can report it.
-        horizon = time.monotonic() - self.settings.heartbeat_s * 1.5
+        # A route handed out counts against its nodes until a heartbeat sent after the session opened reports it
+        # (at the latest 1.5 heartbeats): counting it beyond that counts the session twice, and a swarm with free
+        # slots refuses routes (tests/test_load.py). OPEN_GRACE_S covers routing -> open -> heartbeat received.
+        now = time.monotonic()
+        horizon = now - self.settings.heartbeat_s * 1.5
         counts: dict[str, int] = {}
         for node, stamps in list(self._pending.items()):
-            stamps[:] = [t for t in stamps if t > horizon]
+            age = self.registry.age_s(node) if self.registry is not None else None
+            cutoff = horizon if age is None else max(horizon, now - age - OPEN_GRACE_S)
+            stamps[:] = [t for t in stamps if t > cutoff]
             if stamps:
                 counts[node] = len(stamps)
             else:

@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
@@ -127,10 +128,37 @@ def _cmd_shard(args: argparse.Namespace) -> int:
     return 0 if verdict.ok else 1
 
 
+def guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """A command function that reports a SwarmrouteError as one line on stderr and exit status 2."""
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return int(handler(args))
+        except SwarmrouteError as exc:
+            print(f"error: {exc.message}", file=sys.stderr)
+            return 2
+
+    return run
+
+
+def artifact_group(subparsers: argparse._SubParsersAction) -> argparse._SubParsersAction:  # type: ignore[type-arg]
+    """The sub-commands of ``artifact`` under ``subparsers``, created on first use (both this module and
+    ``actors.artifact_sync`` add to it, in either order)."""
+    existing = subparsers.choices.get("artifact")
+    if existing is not None:
+        return cast("argparse._SubParsersAction", existing.artifact_commands)  # type: ignore[type-arg]
+    group: argparse.ArgumentParser = subparsers.add_parser(
+        "artifact", help="model artifacts: manifests, shards, verification, swarm")
+    commands: argparse._SubParsersAction = group.add_subparsers(  # type: ignore[type-arg]
+        dest="artifact_command", required=True)
+    group.artifact_commands = commands  # type: ignore[attr-defined]
+    return commands
+
+
 def register(subparsers: argparse._SubParsersAction) -> argparse._SubParsersAction:  # type: ignore[type-arg]
-    """Add the ``artifact`` command group; returns its sub-command set so ``fetch``/``seed`` can join it."""
-    group = subparsers.add_parser("artifact", help="model artifacts: manifests, shards, verification, swarm")
-    commands = group.add_subparsers(dest="artifact_command", required=True)
+    """Add ``artifact build|verify|shard`` to the top-level ``subparsers``; returns the artifact sub-commands.
+    Each command sets ``func(args) -> int``."""
+    commands = artifact_group(subparsers)
 
     build = commands.add_parser("build", help="write the manifest of a GGUF and add it to the store")
     build.add_argument("model", help=f"path of a GGUF file, or '{BUNDLED}' for the bundled Gemma 3 270M")
@@ -138,38 +166,31 @@ def register(subparsers: argparse._SubParsersAction) -> argparse._SubParsersActi
     build.add_argument("--piece-size", type=int, default=None, help="torrent piece size (power of two)")
     build.add_argument("--link", action="store_true", help="hard-link the file into the store instead of copying")
     build.add_argument("--no-import", action="store_true", help="only build the manifest, leave the store alone")
-    build.set_defaults(handler=_cmd_build)
+    build.set_defaults(func=guarded(_cmd_build))
 
     verify = commands.add_parser("verify", help="check what the store holds; print what it can serve and why not")
     verify.add_argument("model_id", nargs="?", help="model id (or unique prefix); default: every model")
     verify.add_argument("--range", type=parse_range, help="exit 1 unless this layer range START:END is servable")
     verify.add_argument("--json", action="store_true", help="machine-readable report")
-    verify.set_defaults(handler=_cmd_verify)
+    verify.set_defaults(func=guarded(_cmd_verify))
 
     shard = commands.add_parser("shard", help="write (and verify) the shard GGUF of a layer range")
     shard.add_argument("model_id", nargs="?", help="model id (or prefix) in the store")
     shard.add_argument("--range", type=parse_range, required=True, help="layers START:END")
     shard.add_argument("--source", help="write from this complete GGUF instead of the store")
     shard.add_argument("--out", help="output path (default: the store's shard path)")
-    shard.set_defaults(handler=_cmd_shard)
+    shard.set_defaults(func=guarded(_cmd_shard))
 
     for p in (build, verify, shard):
         p.add_argument("--home", help="swarmroute home (default: $SWARMROUTE_HOME or ~/.cache/swarmroute)")
-    return cast("argparse._SubParsersAction", commands)  # type: ignore[type-arg]
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        return int(args.handler(args))
-    except SwarmrouteError as exc:
-        print(f"error: {exc.message}", file=sys.stderr)
-        return 2
+    return commands
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="swarmroute")
     register(parser.add_subparsers(dest="command", required=True))
-    return run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    return int(args.func(args))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import os
 import struct
 from collections.abc import Sequence
@@ -39,6 +40,9 @@ from artifacts.gguf_layout import KV, TensorLayout, read_layout, renumber, role_
 from artifacts.layer_metadata import RangeSpec, shard_fields
 from schemas.errors import ArtifactError, BadRequestError
 from schemas.manifest import KVEntry, ModelManifest, TensorEntry
+
+# GGUFWriter logs every file it writes at INFO; a node writes shards as routine work.
+logging.getLogger("gguf.gguf_writer").setLevel(logging.WARNING)
 
 TOKEN_EMBD = "token_embd.weight"
 OUTPUT = "output.weight"

@@ -25,7 +25,7 @@ from bus import capability, codec
 from bus.nodeclient import HopError, NodeClient
 from bus.subjects import Subjects
 from gateway.tracker_client import TrackerClient
-from schemas.errors import BadRequestError, ContextLengthError, RouteFailedError, SwarmrouteError
+from schemas.errors import BadRequestError, CapacityError, ContextLengthError, RouteFailedError, SwarmrouteError
 from schemas.route import Route
 from schemas.session import (
     CONTEXT_CAP,
@@ -46,6 +46,8 @@ Event = TokenEvent | GenerationTelemetry | SessionEnd | None
 """What a session yields; ``None`` is a keep-alive tick while nothing happens."""
 
 KEEPALIVE_S = 5.0
+FINISHED_KEPT = 1000
+"""Finished sessions whose last telemetry snapshot the gateway keeps (GET /v1/sessions/{id}/telemetry)."""
 T = TypeVar("T")
 
 
@@ -185,6 +187,7 @@ class SessionManager:
         self.subjects = Subjects(settings.namespace)
         self.live: dict[str, LiveSession] = {}
         self.finished: dict[str, GenerationTelemetry] = {}
+        self.finished_limit = FINISHED_KEPT
 
     async def start(self, request: GenerationRequest) -> LiveSession:
         """Route and open a session; raises a SwarmrouteError (with its HTTP status) before any token flows."""
@@ -193,7 +196,7 @@ class SessionManager:
         try:
             await session.subscribe(self.nc, self.subjects)
             await self.publish_telemetry(session, SessionPhase.ROUTING, seq=0)
-            session.route = await self.tracker.route(request.model, session.id)
+            session.route = await self._route(request.model, session.id)
             # Kept locally so a stream's first chunk shows the route before any token; the head's snapshots
             # (seq >= 1) supersede it.
             session.telemetry = self.snapshot(session, SessionPhase.ROUTING, seq=0)
@@ -206,6 +209,23 @@ class SessionManager:
             await session.close()
             raise
         return session
+
+    async def _route(self, model: str, session_id: str) -> Route:
+        """Ask for a route; while every route is full, ask again for up to ``route_retry_s`` before the 429.
+
+        A slot freed a moment ago reaches the tracker with the node's next heartbeat, after the client that freed
+        it may already be back: without the retry, a swarm within its capacity would refuse that client.
+        """
+        deadline = time.monotonic() + self.settings.route_retry_s
+        wait = 0.02
+        while True:
+            try:
+                return await self.tracker.route(model, session_id)
+            except CapacityError:
+                if time.monotonic() + wait > deadline:
+                    raise
+                await asyncio.sleep(wait)
+                wait = min(wait * 2, 0.2)
 
     async def _open(self, session: LiveSession, request: GenerationRequest) -> None:
         route = session.route
@@ -242,9 +262,7 @@ class SessionManager:
                                 failure: FailureReason | None = None) -> None:
         snap = self.snapshot(session, phase, seq=seq, failure=failure)
         if phase.terminal:
-            self.finished[session.id] = snap
-            while len(self.finished) > 1000:
-                self.finished.pop(next(iter(self.finished)))
+            self._remember(session.id, snap)
         with contextlib.suppress(Exception):
             await self.nc.publish(self.subjects.telemetry(session.id), codec.encode(snap))
 
@@ -279,4 +297,11 @@ class SessionManager:
     def forget(self, session: LiveSession) -> None:
         self.live.pop(session.id, None)
         if session.telemetry is not None and session.id not in self.finished:
-            self.finished[session.id] = session.telemetry
+            self._remember(session.id, session.telemetry)
+
+    def _remember(self, session_id: str, snap: GenerationTelemetry) -> None:
+        """Keep a finished session's last snapshot for late telemetry readers, oldest dropped beyond the limit
+        (every ending goes through here: an unbounded table grew by ~5 KiB per session, tests/test_load.py)."""
+        self.finished[session_id] = snap
+        while len(self.finished) > self.finished_limit:
+            self.finished.pop(next(iter(self.finished)))

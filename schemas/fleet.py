@@ -449,7 +449,7 @@ def _where(loc: tuple[int | str, ...]) -> str:
 
 
 def _messages(exc: ValidationError) -> list[str]:
-    lines = []
+    lines: list[str] = []
     for e in exc.errors(include_url=False):
         msg = str(e["msg"]).removeprefix("Value error, ")
         where = _where(tuple(e["loc"]))

@@ -120,3 +120,11 @@ class Settings(BaseSettings):
 
     member_name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]+$")
     """This process's name in its fleet (a node's is its node id): shown by $SRV discovery and ``fleet status``."""
+
+    drain_timeout_s: float = Field(default=30.0, ge=0)
+    """On SIGTERM a node stops advertising and waits this long for its open sessions to finish before it stops
+    (keep the container's grace period longer)."""
+
+    route_retry_s: float = Field(default=1.0, ge=0)
+    """How long the gateway keeps asking for a route while every route is full before it answers 429: a slot
+    freed a moment ago reaches the tracker only with the node's next heartbeat."""

@@ -91,8 +91,15 @@ def cmd_node(args: argparse.Namespace) -> int:
         print(f"node {node.config.node_id} ready at {node.endpoint} serving {model_id} layers {backend.layers}",
               flush=True)
 
+    async def stop() -> None:
+        # SIGTERM drains: out of the registry at once, open sessions finish, then the node stops.
+        left = await node.drain(settings.drain_timeout_s)
+        if left:
+            log.warning("stopping with %d session(s) still open after %gs", left, settings.drain_timeout_s)
+        await node.stop()
+
     try:
-        asyncio.run(_serve_until_signal(start, node.stop))
+        asyncio.run(_serve_until_signal(start, stop))
     finally:
         backend.close()
     return 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import signal
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from nats.aio.client import Client as NATS
+from nats.js.errors import KeyNotFoundError
 
 from actors.routes import uncovered_layers
 from bus import codec
@@ -131,7 +133,7 @@ def monitor_settings(fleet: Fleet, *, nats_url: str | None = None) -> Settings:
     """Settings for operators' tools (status, fleet up's readiness check): the read-only ``monitor`` role's
     credentials (``admin``'s if the file gives no monitor)."""
     values: dict[str, Any] = dict(nats_url=nats_url or ",".join(fleet.nats.servers), namespace=fleet.namespace)
-    role = "monitor" if "monitor" in fleet.nats.auth else "admin"
+    role: Literal["monitor", "admin"] = "monitor" if "monitor" in fleet.nats.auth else "admin"
     auth = fleet.nats.auth.get(role)
     if auth is not None:
         values.update(nats_user=auth.user, nats_creds=auth.creds,
@@ -222,24 +224,26 @@ class FleetReport:
 
 
 async def _registry(nc: NATS, subjects: Subjects) -> tuple[dict[str, NodeAdvertisement], dict[str, Any]]:
+    """Every advertisement and the bucket's replication, with reads the read-only monitor role may make: stream
+    info (which lists the keys) and direct gets, no consumer."""
     js = nc.jetstream()
+    stream = f"KV_{subjects.registry_bucket}"
     adverts: dict[str, NodeAdvertisement] = {}
     replication: dict[str, Any] = {}
     try:
-        kv = await js.key_value(subjects.registry_bucket)
-        for key in await kv.keys():
-            entry = await kv.get(key)
-            if entry.value:
-                adverts[key] = codec.decode(entry.value, NodeAdvertisement)
-    except Exception as exc:  # noqa: BLE001 - an empty or unreachable registry is a finding, not a crash
-        replication["error"] = f"{type(exc).__name__}: {exc}"
-    try:
-        info = await js.stream_info(f"KV_{subjects.registry_bucket}")
+        info = await js.stream_info(stream, subjects_filter=subjects.registry_key_subject(">"))
         cluster = info.cluster
         replication.update(replicas=info.config.num_replicas, leader=cluster.leader if cluster else None,
                            current=sum(1 for r in (cluster.replicas or []) if r.current) + 1 if cluster else 1)
-    except Exception as exc:  # noqa: BLE001
-        replication.setdefault("error", f"{type(exc).__name__}: {exc}")
+        kv = await js.key_value(subjects.registry_bucket)
+        for subject in sorted(info.state.subjects or {}):
+            key = subject.rsplit(".", 1)[-1]
+            with contextlib.suppress(KeyNotFoundError, codec.DecodeError):
+                entry = await kv.get(key)
+                if entry.value:
+                    adverts[key] = codec.decode(entry.value, NodeAdvertisement)
+    except Exception as exc:  # noqa: BLE001 - an empty or unreachable registry is a finding, not a crash
+        replication["error"] = f"{type(exc).__name__}: {exc}"
     return adverts, replication
 
 
@@ -266,24 +270,22 @@ def _node_status(name: str, pinged: dict[str, Any] | None, advert: NodeAdvertise
 async def fleet_report(nc: NATS, namespace: str, fleet: Fleet | None, *, ttl_s: float = 6.0,
                        wait_s: float = 0.5) -> FleetReport:
     subjects = Subjects(namespace)
-    pings = [p for p in await discover(nc, wait_s=wait_s)
-             if isinstance(p.get("metadata"), dict) and p["metadata"].get("namespace") == namespace]
     seen: dict[tuple[str, str], dict[str, Any]] = {}
-    for p in pings:
-        meta = p["metadata"]
-        seen.setdefault((str(meta.get("role")), str(meta.get("member"))), p)
+    for ping in await discover(nc, wait_s=wait_s):
+        meta = ping.get("metadata")
+        if isinstance(meta, dict) and meta.get("namespace") == namespace:
+            seen.setdefault((str(meta.get("role")), str(meta.get("member"))), meta)
     adverts, replication = await _registry(nc, subjects)
-    expected = [(r, m.name) for r, m in fleet.members()] if fleet else []
+    expected: list[tuple[str, str]] = [(r, m.name) for r, m in fleet.members()] if fleet else []
     if fleet is None:  # no file: whatever answers is the fleet
         expected = sorted(set(seen) | {("node", k) for k in adverts})
     members: list[MemberStatus] = []
     for role, name in expected:
-        ping = seen.get((role, name))
+        meta = seen.get((role, name))
         if role == "node":
-            members.append(_node_status(name, ping, adverts.get(name), ttl_s))
+            members.append(_node_status(name, meta, adverts.get(name), ttl_s))
         else:
-            url = (ping or {}).get("metadata", {}).get("url", "")
-            members.append(MemberStatus(role, name, "ok" if ping else "missing", str(url)))
+            members.append(MemberStatus(role, name, "ok" if meta else "missing", str((meta or {}).get("url", ""))))
     for role, name in sorted(set(seen) - set(expected)):
         members.append(MemberStatus(role, name, "extra", "answers $SRV ping but is not in the fleet file"))
     return FleetReport(members, _models(list(adverts.values()), ttl_s), replication)

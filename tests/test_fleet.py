@@ -185,8 +185,9 @@ def _stub_fleet(nats_url: str, gateway_port: int, n_nodes: int = 2) -> dict[str,
     }
 
 
-def _status(fleet_file: Path, home: Path) -> tuple[int, dict[str, Any]]:
-    proc = Proc(["fleet", "status", str(fleet_file), "--json", "--home", str(home)])
+def _status(fleet_file: Path | None, home: Path, *extra: str) -> tuple[int, dict[str, Any]]:
+    target = [str(fleet_file)] if fleet_file is not None else []
+    proc = Proc(["fleet", "status", *target, "--json", "--home", str(home), "--log-level", "warning", *extra])
     code = proc.run(60)
     start = next(i for i, line in enumerate(proc.output) if line.startswith("{"))
     return code, json.loads("\n".join(proc.output[start:]))
@@ -220,6 +221,11 @@ def test_fleet_up_serves_a_request_end_to_end(nats_server: EmbeddedNats, tmp_pat
         assert "stub-model 0:4" in details["node-1"] and "stub-model 4:8" in details["node-2"]
         assert details["gateway"] == f"http://127.0.0.1:{port}"
         assert report["models"] == {"stub-model": True}
+
+        # without the file, whatever answers on NATS is the fleet
+        code, report = _status(None, tmp_path / "home", "--nats", nats_server.url)
+        assert code == 0 and {(m["name"], m["state"]) for m in report["members"]} == {
+            ("tracker-1", "ok"), ("node-1", "ok"), ("node-2", "ok"), ("gateway", "ok")}
     finally:
         up.stop()
     assert up.proc.returncode == 0
@@ -263,3 +269,30 @@ def test_a_member_with_a_bad_file_or_name_exits_with_a_message(tmp_path: Path) -
     proc = Proc(["tracker", "--fleet", str(good), "--name", "nobody"])
     assert proc.run(60) != 0
     assert any("the fleet has no tracker named 'nobody'" in line for line in proc.output)
+
+
+@pytest.mark.slow
+def test_fleet_up_with_a_llamacpp_node_matches_llama_cpp(nats_server: EmbeddedNats, tmp_path: Path,
+                                                         gemma_path: Path) -> None:
+    """The real model through a fleet file (one whole-model llama.cpp node; its layer count read from the GGUF)
+    writes what llama-cpp-python writes by itself for the same prompt tokens, greedy."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(gemma_path), n_ctx=512, n_threads=2, verbose=False)
+    tokens = llm.tokenize(b"The capital of France is", add_bos=True)
+    expected = str(llm.create_completion(prompt=tokens, max_tokens=16, temperature=0.0)["choices"][0]["text"])
+    del llm
+    port = free_port()
+    doc = _stub_fleet(nats_server.url, port, n_nodes=1)
+    doc["models"] = {"gemma": {"backend": "llamacpp", "path": str(gemma_path), "context": 512}}
+    doc["nodes"][0]["threads"] = 2
+    fleet_file = write_fleet(tmp_path / "fleet.yaml", doc)
+    assert resolve_layers(load_fleet(fleet_file)) == {"node-1": (0, 18)}
+    up = Proc(["fleet", "up", str(fleet_file), "--home", str(tmp_path / "home"), "--timeout", "240"])
+    try:
+        up.wait_for(r"fleet test is up", timeout=300)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        reply = client.completions.create(model="gemma", prompt=tokens, max_tokens=16, temperature=0)
+        assert reply.choices[0].text == expected
+    finally:
+        up.stop()

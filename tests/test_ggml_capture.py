@@ -6,6 +6,7 @@ What is proven here:
 * shard GGUFs (``artifacts.shard.write_shard``) chained by LayerCapture -> ``llama_batch.embd`` reproduce the full
   model's prompt logits bit for bit, for 2- and 3-way splits, across several ubatches, for two interleaved
   sequences in one batch, and for a decode step that reads each shard's own KV;
+* with ``kv_unified=False`` captured rows come grouped by sequence (why the module demands ``kv_unified=True``);
 * failures (rows missing, too many rows, no such layer) surface from ``take()`` as ``BackendError``.
 """
 

@@ -192,9 +192,17 @@ def run_together(backend: LlamaCppBackend, prompts: Sequence[list[int]], forced:
     return picks, logits
 
 
-def test_sessions_batched_together_compute_what_they_compute_alone(backend: LlamaCppBackend) -> None:
+@pytest.fixture(scope="module")
+def alone_runs(backend: LlamaCppBackend) -> tuple[list[list[int]], list[list[int]], list[list[np.ndarray]]]:
+    """Prompts, and each session's greedy picks and logits when it runs alone."""
     prompts = [backend.tokenize(Prompt(text=t)) for t in PROMPTS]
-    alone, alone_logits = run_alone(backend, prompts)
+    picks, logits = run_alone(backend, prompts)
+    return prompts, picks, logits
+
+
+def test_sessions_batched_together_compute_what_they_compute_alone(
+        backend: LlamaCppBackend, alone_runs: tuple[list[list[int]], list[list[int]], list[list[np.ndarray]]]) -> None:
+    prompts, alone, alone_logits = alone_runs
     # Teacher forcing: every session is fed its lone run's tokens, so the two runs see the same context at every
     # step and all 4 x 24 picks can be compared, not just those before a first difference.
     together, together_logits = run_together(backend, prompts, forced=alone)
@@ -214,9 +222,9 @@ def test_sessions_batched_together_compute_what_they_compute_alone(backend: Llam
     assert flips <= 2, f"{flips} near-tie flips out of {len(prompts) * N_TOKENS}"
 
 
-def test_free_running_batched_sessions_match_alone_up_to_a_near_tie(backend: LlamaCppBackend) -> None:
-    prompts = [backend.tokenize(Prompt(text=t)) for t in PROMPTS]
-    alone, alone_logits = run_alone(backend, prompts)
+def test_free_running_batched_sessions_match_alone_up_to_a_near_tie(
+        backend: LlamaCppBackend, alone_runs: tuple[list[list[int]], list[list[int]], list[list[np.ndarray]]]) -> None:
+    prompts, alone, alone_logits = alone_runs
     together, _ = run_together(backend, prompts)
     identical = 0
     for k in range(len(prompts)):
@@ -252,14 +260,14 @@ def test_decode_batch_rows_are_placed_by_session(backend: LlamaCppBackend) -> No
 
 def test_close_session_frees_the_sequence(backend: LlamaCppBackend) -> None:
     tokens = backend.tokenize(Prompt(text=PROMPTS[2]))
-    assert backend.kv_bytes_in_use() == 0
+    assert backend.kv_bytes_in_use(fresh=True) == 0
     backend.open_session("kv", prompt_tokens=tokens, sampling=GREEDY)
     seq = backend.seq_id_of("kv")
     assert backend.kv_cells("kv") == (-1, -1)
     out = backend.step([StepInput("kv", 0, tokens=tokens, sample=True)])[0]
     backend.step([StepInput("kv", len(tokens), tokens=[out.token or 0], sample=True)])
     assert backend.kv_cells("kv") == (0, len(tokens))
-    held = backend.kv_bytes_in_use()
+    held = backend.kv_bytes_in_use(fresh=True)
     # Gemma 3 270M keeps K and V (f16, 1 KV head x 256) for 18 layers: 18 KiB per position.
     assert held >= (len(tokens) + 1) * 18 * 2 * 256 * 2
     backend.close_session("kv")

@@ -90,17 +90,29 @@ def test_parts_are_converted_only_for_the_layers_a_node_serves(gemma_path: Path,
     assert sorted(again.shard.layers) == [7, 8]
 
 
+# Peak RSS is read from VmHWM, this process's own high-water mark: getrusage's ru_maxrss would report the pytest
+# parent's peak, which Linux carries over into a forked-and-exec'd child.
 PEAK_SCRIPT = textwrap.dedent("""
-    import json, resource, sys
-    import psutil, torch, transformers  # imported before the baseline: the same for every shard
+    import json, pathlib, sys
+    import torch, transformers  # imported before the baseline: the same for every shard
     from actors.backends.torch_models import prepare
     from actors.backends.torch import load_torch
+
+    def status_kib(field):
+        line = next(l for l in open("/proc/self/status") if l.startswith(field + ":"))
+        return int(line.split()[1]) * 1024
+
     path, start, end, cache = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    prepare(path, __import__("pathlib").Path(cache))
-    baseline = psutil.Process().memory_info().rss
+    prepare(path, pathlib.Path(cache))
+    baseline = status_kib("VmRSS")
     backend = load_torch(model=path, layer_start=start, layer_end=end, cache_dir=cache)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"baseline": baseline, "peak": peak, "held": backend.shard.parameter_bytes()}))
+    loaded = status_kib("VmHWM")
+    # Weights are memory-mapped from the part cache: fault every page in, so the peak is the whole working set.
+    for module in backend.shard.modules():
+        for p in module.parameters():
+            float(p.sum())
+    print(json.dumps({"baseline": baseline, "loaded": loaded, "peak": status_kib("VmHWM"),
+                      "held": backend.shard.parameter_bytes()}))
 """)
 
 
@@ -120,9 +132,10 @@ def test_a_middle_shard_never_materializes_the_embeddings(gemma_path: Path) -> N
     head = peak_load_bytes(gemma_path, 0, 6)
     middle = peak_load_bytes(gemma_path, 6, 12)
 
-    print(f"peak RSS growth while loading: head [0,6) {(head['peak'] - head['baseline']) / 2**20:.0f} MiB, "
-          f"middle [6,12) {(middle['peak'] - middle['baseline']) / 2**20:.0f} MiB; "
-          f"embedding matrix {embedding_bytes / 2**20:.0f} MiB")
+    for name, m in (("head [0,6)", head), ("middle [6,12)", middle)):
+        print(f"{name}: peak RSS growth {(m['loaded'] - m['baseline']) / 2**20:.0f} MiB after loading, "
+              f"{(m['peak'] - m['baseline']) / 2**20:.0f} MiB with every weight touched; holds "
+              f"{m['held'] / 2**20:.0f} MiB of weights; the embedding matrix is {embedding_bytes / 2**20:.0f} MiB")
     assert head["peak"] - head["baseline"] >= embedding_bytes  # the measurement sees a materialized matrix
     assert middle["peak"] - middle["baseline"] < embedding_bytes / 2
     assert middle["held"] < embedding_bytes / 2

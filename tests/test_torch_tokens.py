@@ -15,6 +15,7 @@ from schemas.session import Prompt
 TRICKY = "naïve café — 你好 🙂🚀\n\ttabs  double  spaces, ʕ•ᴥ•ʔ \x00 end"
 
 
+@pytest.fixture(scope="module")
 def gemma_codec(gemma_path: Path) -> TokenCodec:
     root = TorchConfig().cache_dir
     assert root is not None
@@ -49,8 +50,8 @@ def test_tiny_chat_template_and_end_of_generation() -> None:
 
 
 @pytest.mark.slow
-def test_gemma_token_bytes_are_exact_including_byte_fallback(gemma_path: Path) -> None:
-    codec = gemma_codec(gemma_path)
+def test_gemma_token_bytes_are_exact_including_byte_fallback(gemma_codec: TokenCodec) -> None:
+    codec = gemma_codec
     assert_bytes_round_trip(codec, TRICKY)
     # Characters outside the vocabulary come as <0xNN> pieces: each must give its raw byte.
     rare = "\U0001d11e\U000e0041"
@@ -61,8 +62,8 @@ def test_gemma_token_bytes_are_exact_including_byte_fallback(gemma_path: Path) -
 
 
 @pytest.mark.slow
-def test_gemma_chat_prompt_uses_the_turn_format(gemma_path: Path) -> None:
-    codec = gemma_codec(gemma_path)
+def test_gemma_chat_prompt_uses_the_turn_format(gemma_codec: TokenCodec) -> None:
+    codec = gemma_codec
     ids = codec.tokenize(Prompt(messages=[{"role": "system", "content": "Be terse."},
                                           {"role": "user", "content": "Capital of France?"}]))
     tok = codec.tokenizer

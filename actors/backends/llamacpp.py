@@ -23,6 +23,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,9 @@ from schemas.session import CONTEXT_CAP, Prompt, SamplingParams
 __all__ = ["LlamaCppBackend", "LlamaCppConfig", "ModelLoadError", "load_llamacpp"]
 
 log = logging.getLogger(__name__)
+
+_KV_REFRESH_S = 0.5
+"""How stale ``kv_bytes_in_use`` may be."""
 
 _backend_ready = False
 _backend_lock = threading.Lock()
@@ -179,6 +183,8 @@ class LlamaCppBackend:
         self._sessions: dict[str, _Session] = {}
         self._free_seqs = list(range(config.max_sessions - 1, -1, -1))
         self._piece_cache: dict[int, bytes] = {}
+        self._kv_bytes = 0
+        self._kv_refreshed = 0.0
         self._model: Any = None
         self._ctx: Any = None
         try:
@@ -384,11 +390,11 @@ class LlamaCppBackend:
             if session.sampler is not None:
                 session.sampler.close()
             self._free_seqs.append(session.seq_id)
+            self._refresh_kv_bytes(force=True)
 
     @property
     def open_sessions(self) -> list[str]:
-        with self._lock:
-            return list(self._sessions)
+        return list(self._sessions)  # a snapshot; no lock, so a caller on the event loop never waits for a decode
 
     def session_position(self, session_id: str) -> int:
         """Positions of ``session_id`` held in KV so far."""
@@ -412,12 +418,23 @@ class LlamaCppBackend:
         with self._lock:
             return self._session(session_id).seq_id
 
-    def kv_bytes_in_use(self) -> int:
-        with self._lock:
-            if self._ctx is None:
-                return 0
-            return sum(int(llama_cpp.llama_state_seq_get_size(self._ctx, s.seq_id))
-                       for s in self._sessions.values() if s.position)
+    def kv_bytes_in_use(self, *, fresh: bool = False) -> int:
+        """KV bytes the open sessions hold, as of the last refresh (at most ``_KV_REFRESH_S`` old). Lock-free unless
+        ``fresh``: the node asks from its event loop (heartbeats, metrics), which must never wait for a decode."""
+        if fresh:
+            with self._lock:
+                self._refresh_kv_bytes(force=True)
+        return self._kv_bytes
+
+    def _refresh_kv_bytes(self, force: bool = False) -> None:
+        # Measuring walks the sequence's cells (~150 us per session): often enough for heartbeats, rarely enough to
+        # stay out of the decode loop's way.
+        now = time.monotonic()
+        if not force and now - self._kv_refreshed < _KV_REFRESH_S:
+            return
+        self._kv_refreshed = now
+        self._kv_bytes = sum(int(llama_cpp.llama_state_seq_get_size(self._ctx, s.seq_id))
+                             for s in self._sessions.values() if s.position) if self._ctx is not None else 0
 
     def _session(self, session_id: str) -> _Session:
         try:
@@ -444,6 +461,7 @@ class LlamaCppBackend:
             outputs = self._collect(batch, sessions, spans)
             for item, session in zip(batch, sessions, strict=True):
                 session.position = item.start_position + item.n_positions
+            self._refresh_kv_bytes()
             return outputs
 
     def _check(self, batch: list[StepInput]) -> list[_Session]:
@@ -454,6 +472,9 @@ class LlamaCppBackend:
             raise BadRequestError("a step may carry each session at most once")
         total = 0
         for item, session in zip(batch, sessions, strict=True):
+            if (item.tokens is None) == self.is_head or (item.hidden is None) != self.is_head:
+                kind = "token ids" if self.is_head else "hidden states"
+                raise BadRequestError(f"this node takes {kind} (layers {self.layers})")
             n = item.n_positions
             total += n
             if item.start_position != session.position:

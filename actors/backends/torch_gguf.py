@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,8 +70,10 @@ class GGUFModel:
         return self.gguf_path.stem
 
     def sha256(self) -> str:
-        path = ensure_file(self.root / "sha256.txt", lambda tmp: tmp.write_text(file_sha256(self.gguf_path)))
-        return path.read_text().strip()
+        def write(tmp: Path) -> None:
+            tmp.write_text(file_sha256(self.gguf_path))
+
+        return ensure_file(self.root / "sha256.txt", write).read_text().strip()
 
     def config(self) -> PretrainedConfig:
         if self._config is None:
@@ -98,8 +101,8 @@ class GGUFModel:
         by_part: dict[str, list[str]] = {}
         for name in names:
             by_part.setdefault(part_of(name), []).append(name)
-        paths = {part: ensure_file(self.root / "parts" / f"{part}.safetensors",
-                                   lambda tmp, p=part: self._write_part(p, tmp)) for part in by_part}
+        paths = {part: ensure_file(self.root / "parts" / f"{part}.safetensors", self._part_writer(part))
+                 for part in by_part}
         self._reader = None  # every needed part is on disk: let go of the GGUF mapping
         out: dict[str, torch.Tensor] = {}
         for part, wanted in by_part.items():
@@ -112,12 +115,15 @@ class GGUFModel:
                     out[name] = handle.get_tensor(name)
         return out
 
+    def _part_writer(self, part: str) -> Callable[[Path], None]:
+        return lambda tmp: self._write_part(part, tmp)
+
     def _gguf_to_hf(self) -> dict[str, str]:
         if self._name_map is None:
             from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
             with torch.device("meta"):
-                skeleton = AutoModelForCausalLM.from_config(self.config())
+                skeleton = AutoModelForCausalLM.from_config(self.config())  # type: ignore[no-untyped-call]
             self._name_map = dict(get_gguf_hf_weights_map(skeleton, self._processor()))
         return self._name_map
 
@@ -125,7 +131,7 @@ class GGUFModel:
         from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
         arch = self.config().model_type.removesuffix("_text")
-        return TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=self.config().to_dict())
+        return TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=self.config().to_dict())  # type: ignore[no-untyped-call]
 
     def _gguf_tensors(self) -> list[Any]:
         # Parsing the metadata takes ~10 s for a large vocabulary: once per process, only when a part is missing.

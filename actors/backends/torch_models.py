@@ -78,7 +78,7 @@ def tiny_model_dir(name: str, cache_root: Path, seed: int = 0) -> Path:
 
     def build(tmp: Path) -> None:
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
         with torch.no_grad():
             for param_name, param in model.named_parameters():
                 if "norm" in param_name:

@@ -42,7 +42,8 @@ class Shard:
             raise ValueError(f"layer range [{start}, {end}) not within 0..{self.n_layers}")
         self.start, self.end, self.dtype = start, end, dtype
         with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+            skeleton = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+                config, attn_implementation="sdpa", dtype=dtype)
         self.config = skeleton.config
         base = getattr(skeleton, skeleton.base_model_prefix)
         for attr in ("embed_tokens", "layers", "norm", "rotary_emb"):
@@ -96,7 +97,7 @@ class Shard:
         cache = DynamicCache(config=self.config)
         for i in range(self.n_layers):
             if not self.start <= i < self.end:
-                cache.layers[i] = DummyLayer()
+                cache.layers[i] = DummyLayer()  # type: ignore[no-untyped-call]
         return cache
 
     def embed_tokens(self, tokens: list[int]) -> torch.Tensor:
@@ -139,17 +140,24 @@ class Shard:
         if self.norm is None or self.lm_head is None:
             raise BackendError("this shard has no LM head (not the tail)")
         with torch.inference_mode():
-            logits = self.lm_head(self.norm(hidden_last.to(self.dtype).view(1, 1, -1)))[0, 0].float()
+            logits: torch.Tensor = self.lm_head(self.norm(hidden_last.to(self.dtype).view(1, 1, -1)))[0, 0].float()
             softcap = getattr(self.config, "final_logit_softcapping", None)
             if softcap:
                 logits = torch.tanh(logits / softcap) * softcap
         return logits
 
+    def modules(self) -> list[nn.Module]:
+        """Every module holding this shard's weights."""
+        return [m for m in (self.embed, self.norm, self.lm_head) if m is not None] + list(self.layers.values())
+
     def parameter_bytes(self) -> int:
-        """Bytes of weights this shard holds (a tied head shared with the embeddings counts once)."""
+        """Bytes of weights this shard holds (a tied head shared with the embeddings counts once).
+
+        Weights read from the safetensors cache stay file-backed (memory-mapped): pages become resident as the
+        forward pass touches them, and nodes on one machine share them through the page cache.
+        """
         seen: dict[int, int] = {}
-        modules = [m for m in (self.embed, self.norm, self.lm_head) if m is not None] + list(self.layers.values())
-        for module in modules:
+        for module in self.modules():
             for p in module.parameters():
                 seen[p.data_ptr()] = p.numel() * p.element_size()
         return sum(seen.values())
@@ -158,8 +166,10 @@ class Shard:
 def cache_bytes(cache: DynamicCache) -> int:
     total = 0
     for layer in cache.layers:
-        if isinstance(layer, DynamicLayer) and layer.is_initialized and layer.keys is not None:
-            total += layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+        if isinstance(layer, DynamicLayer) and layer.is_initialized:
+            for tensor in (layer.keys, layer.values):
+                if tensor is not None:
+                    total += tensor.numel() * tensor.element_size()
     return total
 
 

@@ -68,8 +68,8 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
     backend.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>",
-                                        pad_token="<pad>")
+    tokenizer = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
     tokenizer.chat_template = TINY_CHAT_TEMPLATE
     return tokenizer
 
@@ -123,7 +123,8 @@ class TokenCodec:
         if self.tokenizer.chat_template is None:
             raise BadRequestError("this model has no chat template: send a completion prompt instead")
         # Templates know system/user/assistant; developer is OpenAI's newer name for system.
-        normalized = [{**m, "role": "system" if m.get("role") == "developer" else m.get("role")} for m in messages]
+        normalized = [{"role": "system" if m.get("role") == "developer" else str(m.get("role")),
+                       "content": str(m.get("content") or "")} for m in messages]
         try:
             text = self.tokenizer.apply_chat_template(normalized, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt)
@@ -136,7 +137,7 @@ class TokenCodec:
         if not 0 <= token < self.vocab_size or token in self._special:
             return b""
         piece = self.tokenizer.convert_ids_to_tokens(token)
-        if piece is None:
+        if not isinstance(piece, str):
             return b""
         if token in self.tokenizer.added_tokens_decoder:
             return str(self.tokenizer.added_tokens_decoder[token].content).encode()
