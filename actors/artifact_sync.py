@@ -342,7 +342,12 @@ async def _run(args: argparse.Namespace) -> int:
     store = Store(home_of(args))
     session = TorrentSession(SwarmConfig(listen_host=args.listen_host, listen_port=args.listen_port,
                                          download_limit=args.download_limit, upload_limit=args.upload_limit))
-    nc = await connect_settings(settings, name=f"artifact-{args.node_id}")
+    try:
+        # the connection retries forever by design (survives NATS restarts): bound only the first attempt
+        nc = await asyncio.wait_for(connect_settings(settings, name=f"artifact-{args.node_id}"), args.connect_timeout)
+    except (TimeoutError, OSError) as exc:
+        session.close()
+        raise ArtifactError(f"cannot reach NATS at {settings.nats_url}: {type(exc).__name__}") from exc
     sync = ArtifactSync(nc, Subjects(settings.namespace), store, session, SyncConfig(node_id=args.node_id))
     cancel = threading.Event()
     stop = _stop_event(cancel)
@@ -399,6 +404,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         p.add_argument("--home", help="swarmroute home (default: $SWARMROUTE_HOME or ~/.cache/swarmroute)")
         p.add_argument("--node-id", default="artifact-node", help="id in announcements and progress subjects")
         p.add_argument("--nats-url", help="NATS server (default: $SWARMROUTE_NATS_URL)")
+        p.add_argument("--connect-timeout", type=float, default=10.0, help="seconds to reach NATS at start")
         p.add_argument("--listen-host", default="127.0.0.1", help="torrent listen address (loopback/private)")
         p.add_argument("--listen-port", type=int, default=0, help="torrent listen port (0: any free port)")
         p.add_argument("--download-limit", type=int, default=0, help="bytes/s, 0 for unlimited")

@@ -118,6 +118,7 @@ class Node:
                           kv_bytes=self.backend.kv_bytes_in_use)
         self._service: object | None = None
         self._beat_soon = asyncio.Event()
+        self._opened_total = 0
         self.admission = Admission(verifier_from_settings(settings), config.node_id, skew_s=settings.capability_ttl_s)
 
     @property
@@ -201,7 +202,7 @@ class Node:
         info = self.backend.info
         capacity = Capacity(max_sessions=self.backend.max_sessions, active_sessions=len(self.sessions),
                             max_context=min(info.context_length, CONTEXT_CAP),
-                            kv_bytes_in_use=self.backend.kv_bytes_in_use())
+                            kv_bytes_in_use=self.backend.kv_bytes_in_use(), sessions_opened=self._opened_total)
         return NodeAdvertisement(node_id=self.config.node_id, endpoint=self.endpoint, model_id=self.config.model_id,
                                  layers=self.backend.layers, is_head=self.backend.is_head,
                                  is_tail=self.backend.is_tail, backend=info, capacity=capacity,
@@ -216,7 +217,8 @@ class Node:
             # Every heartbeat_s, and at once (coalesced) when a session frees its slot: a stale "full" would make
             # the tracker refuse routes the swarm has room for.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._beat_soon.wait(), self.settings.heartbeat_s)
+                async with asyncio.timeout(self.settings.heartbeat_s):  # unlike wait_for, no task per wait
+                    await self._beat_soon.wait()
             self._beat_soon.clear()
             if self.draining:
                 continue  # a draining node stays out of the registry
@@ -273,6 +275,7 @@ class Node:
         session.session_token = grant.session_token if grant else None
         self.admission.record(grant)
         self.sessions[request.session_id] = session
+        self._opened_total += 1
         self.metrics.session_opened(request.hop_index, len(hops))
         session.start()
         return SessionOpened(session_id=request.session_id, node_id=self.config.node_id,

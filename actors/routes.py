@@ -75,6 +75,11 @@ def routable(adverts: list[NodeAdvertisement], model: str,
     return usable, n_layers
 
 
+def has_full_chain(adverts: list[NodeAdvertisement], n_layers: int) -> bool:
+    """Whether some of these ranges chain exactly from 0 to ``n_layers`` (covering alone is not enough)."""
+    return _cheapest_chain(adverts, n_layers, {}, random.Random(0)) is not None
+
+
 def select_route(adverts: list[NodeAdvertisement], model: str, session_id: str, *,
                  exclude: frozenset[str] = frozenset(), pending: dict[str, int] | None = None,
                  rng: random.Random | None = None) -> Route:

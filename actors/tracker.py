@@ -17,7 +17,7 @@ from nats.aio.client import Client as NATS
 from nats.micro.service import Service
 
 from actors.registry import RegistryView, open_registry
-from actors.routes import routable, select_route, uncovered_layers
+from actors.routes import has_full_chain, routable, select_route, uncovered_layers
 from actors.services import tracker_service
 from bus import capability, codec
 from bus.connection import connect_settings
@@ -28,8 +28,6 @@ from schemas.route import ModelsReply, RouteReply, RouteRequest, ServedModel
 from schemas.settings import Settings
 
 log = logging.getLogger(__name__)
-OPEN_GRACE_S = 0.25
-"""Longest expected time from handing out a route to the node's heartbeat that includes the opened session."""
 QUEUE_GROUP = "tracker"
 
 
@@ -41,7 +39,8 @@ class Tracker:
         self._own_nc = nc is None
         self._service: Service | None = None
         self.registry: RegistryView | None = None
-        self._pending: dict[str, list[float]] = {}
+        self._pending: dict[str, list[tuple[float, int]]] = {}
+        """node id -> (when a route was handed out, the node's sessions_opened then), oldest first."""
         self._signer = capability.signer_from_settings(settings)
         self._started = False
         self._stopped = False
@@ -86,21 +85,26 @@ class Tracker:
         await self.stop()
 
     def _pending_counts(self) -> dict[str, int]:
-        # A route handed out counts against its nodes until a heartbeat sent after the session opened reports it
-        # (at the latest 1.5 heartbeats): counting it beyond that counts the session twice, and a swarm with free
-        # slots refuses routes (tests/test_load.py). OPEN_GRACE_S covers routing -> open -> heartbeat received.
-        now = time.monotonic()
-        horizon = now - self.settings.heartbeat_s * 1.5
+        # A route handed out counts against its nodes until the node reports the session opened (its
+        # sessions_opened counter passed the value seen at hand-out), at the latest for 1.5 heartbeats (routes
+        # never opened). Counting an arrived session as pending too counts it twice, and under fast churn a swarm
+        # with free slots refuses routes (tests/test_load.py).
+        horizon = time.monotonic() - self.settings.heartbeat_s * 1.5
+        opened = self._opened_counts()
         counts: dict[str, int] = {}
         for node, stamps in list(self._pending.items()):
-            age = self.registry.age_s(node) if self.registry is not None else None
-            cutoff = horizon if age is None else max(horizon, now - age - OPEN_GRACE_S)
-            stamps[:] = [t for t in stamps if t > cutoff]
-            if stamps:
-                counts[node] = len(stamps)
-            else:
+            stamps[:] = [(t, seen) for t, seen in stamps if t > horizon]
+            if not stamps:
                 del self._pending[node]
+                continue
+            arrived = max(0, opened.get(node, 0) - stamps[0][1])
+            if len(stamps) > arrived:
+                counts[node] = len(stamps) - arrived
         return counts
+
+    def _opened_counts(self) -> dict[str, int]:
+        assert self.registry is not None
+        return {a.node_id: a.capacity.sessions_opened for a in self.registry.live()}
 
     def route(self, request: RouteRequest) -> RouteReply:
         assert self.registry is not None
@@ -114,9 +118,9 @@ class Tracker:
             with contextlib.suppress(SwarmrouteError):  # the same nodes the route could use, so gaps match the message
                 gaps = uncovered_layers(*routable(self.registry.live(), request.model, frozenset(request.exclude)))
             return RouteReply(error=exc.message, status=exc.status, uncovered=gaps)
-        now = time.monotonic()
+        now, opened = time.monotonic(), self._opened_counts()
         for hop in route.hops:
-            self._pending.setdefault(hop.node_id, []).append(now)
+            self._pending.setdefault(hop.node_id, []).append((now, opened.get(hop.node_id, 0)))
         if self._signer is not None:
             route = capability.issue(route, self._signer, self.settings.capability_ttl_s)
         return RouteReply(route=route)
@@ -141,7 +145,7 @@ class Tracker:
             m.layer_ranges.append(a.layers)
         for m in by_model.values():
             adverts = [a for a in self.registry.live() if a.model_id == m.id and a.verified]
-            m.complete = not uncovered_layers(adverts, m.n_layers)
+            m.complete = has_full_chain(adverts, m.n_layers)
         return ModelsReply(models=sorted(by_model.values(), key=lambda m: m.id))
 
     async def _handle_models(self, data: bytes) -> bytes:

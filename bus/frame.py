@@ -61,6 +61,8 @@ def encode(header: FrameHeader, hidden: npt.NDArray[np.floating]) -> bytes:
         raise ValueError(f"position shape must have 1..{MAX_DIMS} dims, got {header.position_shape}")
     if len(header.stamps) > MAX_STAMPS:
         raise ValueError(f"at most {MAX_STAMPS} hop stamps")
+    if header.n_positions < 1 or any(d < 1 for d in header.position_shape):
+        raise ValueError(f"a frame needs at least one position and no empty dimension, got {expected}")
     flags = 1 if header.sample else 0
     parts = [
         _FIXED.pack(MAGIC, int(header.kind), int(header.dtype), flags, len(header.position_shape), header.session_id,

@@ -53,6 +53,8 @@ class Capacity(WireModel):
     active_sessions: int = Field(default=0, ge=0)
     max_context: int = Field(ge=1, description="tokens of context per session")
     kv_bytes_in_use: int = 0
+    sessions_opened: int = Field(default=0, ge=0, description="sessions opened since the node started: tells a "
+                                                                  "tracker which of the routes it handed out arrived")
 
     @property
     def free_sessions(self) -> int:

