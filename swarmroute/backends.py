@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -34,8 +35,17 @@ def default_model_path(settings: Settings) -> Path:
     return bundled_model_path(settings.home)
 
 
-def build_backend(args: argparse.Namespace, settings: Settings) -> Backend:
-    start, end = parse_layers(args.layers)
+@dataclasses.dataclass(frozen=True)
+class Identity:
+    """What a node advertises about its artifact."""
+
+    model_id: str
+    manifest_id: str = ""
+    verified: bool = True
+
+
+def build_backend(args: argparse.Namespace, settings: Settings) -> tuple[Backend, Identity]:
+    start, end = parse_layers(getattr(args, "layers", None))
     kind = args.backend
     options: dict[str, Any] = {}
     if kind == "stub":
@@ -44,21 +54,37 @@ def build_backend(args: argparse.Namespace, settings: Settings) -> Backend:
                        context_length=args.ctx or 4096, delay_s=args.stub_delay)
         if start is not None:
             options.update(layer_start=start, layer_end=end)
-        return load_backend("stub", **options)
-    model = args.model or str(default_model_path(settings))
+        backend = load_backend("stub", **options)
+        return backend, Identity(args.model_id or backend.info.model_name)
     threads = args.threads or max(1, (os.cpu_count() or 2))
     if kind == "llamacpp":
-        options = dict(model_path=model, max_sessions=args.max_sessions, threads=threads)
-        if args.ctx:
-            options["n_ctx"] = args.ctx
-        if start is not None:
-            options.update(layer_start=start, layer_end=end)
-        return load_backend("llamacpp", **options)
+        return _llamacpp(args, settings, start, end, threads)
+    model = args.model or str(default_model_path(settings))
     if kind == "torch":
         options = dict(model=model, max_sessions=args.max_sessions)
         if args.ctx:
             options["context_length"] = args.ctx
         if start is not None:
             options.update(layer_start=start, layer_end=end)
-        return load_backend("torch", **options)
+        backend = load_backend("torch", **options)
+        return backend, Identity(args.model_id or backend.info.model_name)
     raise argparse.ArgumentTypeError(f"unknown backend {kind!r}")
+
+
+def _llamacpp(args: argparse.Namespace, settings: Settings, start: int | None, end: int | None,
+              threads: int) -> tuple[Backend, Identity]:
+    """GGUF nodes serve only what the artifact plane verified: a local file goes through the store first."""
+    from swarmroute.artifact_prep import prepare
+
+    source = Path(args.model) if args.model and Path(args.model).exists() else None
+    store_id = args.model if args.model and source is None else None
+    if source is None and store_id is None:
+        source = default_model_path(settings)
+    prepared = prepare(settings.home, source, model_id=store_id, start=start, end=end)
+    options: dict[str, Any] = dict(model_path=prepared.path, max_sessions=args.max_sessions, threads=threads)
+    if args.ctx:
+        options["n_ctx"] = args.ctx
+    if (prepared.start, prepared.end) == (0, prepared.manifest.n_layers):
+        options["sha256"] = prepared.manifest.model_id  # the whole file: its sha256 is the content-derived id
+    backend = load_backend("llamacpp", **options)
+    return backend, Identity(prepared.manifest.model_id, prepared.manifest.manifest_id, verified=True)

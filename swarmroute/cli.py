@@ -79,12 +79,12 @@ def cmd_node(args: argparse.Namespace) -> int:
     from swarmroute.backends import build_backend
 
     settings = _settings(args)
-    backend = build_backend(args, settings)
-    info = backend.info
-    model_id = args.model_id or info.model_name or "model"
+    backend, identity = build_backend(args, settings)
+    model_id = identity.model_id
     node = Node(NodeConfig(node_id=args.node_id or f"node-{uuid.uuid4().hex[:8]}", model_id=model_id,
                            host=args.host or settings.bind_host, port=args.port, advertise_url=args.advertise_url,
-                           wire_dtype=args.wire_dtype), backend, settings)
+                           wire_dtype=args.wire_dtype, manifest_id=identity.manifest_id,
+                           verified=identity.verified), backend, settings)
 
     async def start() -> None:
         await node.start()

@@ -41,6 +41,10 @@ def _model_layers(args: argparse.Namespace, settings: Settings) -> tuple[str, in
 
     path = Path(args.model) if args.model else default_model_path(settings)
     args.model = str(path)
+    if args.backend == "llamacpp":
+        from swarmroute.artifact_prep import import_model
+
+        import_model(settings.home, path)  # once here, rather than racing in every node
     reader = GGUFReader(str(path))
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
     n_layers = int(reader.fields[f"{arch}.block_count"].parts[-1][0])

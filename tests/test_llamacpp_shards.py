@@ -124,8 +124,8 @@ def assert_same(full_run: tuple[list[list[int]], list[list[np.ndarray]]],
 def test_shard_roles(chain: list[LlamaCppBackend], full: LlamaCppBackend, shard_dir: Path) -> None:
     head, *middle, tail = chain
     assert head.is_head and not head.is_tail and tail.is_tail and not tail.is_head
-    assert [(h.layers.start, h.layers.end) for h in chain][0][0] == 0 and tail.layers.end == 18
-    for before, after in zip(chain, chain[1:]):
+    assert head.layers.start == 0 and tail.layers.end == 18
+    for before, after in zip(chain, chain[1:], strict=False):
         assert before.layers.end == after.layers.start
     for hop in chain:
         assert hop.info.n_layers == 18 and hop.info.hidden_shape == [640] and hop.model_file.parent == shard_dir

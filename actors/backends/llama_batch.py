@@ -85,16 +85,8 @@ class Batch:
 
     def struct(self) -> llama_cpp.llama_batch:
         """The ``llama_batch`` for the rows added since ``clear``; valid while this object lives and is unchanged."""
-        b = llama_cpp.llama_batch()
-        b.n_tokens = self.n
-        if self.takes_embeddings:
-            b.token = None
-            b.embd = _ptr(self.embd, ctypes.c_float)
-        else:
-            b.token = _ptr(self.token, llama_cpp.llama_token)
-            b.embd = None
-        b.pos = _ptr(self.pos, llama_cpp.llama_pos)
-        b.n_seq_id = _ptr(self._n_seq_id, ctypes.c_int32)
-        b.seq_id = ctypes.cast(self._seq_rows, ctypes.POINTER(ctypes.POINTER(llama_cpp.llama_seq_id)))
-        b.logits = _ptr(self.output, ctypes.c_int8)
-        return b
+        token = None if self.takes_embeddings else _ptr(self.token, llama_cpp.llama_token)
+        embd = _ptr(self.embd, ctypes.c_float) if self.takes_embeddings else None
+        seq_id = ctypes.cast(self._seq_rows, ctypes.POINTER(ctypes.POINTER(llama_cpp.llama_seq_id)))
+        return llama_cpp.llama_batch(self.n, token, embd, _ptr(self.pos, llama_cpp.llama_pos),
+                                     _ptr(self._n_seq_id, ctypes.c_int32), seq_id, _ptr(self.output, ctypes.c_int8))

@@ -218,7 +218,7 @@ class LlamaCppBackend:
 
     def _context_params(self) -> llama_cpp.llama_context_params:
         c = self.config
-        p = llama_cpp.llama_context_default_params()
+        p: llama_cpp.llama_context_params = llama_cpp.llama_context_default_params()
         p.n_ctx = self._n_ctx * c.max_sessions
         p.n_batch = p.n_ubatch = c.n_batch
         p.n_seq_max = c.max_sessions
@@ -492,10 +492,8 @@ class LlamaCppBackend:
         self._batch.clear()
         spans = []
         for item, session in zip(batch, sessions, strict=True):
-            if not self.is_tail:
-                output = "all"
-            else:
-                output = "last" if item.sample else "none"
+            # Non-tail hops hand on every row's hidden state; the tail needs logits only where it samples.
+            output = "all" if not self.is_tail else ("last" if item.sample else "none")
             hidden = None if item.hidden is None else np.asarray(item.hidden, dtype=np.float32)
             spans.append(self._batch.add(session.seq_id, item.start_position, tokens=item.tokens, hidden=hidden,
                                          output=output))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -46,6 +47,15 @@ MODEL_ID = "gemma"
 PROMPT = ("You are reading a travel guide. Chapter one describes the geography of Europe, its rivers, mountains and "
           "great cities, and the long history of trade between them. Chapter two is about France. "
           "The capital of France is")
+
+
+_requests = itertools.count()
+
+
+def fresh_prompt() -> str:
+    """The prompt behind a unique first word: llama-cpp-python reuses the KV of a shared prefix (its server keeps
+    the previous request's), which would turn its TTFT into a cache hit; a fresh opening makes every run prefill."""
+    return f"Request {next(_requests)}. {PROMPT}"
 
 
 @dataclass
@@ -105,7 +115,7 @@ def stop(procs: list[subprocess.Popen[bytes]]) -> None:
 
 def run_in_process(llm: llama_cpp.Llama, n_tokens: int) -> Run:
     llm.reset()
-    tokens = llm.tokenize(PROMPT.encode(), add_bos=True, special=True)
+    tokens = llm.tokenize(fresh_prompt().encode(), add_bos=True, special=True)
     started = time.perf_counter()
     first = last = 0.0
     count = 0
@@ -125,7 +135,7 @@ def run_in_process(llm: llama_cpp.Llama, n_tokens: int) -> Run:
 async def stream_once(api: openai.AsyncOpenAI, model: str, n_tokens: int) -> Run:
     started = time.perf_counter()
     stamps: list[float] = []
-    stream = await api.completions.create(model=model, prompt=PROMPT, max_tokens=n_tokens, temperature=0,
+    stream = await api.completions.create(model=model, prompt=fresh_prompt(), max_tokens=n_tokens, temperature=0,
                                           stream=True)
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].text:
