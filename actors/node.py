@@ -226,7 +226,17 @@ class Node:
                 await self._heartbeat_once()
             except Exception as exc:  # noqa: BLE001 - a NATS outage must not kill the node; retry next beat
                 log.warning("heartbeat failed: %s", type(exc).__name__)
+                await self._rebind_registry()
             await asyncio.sleep(MIN_BEAT_SPACING_S)
+
+    async def _rebind_registry(self) -> None:
+        """A NATS server restarted without its (in-memory) registry bucket: create it again, so heartbeats land
+        in the KV once more instead of failing until some tracker restarts. Binds the bucket if it still exists."""
+        assert self._nc is not None
+        with contextlib.suppress(Exception):
+            self._kv = await open_registry(self._nc, self.subjects, self.settings.registry_ttl_s,
+                                           replicas=self.settings.registry_replicas,
+                                           unavailable_wait_s=self.settings.heartbeat_s)
 
     async def _sweep_loop(self) -> None:
         ttl = self.settings.session_idle_ttl_s

@@ -32,7 +32,8 @@ async def connect(
         # Only a permissions violation's text is logged (it names the refused subject); other errors may quote
         # a server URL, which can embed credentials.
         text = str(exc)
-        log.warning("nats error (%s): %s", name, text if "permissions violation" in text.lower() else type(exc).__name__)
+        shown = text if "permissions violation" in text.lower() else type(exc).__name__
+        log.warning("nats error (%s): %s", name, shown)
 
     async def on_disconnect() -> None:
         log.info("nats disconnected (%s)", name)

@@ -61,7 +61,8 @@ def build_backend(args: argparse.Namespace, settings: Settings) -> tuple[Backend
         return _llamacpp(args, settings, start, end, threads)
     model = args.model or str(default_model_path(settings))
     if kind == "torch":
-        options = dict(model=model, max_sessions=args.max_sessions)
+        options = dict(model=model, max_sessions=args.max_sessions, threads=threads,
+                       cache_dir=settings.home / "torch")  # converted weights live under --home
         if args.ctx:
             options["context_length"] = args.ctx
         if start is not None:

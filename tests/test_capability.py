@@ -81,7 +81,8 @@ def test_forged_tampered_and_foreign_capabilities_do_not_verify() -> None:
     cases = {
         "tampered node": _tamper_payload(token, node="n1"),
         "tampered expiry": _tamper_payload(token, exp=time.time() + 1e6),
-        "another swarm's secret": caps.issue(a_route(), caps.HmacKey(b"another-secret-of-16+"), 30.0).hops[1].capability,
+        "another swarm's secret": caps.issue(a_route(), caps.HmacKey(b"another-secret-of-16+"), 30.0)
+        .hops[1].capability,
         "truncated signature": token[:-4],
         "not a token": "hello",
         "empty": "",

@@ -34,7 +34,6 @@ from bus import frame as frames
 from bus.nodeclient import FRAME_CONTENT_TYPE
 from bus.subjects import Subjects
 from schemas.frame import FrameHeader, FrameKind, WireDType
-from schemas.node import NodeAdvertisement
 from schemas.route import ModelsReply, RouteReply, RouteRequest
 from schemas.session import SessionOpen
 from schemas.settings import Settings
@@ -194,7 +193,9 @@ async def test_fuzzed_frames_get_4xx_and_the_node_keeps_serving(swarm: Swarm) ->
 
 # ---- NATS: tracker and registry ---------------------------------------------------------------------------------
 
-json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+json_scalars = (st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats(allow_nan=False)
+                | st.text(max_size=20))  # integers msgpack can carry
+json_values = st.recursive(json_scalars,
                            lambda children: st.lists(children, max_size=4)
                            | st.dictionaries(st.text(max_size=10), children, max_size=4), max_leaves=12)
 
@@ -324,7 +325,8 @@ def openai_bodies(draw: st.DrawFn) -> tuple[str, bytes]:
     if kind == "json":
         return path, json.dumps(draw(json_values)).encode()
     fields = edge_fields if kind == "edge" else junk_fields
-    body: dict[str, Any] = {"model": MODEL if kind == "edge" else draw(st.sampled_from([MODEL, "nope", ""]) | json_values)}
+    model = MODEL if kind == "edge" else draw(st.sampled_from([MODEL, "nope", ""]) | json_values)
+    body: dict[str, Any] = {"model": model}
     if path == "/chat/completions":
         body["messages"] = draw(valid_messages if kind == "edge" else messages)
     else:
@@ -390,3 +392,24 @@ async def test_fuzzed_frames_on_a_secured_node_are_refused_before_parsing(nats_s
         http.close()
         await s.stop()
     figures.record("fuzz_frames_secured", cases=sum(statuses.values()), statuses=dict(statuses))
+
+
+def test_bogus_registry_entries_cannot_unroute_a_model() -> None:
+    """Regression found by the NATS fuzzing above: one advertisement whose range lies beyond its model, or that
+    claims another layer count for the same model, made every route for the real nodes a 503."""
+    from actors.routes import select_route
+    from schemas.node import BackendInfo, Capacity, LayerRange
+
+    def advert(node_id: str, start: int, end: int, n_layers: int = 8) -> NodeAdvertisement:
+        return NodeAdvertisement(
+            node_id=node_id, endpoint=f"http://127.0.0.1:1/{node_id}", model_id=MODEL,
+            layers=LayerRange(start=start, end=end), is_head=start == 0, is_tail=end == n_layers,
+            backend=BackendInfo(kind="stub", model_name=MODEL, n_layers=n_layers, hidden_size=64, hidden_shape=[64],
+                                context_length=64),
+            capacity=Capacity(max_sessions=4, max_context=64))
+
+    real = [advert("n1", 0, 4), advert("n2", 4, 8)]
+    for bogus in (advert("beyond", 20, 36), advert("more-layers", 0, 40, n_layers=40),
+                  advert("inconsistent", 0, 12, n_layers=8)):
+        route = select_route([*real, bogus], MODEL, "s")
+        assert [h.node_id for h in route.hops] == ["n1", "n2"], bogus.node_id

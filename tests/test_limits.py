@@ -1,4 +1,7 @@
-"""Every limit answers with a 4xx/429 and a reason — never a crash, a hang or unbounded growth. Real swarms on loopback."""
+"""Every limit answers with a 4xx/429 and a reason — never a crash, a hang or unbounded growth.
+
+Real swarms on loopback: real nats-server, tracker, stub nodes and gateway, the official openai client.
+"""
 
 from __future__ import annotations
 

@@ -312,7 +312,7 @@ def test_context_and_step_validation(backend: LlamaCppBackend) -> None:
             backend.step([StepInput("v", 0, tokens=[2] * (backend.max_batch_tokens + 1))])
         with pytest.raises(BadRequestError, match="at most once"):
             backend.step([StepInput("v", 0, tokens=[2]), StepInput("v", 1, tokens=[3])])
-        with pytest.raises(BadRequestError, match="hidden states"):
+        with pytest.raises(BadRequestError, match="takes token ids"):
             backend.step([StepInput("v", 0, hidden=np.zeros((1, 640), dtype=np.float32))])
         # Nothing above reached llama.cpp: the session is still at position 0 and steps normally.
         assert backend.session_position("v") == 0 and backend.kv_cells("v") == (-1, -1)

@@ -120,7 +120,8 @@ async def _received(admin: NATS, subject: str, action: Any) -> list[bytes]:
 async def test_each_role_does_its_job_with_no_violation(auth_server: EmbeddedNats, passwords: dict[str, str],
                                                         tmp_path: Path) -> None:
     home = tmp_path / "home"
-    tracker_s, node_s, gateway_s = (role_settings(auth_server, home, passwords, r) for r in ("tracker", "node", "gateway"))
+    tracker_s, node_s, gateway_s = (role_settings(auth_server, home, passwords, r)
+                                    for r in ("tracker", "node", "gateway"))
     async with Tracker(tracker_s) as tracker, Node(NodeConfig("n1", MODEL), stub(0, 4), node_s), \
             Node(NodeConfig("n2", MODEL), stub(4, 8), node_s), Gateway(gateway_s, port=0) as gateway:
         await wait_model(tracker, MODEL, n_nodes=2)

@@ -1,7 +1,8 @@
-"""The bundled Gemma 3 270M GGUF through the torch backend: converted per part, split across nodes, exact.
+"""GGUF files through the torch backend: converted per part, split across nodes, exact.
 
 The reference is transformers' own GGUF loader (whole model, dequantized, one process): it shares no conversion
-code path with the per-part cache except transformers' tensor processors.
+code path with the per-part cache except transformers' tensor processors. The bundled Gemma 3 270M tests are slow;
+a tiny random llama GGUF covers the llama-specific conversion (q/k un-permutation, untied head) quickly.
 """
 
 from __future__ import annotations
@@ -23,9 +24,8 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from actors.backends.torch import TorchConfig, load_torch
 from actors.backends.torch_gguf import GGUFModel, cache_dir_for
 from schemas.session import Prompt
+from tests.support.gguf_factory import write_tiny_gguf
 from tests.support.torch_route import WireRoute, build_route, generate_reference
-
-pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -45,6 +45,7 @@ def gemma_reference(gemma_path: Path) -> Iterator[PreTrainedModel]:
     gc.collect()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bounds", [(0, 12, 18), (0, 5, 11, 18)], ids=["2-node", "3-node"])
 def test_gemma_route_greedy_tokens_equal_generate(gemma_path: Path, gemma_reference: PreTrainedModel,
                                                   bounds: tuple[int, ...]) -> None:
@@ -64,6 +65,24 @@ def test_gemma_route_greedy_tokens_equal_generate(gemma_path: Path, gemma_refere
         backend.close()
 
 
+def test_llama_gguf_route_equals_transformers_gguf_loader(tmp_path: Path) -> None:
+    gguf = write_tiny_gguf(tmp_path / "model" / "tiny-llama.gguf", n_layers=4, n_vocab=64, rope_freqs=False, seed=3)
+    route = WireRoute([load_torch(model=str(gguf), layer_start=a, layer_end=b, cache_dir=tmp_path / "cache")
+                       for a, b in ((0, 2), (2, 4))])
+    ref = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    ids = [1, *range(3, 40)]
+    expected = generate_reference(ref, ids, 12)
+
+    sid, got = route.generate(ids, len(expected), chunk=5)
+
+    assert got == expected
+    with torch.no_grad():
+        states = ref(torch.tensor([ids + got[:-1]]), output_hidden_states=True).hidden_states
+    sent, desired = np.concatenate(route.hop_outputs[sid][0]), states[2][0].numpy()
+    np.testing.assert_allclose(sent, desired, rtol=1e-4, atol=1e-5 * float(np.abs(desired).max()))
+
+
+@pytest.mark.slow
 def test_parts_are_converted_only_for_the_layers_a_node_serves(gemma_path: Path, tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     # Reuse the slow-to-parse config and tokenizer; start with no converted weights at all.
@@ -123,6 +142,7 @@ def peak_load_bytes(gemma_path: Path, start: int, end: int) -> dict[str, int]:
     return result
 
 
+@pytest.mark.slow
 def test_a_middle_shard_never_materializes_the_embeddings(gemma_path: Path) -> None:
     for bounds in ((0, 6), (6, 12)):  # make sure both are converted before measuring
         load_torch(model=str(gemma_path), layer_start=bounds[0], layer_end=bounds[1]).close()

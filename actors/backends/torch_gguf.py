@@ -155,7 +155,7 @@ class GGUFModel:
             result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=name_map,
                                        parsed_parameters={"config": self.config().to_dict(), "tensors": {}})
             target = name_map.get(result.name, hf_name)
-            tensors[target] = torch.from_numpy(np.ascontiguousarray(result.weights, dtype=np.float32))
+            tensors[target] = torch.from_numpy(np.array(result.weights, dtype=np.float32, copy=True))
         if not tensors:
             raise KeyError(f"{self.gguf_path.name} has no tensors for part {part}")
         save_file(tensors, str(tmp), metadata={"source": self.gguf_path.name, "part": part})

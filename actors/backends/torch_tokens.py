@@ -75,7 +75,9 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def _decoder_types(tokenizer: PreTrainedTokenizerBase) -> set[str]:
-    spec = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder") or {}
+    decoder = tokenizer.backend_tokenizer.decoder
+    # The decoder's own state, not the whole tokenizer's JSON (which takes seconds for a large vocabulary).
+    spec = json.loads(decoder.__getstate__()) if decoder is not None else {}
     found: set[str] = set()
 
     def walk(node: dict[str, Any]) -> None:
@@ -94,13 +96,16 @@ class TokenCodec:
         self.tokenizer = tokenizer
         self.vocab_size = len(tokenizer)
         self._byte_level = "ByteLevel" in _decoder_types(tokenizer)
-        self._special = set(tokenizer.all_special_ids)
-        self._special |= {i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special}
+        added = tokenizer.added_tokens_decoder  # built afresh on every access: read it once
+        self._added = {i: str(tok.content) for i, tok in added.items()}
+        self._special = set(tokenizer.all_special_ids) | {i for i, tok in added.items() if tok.special}
         eos = {tid for tid in extra_eos if tid is not None}
         if tokenizer.eos_token_id is not None:
             eos.add(int(tokenizer.eos_token_id))
-        vocab = tokenizer.get_vocab()
-        eos |= {vocab[name] for name in _END_OF_TURN if name in vocab}
+        for name in _END_OF_TURN:
+            tid = tokenizer.convert_tokens_to_ids(name)
+            if isinstance(tid, int) and tid != tokenizer.unk_token_id:
+                eos.add(tid)
         self.eos_ids = frozenset(eos)
 
     @classmethod
@@ -139,8 +144,8 @@ class TokenCodec:
         piece = self.tokenizer.convert_ids_to_tokens(token)
         if not isinstance(piece, str):
             return b""
-        if token in self.tokenizer.added_tokens_decoder:
-            return str(self.tokenizer.added_tokens_decoder[token].content).encode()
+        if token in self._added:
+            return self._added[token].encode()
         if self._byte_level:
             table = _unicode_to_byte()
             return bytes(table[ch] for ch in piece)

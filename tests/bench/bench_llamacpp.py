@@ -173,7 +173,7 @@ class LcpServer:
 
 
 def _routable(body: bytes) -> bool:
-    return any(m.get("id") == MODEL_ID and m.get("complete") for m in json.loads(body).get("data", []))
+    return any(m.get("complete") for m in json.loads(body).get("data", []))
 
 
 class SwarmrouteServer:
@@ -194,6 +194,9 @@ class SwarmrouteServer:
         ]
         try:
             wait_http(f"{self.url}/models", _routable, self.procs, 300)
+            with urllib.request.urlopen(f"{self.url}/models", timeout=10) as r:
+                # The node advertises the model under its content-derived id (the file's sha256).
+                self.model = next(m["id"] for m in json.load(r)["data"] if m.get("complete"))
         except BaseException:
             self.close()
             raise
@@ -231,13 +234,13 @@ async def bench(args: argparse.Namespace) -> int:
             # Warm-up: first requests pay for page faults, thread start-up and graph allocation.
             run_in_process(llm, 8)
             await stream_once(lcp_api, lcp.model, 8)
-            await stream_once(sr_api, MODEL_ID, 8)
+            await stream_once(sr_api, swarm.model, 8)
             for r in range(args.rounds):
                 figures.add("(a) in-process", run_in_process(llm, args.tokens))
                 figures.add("(b) lcp-server", await stream_once(lcp_api, lcp.model, args.tokens))
-                figures.add("(c) swarmroute", await stream_once(sr_api, MODEL_ID, args.tokens))
-                one = await aggregate(sr_api, MODEL_ID, args.tokens, 1)
-                many = await aggregate(sr_api, MODEL_ID, args.tokens, args.sessions)
+                figures.add("(c) swarmroute", await stream_once(sr_api, swarm.model, args.tokens))
+                one = await aggregate(sr_api, swarm.model, args.tokens, 1)
+                many = await aggregate(sr_api, swarm.model, args.tokens, args.sessions)
                 figures.aggregate.setdefault("(c) x1", []).append(one)
                 figures.aggregate.setdefault(f"(c) x{args.sessions}", []).append(many)
                 if args.lcp_concurrency:
