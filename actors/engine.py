@@ -19,6 +19,9 @@ from actors.backend import Backend, StepInput, StepOutput
 
 T = TypeVar("T")
 
+GATHER_TURNS = 16
+"""Event-loop turns the engine waits, before taking a batch, for the sessions of the previous batch to come back."""
+
 
 @dataclasses.dataclass(slots=True)
 class _Pending:
@@ -46,6 +49,7 @@ class StepEngine:
         self._timings: dict[int, StepTiming] = {}
         self.batches_run = 0
         self.max_batch_seen = 0
+        self._expected: set[str] = set()
 
     async def start(self) -> None:
         if self._task is None:
@@ -93,15 +97,27 @@ class StepEngine:
         self._pending = rest
         return batch
 
+    async def _gather(self) -> None:
+        # A session submits its next step a few event-loop turns after its last one returned (token handling,
+        # publishing, queue hand-offs). Taking the batch at once would catch only the first session back and push
+        # the rest into a second pass: decode batches would alternate 1 and n-1 instead of staying whole. A session
+        # that ended (or waits on the network) costs at most GATHER_TURNS turns, well under a millisecond.
+        for _ in range(GATHER_TURNS):
+            if self._expected <= {p.item.session_id for p in self._pending}:
+                return
+            await asyncio.sleep(0)
+
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             if not self._pending:
                 self._wakeup.clear()
                 await self._wakeup.wait()
+            await self._gather()
             batch = [p for p in self._take_batch() if not p.future.cancelled()]
             if not batch:
                 continue
+            self._expected = {p.item.session_id for p in batch}
             started = time.perf_counter()
             try:
                 outputs = await loop.run_in_executor(self._executor, self.backend.step, [p.item for p in batch])

@@ -66,6 +66,7 @@ class RegistryView:
         self._kv = kv
         self._ttl = ttl_s
         self._nodes: dict[str, tuple[NodeAdvertisement, float]] = {}
+        self._retired: dict[str, float] = {}
         self._task: asyncio.Task[None] | None = None
         self._nc = nc
         self._subjects = subjects
@@ -102,7 +103,10 @@ class RegistryView:
 
     def _apply(self, key: str, value: bytes | None, operation: str | None) -> None:
         if operation in ("DEL", "PURGE") or not value:
-            self._nodes.pop(key, None)
+            removed = self._nodes.pop(key, None)
+            if removed is not None:
+                # The two feeds race: the other one may still replay the put this delete retired.
+                self._retired[key] = removed[0].sent_at
             return
         try:
             advert = codec.decode(value, NodeAdvertisement)
@@ -112,6 +116,9 @@ class RegistryView:
         known = self._nodes.get(key)
         if known is not None and known[0].sent_at > advert.sent_at:
             return  # the watcher replaying an older value after the live subscription saw a newer one
+        if advert.sent_at <= self._retired.get(key, float("-inf")):
+            return  # a replay of an advertisement its node has since deleted (drain, clean stop)
+        self._retired.pop(key, None)
         self._nodes[key] = (advert, time.monotonic())
 
     def live(self) -> list[NodeAdvertisement]:

@@ -6,6 +6,7 @@ emptier nodes. Nodes without free capacity are used only to tell "busy" (429) fr
 
 from __future__ import annotations
 
+import collections
 import heapq
 import random
 
@@ -23,6 +24,8 @@ def uncovered_layers(adverts: list[NodeAdvertisement], n_layers: int) -> list[La
     gaps: list[LayerRange] = []
     reach = 0
     for start, end in covered:
+        if start >= n_layers:
+            break  # beyond the model: not a gap in it
         if start > reach:
             gaps.append(LayerRange(start=reach, end=start))
         reach = max(reach, end)
@@ -70,9 +73,23 @@ def routable(adverts: list[NodeAdvertisement], model: str,
     serving = [a for a in adverts if serves(a, model)]
     if not serving:
         raise ModelNotFoundError(f"no live node serves model {model!r}")
-    n_layers = max(a.backend.n_layers for a in serving)
-    usable = [a for a in serving if a.verified and a.node_id not in exclude and a.backend.n_layers == n_layers]
+    # One bogus registry entry (a range outside its own model, or another layer count) must not make the real
+    # nodes unroutable: tests/test_fuzz.py found a single such advertisement turning every route into a 503.
+    consistent = [a for a in serving if a.layers.end <= a.backend.n_layers]
+    n_layers = _layer_count(consistent or serving)
+    usable = [a for a in consistent if a.verified and a.node_id not in exclude and a.backend.n_layers == n_layers]
     return usable, n_layers
+
+
+def _layer_count(adverts: list[NodeAdvertisement]) -> int:
+    """The model's layer count: of the counts whose verified nodes chain fully, the one most nodes claim (then the
+    largest); with no full chain, the largest claimed (so the 503 names what is missing)."""
+    claims = collections.Counter(a.backend.n_layers for a in adverts)
+    chained = [n for n in claims
+               if has_full_chain([a for a in adverts if a.backend.n_layers == n and a.verified], n)]
+    if chained:
+        return max(chained, key=lambda n: (claims[n], n))
+    return max(claims)
 
 
 def has_full_chain(adverts: list[NodeAdvertisement], n_layers: int) -> bool:

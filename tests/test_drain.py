@@ -43,9 +43,14 @@ async def test_sigterm_drains_a_node_while_its_stream_finishes(nats_server: obje
                     old.proc.terminate()  # SIGTERM, as `kubectl delete pod` or `docker stop` sends
                     drained_at = time.monotonic()
                     spare = NodeProcess(settings, "spare", stub_args("4:8"))
-                    await wait_model(tracker, MODEL, n_nodes=2)
-                    served = {n for m in tracker.models().models for n in m.nodes}
-                    assert "old" not in served and {"head", "spare"} <= served  # left the registry mid-stream
+                    # NodeProcess blocks this loop while the spare starts: give the tracker's feeds time to catch up.
+                    served: set[str] = set()
+                    for _ in range(100):
+                        served = {n for m in tracker.models().models for n in m.nodes}
+                        if served == {"head", "spare"}:
+                            break
+                        await asyncio.sleep(0.05)
+                    assert served == {"head", "spare"}  # "old" left the registry mid-stream
                     second = await client.completions.create(model=MODEL, prompt="meanwhile", max_tokens=3,
                                                              temperature=0)
                     route = [h["node_id"] for h in (second.model_extra or {})["swarmroute"]["route"]]

@@ -122,18 +122,21 @@ async def _slow_stream(client: openai.AsyncOpenAI, started: asyncio.Event, n: in
 
 
 async def test_node_capacity_gives_429_with_retry_after_then_recovers(nats_server: object, tmp_path: Path) -> None:
-    settings = make_settings(nats_server.url, tmp_path / "home")  # type: ignore[attr-defined]
+    settings = make_settings(nats_server.url, tmp_path / "home", route_retry_s=0.5)  # type: ignore[attr-defined]
     swarm = await _swarm(settings, max_sessions=1, delay_s=0.01)
     try:
         client = openai.AsyncOpenAI(base_url=swarm.base_url, api_key="unused", max_retries=0)
         started = asyncio.Event()
-        running = asyncio.create_task(_slow_stream(client, started))
+        running = asyncio.create_task(_slow_stream(client, started, n=300))  # seconds: outlasts the retry window
         await asyncio.wait_for(started.wait(), 20)
         async with httpx.AsyncClient(timeout=10) as http:
+            asked = time.monotonic()
             r = await http.post(f"{swarm.base_url}/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+            waited = time.monotonic() - asked
         assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
         assert "capacity" in _reason(r) or "full" in _reason(r)
-        assert await running == 30
+        assert 0.25 <= waited < 5  # the gateway asked again for up to route_retry_s, then gave up cleanly
+        assert await running == 300
         done = None
         for _ in range(50):  # until heartbeats report the freed slot
             try:

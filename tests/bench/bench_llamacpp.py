@@ -227,7 +227,11 @@ async def bench(args: argparse.Namespace) -> int:
                           verbose=False)
     with tempfile.TemporaryDirectory(prefix="bench-llamacpp-") as tmp:
         lcp = LcpServer(model, args.threads, n_ctx)
-        swarm = SwarmrouteServer(model, args.threads, n_ctx, args.sessions, Path(tmp))
+        try:
+            swarm = SwarmrouteServer(model, args.threads, n_ctx, args.sessions, Path(tmp))
+        except BaseException:
+            lcp.close()
+            raise
         try:
             lcp_api = openai.AsyncOpenAI(base_url=lcp.url, api_key="none", max_retries=0, timeout=600)
             sr_api = openai.AsyncOpenAI(base_url=swarm.url, api_key="none", max_retries=0, timeout=600)

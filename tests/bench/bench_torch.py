@@ -11,7 +11,8 @@ Side by side in one run, on the bundled Gemma 3 270M (dequantized to float32), s
                 an official openai client as the interval between streamed tokens (unless ``--no-http``);
 * ``naive``     no cache anywhere: every token recomputes the whole growing sequence through both shards, and the
                 full sequence of hidden states crosses the hop (the baseline; it exists only here);
-* ``generate``  transformers ``generate()`` on the whole model in one process: (t(K+1 tokens) - t(1 token)) / K.
+* ``generate``  transformers ``generate()`` on the whole model in one process, timed between emitted tokens by a
+                streamer (steps after the first token, so prefill is excluded).
 
 Targets: route latency at 1024 / at 64 <= 1.3 (flat in context); route >= 10x faster than naive at 512 tokens of
 context; bytes per decode hop constant in context length. Latencies are medians; a loaded machine inflates all
@@ -34,6 +35,7 @@ from pathlib import Path
 import openai
 import torch
 from transformers import PreTrainedModel
+from transformers.generation.streamers import BaseStreamer
 
 from actors.backends.torch import TorchBackend
 from actors.backends.torch_shard import Shard
@@ -120,18 +122,38 @@ def naive_step(shards: list[Shard], sequence: list[int]) -> tuple[float, int]:
     return (time.perf_counter() - started) * 1e3, hop_bytes
 
 
-def generate_decode(model: PreTrainedModel, ids: list[int], tokens: int) -> float:
-    prompt = torch.tensor([ids])
+class TokenClock(BaseStreamer):
+    """Timestamps every token generate() emits (the prompt first, then one per step)."""
 
-    def timed(n: int) -> tuple[float, int]:
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def generate_decode(model: PreTrainedModel, ids: list[int], tokens: int) -> list[float]:
+    """Per-step times of ``generate()``: intervals between emitted tokens after the first (which ends prefill)."""
+    clock = TokenClock()
+    with torch.inference_mode():
+        model.generate(torch.tensor([ids]), max_new_tokens=tokens + 1, min_new_tokens=tokens + 1, do_sample=False,
+                       pad_token_id=0, streamer=clock)
+    after_prefill = clock.times[1:]
+    return [(b - a) * 1e3 for a, b in zip(after_prefill, after_prefill[1:], strict=False)]
+
+
+def lm_head_ms(tail: TorchBackend, repeats: int = 10) -> float:
+    """The tail's logits alone (final norm + the vocabulary projection), which naive and route pay alike."""
+    hidden = torch.randn(tail.shard.hidden_size)
+    times = []
+    for _ in range(repeats):
         started = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-        return time.perf_counter() - started, int(out.shape[1]) - len(ids)
-
-    one, _ = timed(1)
-    full, produced = timed(tokens + 1)
-    return (full - one) * 1e3 / max(produced - 1, 1)
+        tail.shard.logits(hidden)
+        times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times)
 
 
 async def http_decode(head: TorchBackend, tail: TorchBackend, prompts: dict[int, list[int]], tokens: int,
@@ -182,7 +204,7 @@ def ratio(a: float | None, b: float | None) -> str:
     return "-" if a is None or b in (None, 0) else f"{a / b:.2f}x"  # type: ignore[operator]
 
 
-def report(rows: list[Row], tokens: int, naive_tokens: int) -> None:
+def report(rows: list[Row], tokens: int, naive_tokens: int, head_ms: float) -> None:
     print(f"\nper-token decode latency, medians in ms ({tokens} decode tokens per context, interleaved; "
           f"naive {naive_tokens})")
     header = (f"{'context':>8}{'route':>9}{'route/http':>12}{'naive':>10}{'generate':>10}{'naive/route':>13}"
@@ -207,6 +229,9 @@ def report(rows: list[Row], tokens: int, naive_tokens: int) -> None:
         speedup = at_512.naive_ms / at_512.route_ms
         print(f"route vs naive at 512 tokens of context: {speedup:.1f}x faster  (target >= 10x: "
               f"{'met' if speedup >= 10 else 'NOT met'})")
+        layers = (at_512.naive_ms - head_ms) / (at_512.route_ms - head_ms) if at_512.route_ms > head_ms else None
+        print(f"  both pay the tail's logits once per token: {head_ms:.1f} ms (final norm + tied 262144x640 float32 "
+              f"LM head, memory-bound); without it, naive / route at 512 = {fmt(layers, 1)}x")
     route_bytes = set().union(*(r.route_hop_bytes for r in rows))
     http_bytes = set().union(*(r.http_hop_bytes for r in rows))
     print(f"bytes per decode hop across contexts: route {sorted(route_bytes)}"
@@ -231,6 +256,7 @@ def run(contexts: Sequence[int], tokens: int, rounds: int, naive_tokens: int, ht
     route_decode(route, {contexts[0]: prompts[contexts[0]]}, 2)  # warm-up
     for n, (times, sizes) in route_decode(route, prompts, rounds * tokens).items():
         rows[n].route_ms, rows[n].route_hop_bytes = median(times), sizes
+    head_ms = lm_head_ms(route.backends[-1])
     print("  route done", flush=True)
     shards = [b.shard for b in route.backends]
     sequences = {n: list(ids) for n, ids in prompts.items()}
@@ -249,7 +275,7 @@ def run(contexts: Sequence[int], tokens: int, rounds: int, naive_tokens: int, ht
     generated: dict[int, list[float]] = {n: [] for n in contexts}
     for _ in range(rounds):
         for n in contexts:
-            generated[n].append(generate_decode(model, prompts[n], tokens))
+            generated[n].extend(generate_decode(model, prompts[n], tokens))
     for n in contexts:
         rows[n].generate_ms = median(generated[n])
     del model
@@ -258,7 +284,7 @@ def run(contexts: Sequence[int], tokens: int, rounds: int, naive_tokens: int, ht
         for n, (times, sizes) in asyncio.run(http_decode(route.backends[0], route.backends[1], prompts, tokens,
                                                          rounds)).items():
             rows[n].http_ms, rows[n].http_hop_bytes = median(times), sizes
-    report(list(rows.values()), tokens * rounds, naive_tokens)
+    report(list(rows.values()), tokens * rounds, naive_tokens, head_ms)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -268,7 +294,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds; contexts take turns within each round")
     parser.add_argument("--naive-tokens", type=int, default=3, help="decode tokens timed per context (naive)")
     parser.add_argument("--no-http", action="store_true", help="skip the route over real nodes and HTTP")
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads for every variant "
+                        "(default: torch's; 1 is steadier on a machine shared with other jobs)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     run([int(c) for c in args.contexts.split(",")], args.tokens, args.rounds, args.naive_tokens, not args.no_http)
 
 
