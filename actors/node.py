@@ -90,6 +90,9 @@ class NodeConfig:
     verified: bool = True
     """Whether the shard passed verification; unverified nodes are never routed to."""
 
+    aliases: tuple[str, ...] = ()
+    """Other names clients may use for the model (the id stays content-derived for GGUF artifacts)."""
+
 
 class Node:
     """An async context manager; ``stop()`` is safe to call twice."""
@@ -206,7 +209,8 @@ class Node:
         return NodeAdvertisement(node_id=self.config.node_id, endpoint=self.endpoint, model_id=self.config.model_id,
                                  layers=self.backend.layers, is_head=self.backend.is_head,
                                  is_tail=self.backend.is_tail, backend=info, capacity=capacity,
-                                 verified=self.config.verified, manifest_id=self.config.manifest_id)
+                                 verified=self.config.verified, manifest_id=self.config.manifest_id,
+                                 aliases=list(self.config.aliases))
 
     async def _heartbeat_once(self) -> None:
         assert self._kv is not None

@@ -16,7 +16,7 @@ from schemas.route import Hop, Route
 
 
 def serves(advert: NodeAdvertisement, model: str) -> bool:
-    return model in (advert.model_id, advert.backend.model_name)
+    return model in (advert.model_id, advert.backend.model_name) or model in advert.aliases
 
 
 def uncovered_layers(adverts: list[NodeAdvertisement], n_layers: int) -> list[LayerRange]:

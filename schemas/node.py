@@ -74,5 +74,6 @@ class NodeAdvertisement(WireModel):
     capacity: Capacity
     verified: bool = Field(default=True, description="the node checked its shard against the artifact manifest")
     manifest_id: str = ""
+    aliases: list[str] = Field(default_factory=list, description="other names clients may request the model by")
     started_at: float = Field(default_factory=time.time)
     sent_at: float = Field(default_factory=time.time)

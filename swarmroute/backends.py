@@ -42,6 +42,7 @@ class Identity:
     model_id: str
     manifest_id: str = ""
     verified: bool = True
+    aliases: tuple[str, ...] = ()
 
 
 def build_backend(args: argparse.Namespace, settings: Settings) -> tuple[Backend, Identity]:
@@ -88,4 +89,5 @@ def _llamacpp(args: argparse.Namespace, settings: Settings, start: int | None, e
     if (prepared.start, prepared.end) == (0, prepared.manifest.n_layers):
         options["sha256"] = prepared.manifest.model_id  # the whole file: its sha256 is the content-derived id
     backend = load_backend("llamacpp", **options)
-    return backend, Identity(prepared.manifest.model_id, prepared.manifest.manifest_id, verified=True)
+    aliases = (args.model_id,) if args.model_id else ()
+    return backend, Identity(prepared.manifest.model_id, prepared.manifest.manifest_id, verified=True, aliases=aliases)

@@ -84,7 +84,7 @@ def cmd_node(args: argparse.Namespace) -> int:
     node = Node(NodeConfig(node_id=args.node_id or f"node-{uuid.uuid4().hex[:8]}", model_id=model_id,
                            host=args.host or settings.bind_host, port=args.port, advertise_url=args.advertise_url,
                            wire_dtype=args.wire_dtype, manifest_id=identity.manifest_id,
-                           verified=identity.verified), backend, settings)
+                           verified=identity.verified, aliases=identity.aliases), backend, settings)
 
     async def start() -> None:
         await node.start()

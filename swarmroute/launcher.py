@@ -35,6 +35,11 @@ def split_layers(n_layers: int, n_nodes: int) -> list[tuple[int, int]]:
 def _model_layers(args: argparse.Namespace, settings: Settings) -> tuple[str, int]:
     if args.backend == "stub":
         return args.model or "stub-model", args.n_layers
+    if args.backend == "torch" and args.model:
+        from actors.backends.torch_models import TINY_MODELS
+
+        if args.model in TINY_MODELS:
+            return args.model_id or args.model, int(TINY_MODELS[args.model]().num_hidden_layers)
     from gguf import GGUFReader
 
     from swarmroute.backends import default_model_path
