@@ -88,10 +88,11 @@ class RouteSession:
             return
         self.closed = True
         current = asyncio.current_task()
-        for task in (self._driver, self._sender):
-            if task is not None and task is not current:
-                task.cancel()
+        others = [t for t in (self._driver, self._sender) if t is not None and t is not current]
+        for task in others:
+            task.cancel()
         await self._on_closed(self)
+        await asyncio.gather(*others, return_exceptions=True)  # no task outlives its session
 
     def touch(self) -> None:
         self.last_activity = time.monotonic()

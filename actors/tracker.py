@@ -143,6 +143,7 @@ class Tracker:
                                                             n_layers=a.backend.n_layers, backend=a.backend))
             m.nodes.append(a.node_id)
             m.layer_ranges.append(a.layers)
+            m.aliases.extend(x for x in a.aliases if x not in m.aliases)
         for m in by_model.values():
             adverts = [a for a in self.registry.live() if a.model_id == m.id and a.verified]
             m.complete = has_full_chain(adverts, m.n_layers)

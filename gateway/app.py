@@ -84,7 +84,7 @@ def build_app(serving: OpenAIServing, settings: Settings) -> Starlette:
     async def models(request: Request) -> Response:
         reply = await sessions.tracker.models()
         cards = [ModelCard.model_validate({
-            "id": m.id, "name": m.name, "complete": m.complete, "n_layers": m.n_layers, "nodes": m.nodes,
+            "id": m.id, "name": m.name, "aliases": m.aliases, "complete": m.complete, "n_layers": m.n_layers, "nodes": m.nodes,
             "layer_ranges": [[r.start, r.end] for r in m.layer_ranges],
             "backend": m.backend.model_dump(mode="json") if m.backend else None}) for m in reply.models]
         return JSONResponse(ModelList(data=cards).model_dump(mode="json"))

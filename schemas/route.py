@@ -66,6 +66,7 @@ class ServedModel(WireModel):
     complete: bool = False
     nodes: list[str] = Field(default_factory=list)
     layer_ranges: list[LayerRange] = Field(default_factory=list)
+    aliases: list[str] = Field(default_factory=list)
     backend: BackendInfo | None = None
 
 

@@ -55,7 +55,12 @@ def _model_layers(args: argparse.Namespace, settings: Settings) -> tuple[str, in
     n_layers = int(reader.fields[f"{arch}.block_count"].parts[-1][0])
     name_field = reader.fields.get("general.name")
     name = bytes(name_field.parts[-1]).decode() if name_field else path.stem
-    return args.model_id or name, n_layers
+    return args.model_id or _slug(name), n_layers
+
+
+def _slug(name: str) -> str:
+    """A model name clients can type: 'Gemma 3 270m' -> 'gemma-3-270m' (nodes advertise it as an alias)."""
+    return "-".join("".join(c if c.isalnum() else " " for c in name.lower()).split()) or "model"
 
 
 def _child_argv(args: argparse.Namespace, settings: Settings, nats_url: str, role: str, extra: list[str]) -> list[str]:
@@ -86,7 +91,7 @@ def _wait_ready(url: str, model_id: str, children: list[subprocess.Popen[bytes]]
         try:
             with urllib.request.urlopen(f"{url}/v1/models", timeout=2) as r:
                 models = json.load(r)["data"]
-            if any(m["id"] == model_id or m.get("name") == model_id for m in models if m.get("complete")):
+            if any(model_id in (m["id"], m.get("name"), *m.get("aliases", [])) for m in models if m.get("complete")):
                 return
         except (OSError, ValueError, KeyError):
             pass
