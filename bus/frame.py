@@ -4,7 +4,7 @@ Layout (all little-endian; docs/protocol.md has the table)::
 
     0   4  magic "SRF1"
     4   1  kind            0 prefill, 1 decode
-    5   1  dtype           0 f32, 1 f16
+    5   1  dtype           0 f32, 1 f16, 2 bf16
     6   1  flags           bit 0: the tail samples after this frame
     7   1  n_dims          dims of one position's hidden state (1..4)
     8  16  session id      raw uuid bytes
@@ -28,7 +28,31 @@ from schemas.frame import MAGIC, MAX_DIMS, FrameHeader, FrameKind, HopStamp, Wir
 
 _FIXED = struct.Struct("<4sBBBB16sIIIB3x")
 _STAMP = struct.Struct("<III")
-_NP_DTYPE: dict[WireDType, np.dtype[np.floating]] = {WireDType.F32: np.dtype("<f4"), WireDType.F16: np.dtype("<f2")}
+_F32, _F16, _U16, _U32 = np.dtype("<f4"), np.dtype("<f2"), np.dtype("<u2"), np.dtype("<u4")
+
+
+def _to_wire(hidden: npt.NDArray[np.floating], dtype: WireDType) -> bytes:
+    x = np.ascontiguousarray(hidden, dtype=_F32)
+    if dtype is WireDType.F32:
+        return x.tobytes()
+    if dtype is WireDType.BF16:
+        # Round to nearest even on the upper half of the f32 bits: bf16 is f32 with a shorter mantissa.
+        u = x.view(_U32).astype(np.uint64)
+        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(_U16).tobytes()
+    with np.errstate(over="ignore"):
+        half = x.astype(_F16)
+    if not np.isfinite(half).all() and np.isfinite(x).all():
+        raise ValueError(f"hidden state exceeds the f16 range (|x| up to {float(np.abs(x).max()):.4g} > 65504): "
+                         "use bf16 or f32 on the wire for this model")
+    return half.tobytes()
+
+
+def _from_wire(payload: memoryview, dtype: WireDType) -> npt.NDArray[np.float32]:
+    if dtype is WireDType.F32:
+        return np.frombuffer(payload, dtype=_F32)
+    if dtype is WireDType.BF16:
+        return (np.frombuffer(payload, dtype=_U16).astype(_U32) << 16).view(_F32)
+    return np.frombuffer(payload, dtype=_F16).astype(_F32)
 MAX_STAMPS = 64
 
 
@@ -70,7 +94,7 @@ def encode(header: FrameHeader, hidden: npt.NDArray[np.floating]) -> bytes:
         struct.pack(f"<{len(header.position_shape)}I", *header.position_shape),
     ]
     parts.extend(_STAMP.pack(s.hop_index, s.compute_us, s.queue_us) for s in header.stamps)
-    parts.append(np.ascontiguousarray(hidden, dtype=_NP_DTYPE[header.dtype]).tobytes())
+    parts.append(_to_wire(hidden, header.dtype))
     return b"".join(parts)
 
 
@@ -106,5 +130,4 @@ def decode(data: bytes) -> tuple[FrameHeader, npt.NDArray[np.float32]]:
         raise FrameDecodeError(
             f"payload is {len(payload)} bytes; {n_pos} positions of {tuple(shape)} {wire_dtype.label} need "
             f"{header.payload_bytes}")
-    hidden = np.frombuffer(payload, dtype=_NP_DTYPE[wire_dtype]).reshape((n_pos, *shape))
-    return header, hidden.astype(np.float32, copy=False)
+    return header, _from_wire(payload, wire_dtype).reshape((n_pos, *shape))

@@ -251,7 +251,7 @@ class NodeSpec(_Member):
     advertise_url: str | None = Field(default=None, pattern=r"^http://\S+$")
     """URL peers use to reach this node when it differs from ``listen`` (containers, NAT)."""
 
-    wire_dtype: Literal["f32", "f16"] = "f32"
+    wire_dtype: Literal["f32", "bf16", "f16"] = "f32"
     """Activation dtype on the wire."""
 
     @field_validator("listen")

@@ -14,8 +14,12 @@ MAX_DIMS = 4
 
 
 class WireDType(enum.IntEnum):
+    """f32 is bit-exact; bf16 halves the bytes and keeps f32's range (Gemma's residual stream overflows f16);
+    f16 halves the bytes with more mantissa but a 65504 ceiling."""
+
     F32 = 0
     F16 = 1
+    BF16 = 2
 
     @property
     def itemsize(self) -> int:
@@ -23,14 +27,14 @@ class WireDType(enum.IntEnum):
 
     @property
     def label(self) -> str:
-        return "f32" if self is WireDType.F32 else "f16"
+        return {WireDType.F32: "f32", WireDType.F16: "f16", WireDType.BF16: "bf16"}[self]
 
     @classmethod
     def parse(cls, label: str) -> WireDType:
         try:
-            return {"f32": cls.F32, "f16": cls.F16}[label]
+            return {"f32": cls.F32, "f16": cls.F16, "bf16": cls.BF16}[label]
         except KeyError:
-            raise ValueError(f"unknown wire dtype {label!r}: expected f32 or f16") from None
+            raise ValueError(f"unknown wire dtype {label!r}: expected f32, bf16 or f16") from None
 
 
 class FrameKind(enum.IntEnum):

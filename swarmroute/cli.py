@@ -156,7 +156,8 @@ def _backend_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-layers", type=int, default=8, help="stub: layers of the toy model")
     p.add_argument("--hidden-shape", default="64", help="stub: per-position hidden shape, e.g. 64 or 4x64")
     p.add_argument("--stub-delay", type=float, default=0.0, help="stub: artificial seconds of compute per step")
-    p.add_argument("--wire-dtype", choices=["f32", "f16"], default="f32", help="activation dtype on the wire")
+    p.add_argument("--wire-dtype", choices=["f32", "bf16", "f16"], default="f32",
+                   help="activation dtype on the wire: f32 bit-exact, bf16 or f16 half the bytes")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -96,8 +96,14 @@ def test_round_trip_property(shape: tuple[int, ...], n: int, dtype: WireDType, k
     assert len(data) == frames.header_size(len(shape), len(stamps)) + h.payload_bytes
     got_h, got_x = frames.decode(data)
     assert got_h == h
-    wire = np.float16 if dtype is WireDType.F16 else np.float32
-    assert np.array_equal(got_x, x.astype(wire).astype(np.float32))
+    if dtype is WireDType.BF16:
+        # Independent reference: keep 8 significant bits, ties to even (np.round), via frexp/ldexp.
+        mantissa, exponent = np.frexp(x.astype(np.float64))
+        expected = np.ldexp(np.round(mantissa * 256), exponent - 8).astype(np.float32)
+    else:
+        wire = np.float16 if dtype is WireDType.F16 else np.float32
+        expected = x.astype(wire).astype(np.float32)
+    assert np.array_equal(got_x, expected)
 
 
 def test_session_id_helpers_round_trip_and_reject_non_uuid() -> None:
@@ -202,3 +208,34 @@ def test_encode_rejects_too_many_dims_and_stamps() -> None:
     h = header(stamps=tuple(HopStamp(i, 0, 0) for i in range(frames.MAX_STAMPS + 1)))
     with pytest.raises(ValueError, match="at most 64 hop stamps"):
         frames.encode(h, hidden_for(h))
+
+
+def test_bf16_keeps_the_f32_range_and_rounds_to_nearest_even() -> None:
+    import numpy as np
+
+    from bus import frame as fr
+    from schemas.frame import FrameHeader, FrameKind, WireDType
+
+    hidden = np.array([[1.0, -2.5, 3e5, 1e-3, 1.00390625 + 2**-9]], dtype=np.float32)
+    header = FrameHeader(session_id=bytes(16), kind=FrameKind.DECODE, dtype=WireDType.BF16, start_position=0,
+                         n_positions=1, position_shape=(5,))
+    data = fr.encode(header, hidden)
+    assert len(data) == fr.header_size(1, 0) + 5 * 2
+    _, back = fr.decode(data)
+    # bf16 keeps 8 mantissa bits: relative error below 2**-8, and values far past f16's 65504 stay finite.
+    assert np.all(np.isfinite(back))
+    assert np.all(np.abs(back - hidden) <= np.abs(hidden) * 2**-8)
+    assert back[0, 0] == 1.0 and back[0, 1] == -2.5
+
+
+def test_f16_refuses_values_beyond_its_range_instead_of_sending_infinity() -> None:
+    import numpy as np
+    import pytest
+
+    from bus import frame as fr
+    from schemas.frame import FrameHeader, FrameKind, WireDType
+
+    header = FrameHeader(session_id=bytes(16), kind=FrameKind.DECODE, dtype=WireDType.F16, start_position=0,
+                         n_positions=1, position_shape=(2,))
+    with pytest.raises(ValueError, match="f16 range"):
+        fr.encode(header, np.array([[1.0, 1e5]], dtype=np.float32))

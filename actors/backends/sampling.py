@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import llama_cpp
+import numpy as np
 
 from schemas.errors import BackendError
 from schemas.session import SamplingParams
@@ -50,6 +51,10 @@ class Sampler:
 
     def __init__(self, params: SamplingParams, *, n_vocab: int, prompt_tokens: Sequence[int] = ()) -> None:
         self.params = params
+        self._n_vocab = n_vocab
+        # Plain greedy needs no chain state: numpy's argmax picks the first maximum exactly as llama.cpp's greedy
+        # sampler does, ~10x faster than building llama.cpp's 262k-entry candidate array every step.
+        self._argmax = params.temperature == 0.0 and not _has_penalties(params)
         self._chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
         if not self._chain:
             raise BackendError("llama.cpp could not create a sampler chain")
@@ -65,6 +70,11 @@ class Sampler:
         """Sample from the logits of batch row ``row`` of the last decode, and remember the pick for penalties."""
         if self._chain is None:
             raise BackendError("sampler used after close()")
+        if self._argmax:
+            logits = llama_cpp.llama_get_logits_ith(ctx, row)
+            if not logits:
+                raise BackendError(f"no logits for batch row {row}")
+            return int(np.ctypeslib.as_array(logits, shape=(self._n_vocab,)).argmax())
         return int(llama_cpp.llama_sampler_sample(self._chain, ctx, row))
 
     def close(self) -> None:

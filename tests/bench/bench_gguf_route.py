@@ -9,7 +9,8 @@ Configurations, each with the bundled Gemma 3 270M Q4_K_M and the same thread co
 * ``route-1/2/3``   swarmroute routes of 1, 2 and 3 ``swarmroute node`` processes (shards from the artifact plane),
   tracker and gateway, streamed through the official ``openai`` client;
 * ``route-2 +Nms``  the 2-node route with a TCP proxy adding N ms one-way delay on every link of the ring;
-* ``route-2 f16``   the 2-node route with f16 activations: payload halves; divergence from f32 is counted in tokens.
+* ``route-2 bf16``  the 2-node route with bf16 activations: payload halves; divergence from f32 is counted in text
+  pieces (f16 cannot carry Gemma 3's residual stream: its values pass 65504, and nodes refuse to send it).
 
 Printed: decode tok/s and the ratio to in-process; TTFT for a ~512-token prompt; the telemetry's per-link overhead
 (step wall time minus compute, per link); bytes per decode hop (frame body, measured at a proxy); and for the delayed
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, n, delay, dtype in [("route-1", 1, 0.0, "f32"), ("route-2", 2, 0.0, "f32"),
                                       ("route-3", 3, 0.0, "f32"), (f"route-2 +{args.delay_ms:g}ms", 2,
                                                                    args.delay_ms / 1e3, "f32"),
-                                      ("route-2 f16", 2, 0.0, "f16")]:
+                                      ("route-2 bf16", 2, 0.0, "bf16")]:
             route = Route(model, n, args.threads, home / name.replace(" ", "_"), delay_s=delay, wire_dtype=dtype)
             try:
                 figures = measure(route, args.tokens, args.rounds)
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
                     stream(route.url, route.model, "The capital of France is", 48))[2]
                 if name == "route-2":
                     f32_text = text
-                if dtype == "f16":
+                if dtype == "bf16":
                     figures["diverge"] = next((i for i, (a, b) in enumerate(zip(f32_text, text, strict=False))
                                                if a != b), len(text))
                 rows.append((name, figures))
@@ -192,9 +193,9 @@ def main(argv: list[str] | None = None) -> int:
             notes.append(f"ms/token {1e3 / f['tps']:.1f} vs budget {budget:.1f} (compute {f['compute']:.1f} + "
                          f"({args.delay_ms:g}+0.5) x {links} links)")
         if "diverge" in f:
-            notes.append(f"f16 text equal to f32 for the first {int(f['diverge'])} of 48 tokens")
+            notes.append(f"bf16 text equal to f32 for the first {int(f['diverge'])} of 48 pieces")
         if f["hop_bytes"]:
-            notes.append(f"hop <= 640x{4 if 'f16' not in name else 2}+128: {f['hop_bytes'] <= 640 * 4 + 128}")
+            notes.append(f"hop <= 640x4+128: {f['hop_bytes'] <= 640 * 4 + 128}")
         print(f"{name:<18} {f['tps']:>12.1f} {f['tps'] / base_tps:>9.2f}x {f['ttft']:>12.0f} {f['overhead']:>8.2f} "
               f"{int(f['hop_bytes']):>9}  {'; '.join(notes)}")
     print("note: every node shares this machine's 2 cores; a real route has a machine per node.")
