@@ -266,16 +266,26 @@ class RouteSession:
             event = await self._next_event()
             wall_ms = (time.perf_counter() - step_started) * 1e3 if step_started is not None else None
             self.phase = SessionPhase.DECODE
-            await self.rt.publish(self.rt.subjects.tokens(self.id), event)
-            await self.telemetry.token(event.hop_timings, wall_ms)
-            self.rt.metrics.token(self.telemetry.generated, self.telemetry.ttft_ms, wall_ms, event.hop_timings,
-                                  len(self.route.hops))
-            if event.finish_reason is not None:
+            step: asyncio.Future[tuple[StepOutput, StepTiming]] | None = None
+            if event.finish_reason is None:
+                # Start the next forward pass first: publishing the token and telemetry then overlaps it instead of
+                # delaying it (the per-token loop competes with the backend's threads for the cores).
+                step_started = time.perf_counter()
+                step = asyncio.ensure_future(self._compute(StepInput(self.id, self.position, tokens=[event.token],
+                                                                     sample=self.is_tail)))
+            try:
+                await self.rt.publish(self.rt.subjects.tokens(self.id), event)
+                await self.telemetry.token(event.hop_timings, wall_ms)
+                self.rt.metrics.token(self.telemetry.generated, self.telemetry.ttft_ms, wall_ms, event.hop_timings,
+                                      len(self.route.hops))
+            except BaseException:
+                if step is not None:
+                    step.cancel()
+                raise
+            if step is None:
                 await self._complete(event)
                 return
-            step_started = time.perf_counter()
-            out, timing = await self._compute(StepInput(self.id, self.position, tokens=[event.token],
-                                                        sample=self.is_tail))
+            out, timing = await step
             if self.is_tail:
                 assert out.token is not None
                 self._queue_token(out.token, (self._stamp(timing),))

@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="run NATS, tracker, nodes and the gateway on this machine")
     _common(up)
     _backend_options(up)
-    up.add_argument("--nodes", type=int, default=None, help="nodes to split the layers over (default 2; stub 2)")
+    up.add_argument("--nodes", type=int, default=None, help="nodes to split the layers over (default 2)")
     up.add_argument("--host", default=None, help="gateway address (default 127.0.0.1)")
     up.add_argument("--port", type=int, default=8000, help="gateway port")
     up.set_defaults(func=cmd_up)

