@@ -42,3 +42,38 @@ async def test_stub_route_across_three_hosts(tmp_path):  # type: ignore[no-untyp
             for p in procs:
                 p.stop()
             server.stop()
+
+
+@pytest.mark.slow
+async def test_gguf_route_across_two_hosts_equals_llama_cpp(tmp_path, gemma_path):  # type: ignore[no-untyped-def]
+    """Two real llama.cpp nodes on separate hosts, each with its own artifact store: the route's greedy text equals
+    llama-cpp-python's own on the whole file."""
+    import llama_cpp
+
+    prompt, n = "The capital of France is", 24
+    llm = llama_cpp.Llama(str(gemma_path), n_ctx=512, n_threads=1, n_threads_batch=1, verbose=False)
+    expected = llm.create_completion(prompt, max_tokens=n, temperature=0.0)["choices"][0]["text"]  # type: ignore[index]
+    llm.close()
+    with netns.hosts(2, subnet=214) as (bridge, hosts):
+        server = EmbeddedNats(NatsServerConfig(store_dir=tmp_path / "nats", host=bridge)).start()
+        settings = make_settings(server.url, tmp_path / "home", token_timeout_s=60.0, first_token_timeout_s=120.0,
+                                 hop_timeout_s=60.0)
+        procs = []
+        try:
+            for i, ((ns, address), layers) in enumerate(zip(hosts, ["0:9", "9:18"], strict=True)):
+                host_settings = make_settings(server.url, tmp_path / f"host{i}")  # a separate store per host
+                procs.append(NodeProcess(host_settings, f"gguf{i}", [
+                    "--backend", "llamacpp", "--model", str(gemma_path), "--layers", layers, "--threads", "1",
+                    "--model-id", "gemma", "--host", address], prefix=["ip", "netns", "exec", ns]))
+            async with Tracker(settings) as tracker, Gateway(settings, port=0) as gateway:
+                await wait_model(tracker, "gemma", timeout=60, n_nodes=2)
+                client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0,
+                                            timeout=300)
+                result = await client.completions.create(model="gemma", prompt=prompt, max_tokens=n, temperature=0)
+                assert result.choices[0].text == expected
+                route = result.model_extra["swarmroute"]["route"]  # type: ignore[index]
+                assert [h["node_id"] for h in route] == ["gguf0", "gguf1"]
+        finally:
+            for p in procs:
+                p.stop()
+            server.stop()

@@ -52,7 +52,7 @@ async def wait_model(tracker: Tracker, model: str, timeout: float = 10.0, n_node
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for m in tracker.models().models:
-            if model in (m.id, m.name) and m.complete and (n_nodes is None or len(m.nodes) >= n_nodes):
+            if model in (m.id, m.name, *m.aliases) and m.complete and (n_nodes is None or len(m.nodes) >= n_nodes):
                 return
         await asyncio.sleep(0.05)
     raise TimeoutError(f"model {model} never became routable")
