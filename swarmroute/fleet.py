@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import signal
 import subprocess
 import sys
 import time
@@ -36,7 +35,7 @@ from schemas.errors import BadRequestError, SwarmrouteError
 from schemas.fleet import Fleet, GatewaySpec, NodeSpec, load_fleet, parse_listen
 from schemas.node import NodeAdvertisement
 from schemas.settings import Settings
-from swarmroute.launcher import _stop, split_layers
+from swarmroute.launcher import on_stop_signal, split_layers, stop_children
 
 MemberRole = Literal["tracker", "gateway", "node"]
 
@@ -386,14 +385,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     home = args.home or Settings().home
     nats = _start_embedded(fleet, home) if fleet.nats.embedded else None
     nats_url = nats.url if nats is not None else args.nats_url
-    stopping = False
-
-    def on_signal(signum: int, frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    stop_requested = on_stop_signal()
     children: list[subprocess.Popen[bytes]] = []
     try:
         for role, member in fleet.members():
@@ -409,14 +401,14 @@ def cmd_up(args: argparse.Namespace) -> int:
             return 1
         print(render_report(report, f"fleet {fleet.name} is up ({len(children)} members); Ctrl-C stops it"),
               flush=True)
-        while not stopping:
+        while not stop_requested.is_set():
             if any(c.poll() is not None for c in children):
                 print("a fleet member exited; stopping the fleet", file=sys.stderr, flush=True)
                 return 1
             time.sleep(0.3)
         return 0
     finally:
-        _stop(children)
+        stop_children(children)
         if nats is not None:
             nats.stop()
 

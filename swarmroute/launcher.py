@@ -11,6 +11,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -96,7 +97,7 @@ def _wait_ready(url: str, model_id: str, children: list[subprocess.Popen[bytes]]
     raise RuntimeError(f"the swarm did not become ready within {timeout:g}s")
 
 
-def _stop(children: list[subprocess.Popen[bytes]]) -> None:
+def stop_children(children: list[subprocess.Popen[bytes]]) -> None:
     for child in children:
         if child.poll() is None:
             child.send_signal(signal.SIGTERM)
@@ -109,6 +110,14 @@ def _stop(children: list[subprocess.Popen[bytes]]) -> None:
             child.wait()
 
 
+def on_stop_signal() -> threading.Event:
+    """An event set by SIGINT or SIGTERM, so a supervisor loop can stop its children in order."""
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda signum, frame: stop.set())
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+    return stop
+
+
 def run_up(args: argparse.Namespace, settings: Settings) -> int:
     n_nodes = args.nodes or 2  # the distributed route is the product, so it is the default (--nodes 1 for one)
     model_id, n_layers = _model_layers(args, settings)
@@ -118,14 +127,7 @@ def run_up(args: argparse.Namespace, settings: Settings) -> int:
     nats = EmbeddedNats(NatsServerConfig(store_dir=settings.home / "nats-up", host=settings.bind_host))
     nats.start()
     children: list[subprocess.Popen[bytes]] = []
-    stopping = False
-
-    def on_signal(signum: int, frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    stop_requested = on_stop_signal()
     try:
         children.append(subprocess.Popen(_child_argv(args, settings, nats.url, "tracker", [])))
         for i, layers in enumerate(ranges):
@@ -149,12 +151,12 @@ print(c.chat.completions.create(model='{model_id}', messages=[{{'role': 'user', 
 
   swarmroute watch --nats {nats.url}     (live sessions and telemetry)
 Ctrl-C stops everything.""", flush=True)
-        while not stopping:
+        while not stop_requested.is_set():
             if any(c.poll() is not None for c in children):
                 print("a child process exited; stopping the swarm", file=sys.stderr, flush=True)
                 return 1
             time.sleep(0.3)
         return 0
     finally:
-        _stop(children)
+        stop_children(children)
         nats.stop()
