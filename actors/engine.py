@@ -1,33 +1,47 @@
-"""Runs a backend on one worker thread and batches concurrent sessions' steps into single forward passes.
+"""Runs a backend on its own thread and batches concurrent sessions' steps into single forward passes.
 
 Continuous batching: while one batch runs, newly submitted steps queue; the next batch takes all of them (up to the
 backend's token budget), so a new prompt's prefill chunk joins running decodes instead of waiting for them to finish.
-Every other backend call (open, close, tokenize) also runs on the worker thread, because llama.cpp contexts are
-not thread-safe.
+Every other backend call (open, close, tokenize) also runs on that thread, because llama.cpp contexts are not
+thread-safe.
+
+The worker is a plain thread that loops on its own queue rather than an executor driven from the event loop: each
+hand-off between the loop and a worker costs a wake-up and a GIL hand-over (~0.2 ms each on a busy 2-core node,
+~1 ms per token in all), which is 5% of a small model's decode step. A session whose next input is known as soon as
+its step ends (head and tail on one node: the next input is the token just sampled) runs as a *chain*
+(``StepEngine.chain``): the worker queues the follow-up step itself, and the event loop only consumes the outputs.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import collections
+import contextlib
 import dataclasses
+import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from actors.backend import Backend, StepInput, StepOutput
+from schemas.errors import SwarmrouteError
 
 T = TypeVar("T")
 
-GATHER_TURNS = 16
-"""Event-loop turns the engine waits, before taking a batch, for the sessions of the previous batch to come back."""
+GATHER_WINDOW_S = 0.0005
+"""How long the worker waits, before taking a batch, for the sessions of its previous batch to come back (their
+next frames arrive over HTTP within a fraction of a millisecond of each other). Without it a batch of n decodes
+splits into 1 and n-1 for good; a session that ended costs this once."""
+
+Follow = Callable[[StepInput, StepOutput], "StepInput | None"]
+"""Called on the worker thread after a chained step: the session's next step, or ``None`` to end the chain."""
 
 
-@dataclasses.dataclass(slots=True)
-class _Pending:
-    item: StepInput
-    future: asyncio.Future[StepOutput]
-    queued_at: float
+class EngineStopped(SwarmrouteError, RuntimeError):
+    """The node is stopping: the step or call will not run."""
+
+    status = 503
+    code = "node_stopping"
 
 
 @dataclasses.dataclass(slots=True)
@@ -39,99 +53,247 @@ class StepTiming:
     batch_size: int
 
 
+Result = tuple[StepOutput, StepTiming]
+
+
+class StepChain:
+    """The outputs of one session's chained steps, in order. ``next`` waits for the following one; ``None`` means
+    the chain ended (its follow function returned ``None``, or ``stop`` was called)."""
+
+    def __init__(self, follow: Follow) -> None:
+        self.follow = follow
+        self.stopped = False
+        """Set from the loop; read by the worker before it runs or queues another step (a bool store is atomic)."""
+        self._results: asyncio.Queue[Result | BaseException | None] = asyncio.Queue()
+
+    async def next(self) -> Result | None:
+        item = await self._results.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def stop(self) -> None:
+        """No further step is queued; a step already running still completes (and its output is dropped)."""
+        self.stopped = True
+
+    def _put(self, item: Result | BaseException | None) -> None:
+        self._results.put_nowait(item)
+
+
+@dataclasses.dataclass(slots=True)
+class _Pending:
+    item: StepInput
+    queued_at: float
+    future: asyncio.Future[Result] | None = None
+    chain: StepChain | None = None
+
+    def abandoned(self) -> bool:
+        return (self.chain is not None and self.chain.stopped) or (self.future is not None and self.future.done())
+
+
+@dataclasses.dataclass(slots=True)
+class _Call:
+    fn: Callable[[], Any]
+    future: asyncio.Future[Any]
+
+
 class StepEngine:
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="backend")
-        self._pending: list[_Pending] = []
-        self._wakeup = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self._timings: dict[int, StepTiming] = {}
+        self._cond = threading.Condition()
+        self._steps: list[_Pending] = []
+        self._calls: collections.deque[_Call] = collections.deque()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._expected: set[str] = set()
         self.batches_run = 0
         self.max_batch_seen = 0
-        self._expected: set[str] = set()
 
     async def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="step-engine")
+        if self._thread is None:
+            self._loop = asyncio.get_running_loop()
+            self._stopping = False
+            self._thread = threading.Thread(target=self._work, name="backend", daemon=True)
+            self._thread.start()
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-        for p in self._pending:
-            if not p.future.done():
-                p.future.set_exception(RuntimeError("node is stopping"))
-        self._pending.clear()
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        """Finish the running batch, fail everything queued, join the worker. Safe to call twice."""
+        thread, self._thread = self._thread, None
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if thread is not None:
+            await asyncio.to_thread(thread.join)
+        with self._cond:
+            steps, self._steps = self._steps, []
+            calls, self._calls = list(self._calls), collections.deque()
+        for p in steps:
+            self._fail(p, EngineStopped("node is stopping"))
+        for c in calls:
+            if not c.future.done():
+                c.future.set_exception(EngineStopped("node is stopping"))
+
+    # ---- the loop's side --------------------------------------------------------------------------------------
 
     async def call(self, fn: Callable[..., T], *args: object) -> T:
         """Run a backend method on the worker thread, serialized with forward passes."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, fn, *args)
+        future: asyncio.Future[T] = self._running_loop().create_future()
+        self._enqueue_call(_Call(lambda: fn(*args), future))
+        return await future
 
-    async def submit(self, item: StepInput) -> tuple[StepOutput, StepTiming]:
-        future: asyncio.Future[StepOutput] = asyncio.get_running_loop().create_future()
-        pending = _Pending(item, future, time.perf_counter())
-        self._pending.append(pending)
-        self._wakeup.set()
-        output = await future
-        return output, self._timings.pop(id(future))
+    async def submit(self, item: StepInput) -> Result:
+        """One step; resolves when the batch it rode in has run."""
+        future: asyncio.Future[Result] = self._running_loop().create_future()
+        self._enqueue(_Pending(item, time.perf_counter(), future=future))
+        return await future
+
+    def chain(self, first: StepInput, follow: Follow) -> StepChain:
+        """Run ``first``, then whatever ``follow`` makes of each output, without a round trip through the loop."""
+        self._running_loop()
+        chain = StepChain(follow)
+        self._enqueue(_Pending(first, time.perf_counter(), chain=chain))
+        return chain
+
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        if self._thread is None or self._loop is None:
+            raise EngineStopped("the step engine is not running")
+        return self._loop
+
+    def _enqueue(self, pending: _Pending) -> None:
+        with self._cond:
+            if self._stopping:
+                raise EngineStopped("node is stopping")
+            self._steps.append(pending)
+            self._cond.notify()
+
+    def _enqueue_call(self, call: _Call) -> None:
+        with self._cond:
+            if self._stopping:
+                raise EngineStopped("node is stopping")
+            self._calls.append(call)
+            self._cond.notify()
+
+    # ---- the worker -------------------------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._steps or self._calls or self._stopping):
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                calls = list(self._calls)
+                self._calls.clear()
+                batch = [] if calls else self._take_batch()
+            for c in calls:
+                self._run_call(c)
+            if batch:
+                self._run_batch(batch)
 
     def _take_batch(self) -> list[_Pending]:
+        """With ``_cond`` held: wait briefly for the previous batch's sessions, then take what fits the budget."""
+        deadline = time.monotonic() + GATHER_WINDOW_S
+        while not self._expected <= {p.item.session_id for p in self._steps} and not self._calls:
+            left = deadline - time.monotonic()
+            if left <= 0 or self._stopping:
+                break
+            self._cond.wait(left)
         budget = self.backend.max_batch_tokens
         batch: list[_Pending] = []
+        rest: list[_Pending] = []
         seen: set[str] = set()
         used = 0
-        rest: list[_Pending] = []
-        for p in self._pending:
+        for p in self._steps:
+            if p.abandoned():
+                continue
             n = p.item.n_positions
-            # A session's steps must stay in order and one per pass; the first item always goes so nothing starves.
+            # A session's steps stay in order, one per pass; the first item always goes so nothing starves.
             if p.item.session_id in seen or (batch and used + n > budget):
                 rest.append(p)
                 continue
             batch.append(p)
             seen.add(p.item.session_id)
             used += n
-        self._pending = rest
+        self._steps = rest
+        self._expected = seen
         return batch
 
-    async def _gather(self) -> None:
-        # A session submits its next step a few event-loop turns after its last one returned (token handling,
-        # publishing, queue hand-offs). Taking the batch at once would catch only the first session back and push
-        # the rest into a second pass: decode batches would alternate 1 and n-1 instead of staying whole. A session
-        # that ended (or waits on the network) costs at most GATHER_TURNS turns, well under a millisecond.
-        for _ in range(GATHER_TURNS):
-            if self._expected <= {p.item.session_id for p in self._pending}:
-                return
-            await asyncio.sleep(0)
+    def _run_call(self, call: _Call) -> None:
+        try:
+            result = call.fn()
+        except BaseException as exc:  # noqa: BLE001 - the caller gets whatever the backend raised
+            self._to_loop(_reject, call.future, exc)
+        else:
+            self._to_loop(_resolve, call.future, result)
 
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            if not self._pending:
-                self._wakeup.clear()
-                await self._wakeup.wait()
-            await self._gather()
-            batch = [p for p in self._take_batch() if not p.future.cancelled()]
-            if not batch:
-                continue
-            self._expected = {p.item.session_id for p in batch}
-            started = time.perf_counter()
-            try:
-                outputs = await loop.run_in_executor(self._executor, self.backend.step, [p.item for p in batch])
-            except Exception as exc:  # noqa: BLE001 - every waiter must learn why its step failed
-                for p in batch:
-                    if not p.future.done():
-                        p.future.set_exception(exc)
-                continue
-            compute_ms = (time.perf_counter() - started) * 1e3
-            self.batches_run += 1
-            self.max_batch_seen = max(self.max_batch_seen, len(batch))
-            for p, out in zip(batch, outputs, strict=True):
-                self._timings[id(p.future)] = StepTiming((started - p.queued_at) * 1e3, compute_ms, len(batch))
-                if not p.future.done():
-                    p.future.set_result(out)
-                else:
-                    self._timings.pop(id(p.future), None)
+    def _run_batch(self, batch: list[_Pending]) -> None:
+        started = time.perf_counter()
+        try:
+            outputs = self.backend.step([p.item for p in batch])
+        except BaseException as exc:  # noqa: BLE001 - every waiter must learn why its step failed
+            self._to_loop(_fail_all, batch, exc)
+            return
+        compute_ms = (time.perf_counter() - started) * 1e3
+        self.batches_run += 1
+        self.max_batch_seen = max(self.max_batch_seen, len(batch))
+        results = [(p, (out, StepTiming((started - p.queued_at) * 1e3, compute_ms, len(batch))))
+                   for p, out in zip(batch, outputs, strict=True)]
+        followers = [self._follow(p, r[0]) for p, r in results]
+        queued = [f for f in followers if isinstance(f, _Pending)]
+        if queued:
+            with self._cond:
+                # Ahead of anything queued meanwhile: the chain's step is next in its session's order anyway.
+                self._steps[:0] = queued
+        self._to_loop(_deliver_all, [(p, r, f) for (p, r), f in zip(results, followers, strict=True)])
+
+    def _follow(self, pending: _Pending, out: StepOutput) -> _Pending | BaseException | None:
+        """The chain's next step; ``None`` when the chain ends here; the exception if its follow function failed."""
+        chain = pending.chain
+        if chain is None or chain.stopped:
+            return None
+        try:
+            nxt = chain.follow(pending.item, out)
+        except BaseException as exc:  # noqa: BLE001 - a broken follow ends its chain, not the worker
+            return exc
+        return None if nxt is None else _Pending(nxt, time.perf_counter(), chain=chain)
+
+    def _to_loop(self, fn: Callable[..., None], *args: Any) -> None:
+        assert self._loop is not None
+        # RuntimeError: the loop closed under a stopping node, and nobody is waiting any more.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    @staticmethod
+    def _fail(pending: _Pending, exc: BaseException) -> None:
+        if pending.future is not None and not pending.future.done():
+            pending.future.set_exception(exc)
+        if pending.chain is not None:
+            pending.chain._put(exc)
+
+
+def _resolve(future: asyncio.Future[Any], result: Any) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _reject(future: asyncio.Future[Any], exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)
+
+
+def _fail_all(batch: list[_Pending], exc: BaseException) -> None:
+    for p in batch:
+        StepEngine._fail(p, exc)
+
+
+def _deliver_all(results: list[tuple[_Pending, Result, _Pending | BaseException | None]]) -> None:
+    for pending, result, follower in results:
+        if pending.future is not None:
+            _resolve(pending.future, result)
+        chain = pending.chain
+        if chain is None or chain.stopped:
+            continue
+        chain._put(result)
+        if follower is None or isinstance(follower, BaseException):
+            chain._put(follower)  # the end of the chain, or why it broke

@@ -32,6 +32,7 @@ from starlette.routing import Route as HttpRoute
 from actors.admission import Admission
 from actors.backend import Backend
 from actors.engine import StepEngine
+from actors.hop_api import HopApi, summarize
 from actors.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from actors.metrics import NodeMetrics
 from actors.registry import open_registry
@@ -39,24 +40,22 @@ from actors.route_session import RouteSession
 from actors.runtime import NodeRuntime
 from actors.services import node_service
 from bus import codec
-from bus import frame as frames
 from bus.capability import HEADER_CAPABILITY, HEADER_SESSION_TOKEN, verifier_from_settings
 from bus.connection import connect_settings
 from bus.httpserver import HttpServer
-from bus.nodeclient import FRAME_CONTENT_TYPE, NodeClient
+from bus.nodeclient import NodeClient
 from bus.subjects import Subjects
 from schemas.errors import (
     BadRequestError,
     CapacityError,
     ContextLengthError,
-    FrameError,
     PayloadTooLargeError,
     SessionNotFoundError,
     SwarmrouteError,
 )
 from schemas.frame import WireDType
 from schemas.node import Capacity, NodeAdvertisement
-from schemas.session import CONTEXT_CAP, FailureReason, Prompt, SessionOpen, SessionOpened, TokenEvent, TokenizeReply
+from schemas.session import CONTEXT_CAP, FailureReason, Prompt, SessionOpen, SessionOpened, TokenizeReply
 from schemas.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -104,7 +103,8 @@ class Node:
         self.subjects = Subjects(settings.namespace)
         self.engine = StepEngine(backend)
         self.sessions: dict[str, RouteSession] = {}
-        self.server = HttpServer(self._app(), config.host, config.port)
+        self.server = HttpServer(HopApi(self._app(), self._session_for, max_frame_bytes=settings.max_frame_bytes,
+                                        max_body_bytes=settings.max_body_bytes), config.host, config.port)
         self._nc = nc
         self._own_nc = nc is None
         self._client = NodeClient(timeout_s=settings.hop_timeout_s)
@@ -302,9 +302,12 @@ class Node:
         return session
 
     def _member(self, request: Request) -> RouteSession:
+        return self._session_for(request.path_params["sid"], request.headers.get(HEADER_SESSION_TOKEN))
+
+    def _session_for(self, session_id: str, session_token: str | None) -> RouteSession:
         """The session a request is about, if the request proves membership (session token, when admission is on)."""
-        session = self._get(request.path_params["sid"])
-        Admission.check_session_token(session.session_token, request.headers.get(HEADER_SESSION_TOKEN))
+        session = self._get(session_id)
+        Admission.check_session_token(session.session_token, session_token)
         return session
 
     # ---- HTTP --------------------------------------------------------------------------------------------------
@@ -318,8 +321,7 @@ class Node:
             HttpRoute("/v1/sessions", self._open, methods=["POST"]),
             HttpRoute("/v1/sessions/{sid}", self._status, methods=["GET"]),
             HttpRoute("/v1/sessions/{sid}", self._close, methods=["DELETE"]),
-            HttpRoute("/v1/sessions/{sid}/frames", self._frame, methods=["POST"]),
-            HttpRoute("/v1/sessions/{sid}/tokens", self._token, methods=["POST"]),
+            # POST .../frames and .../tokens, the per-token path, are served by HopApi in front of this app.
             HttpRoute("/v1/sessions/{sid}/failure", self._failure, methods=["POST"]),
         ]
         return Starlette(routes=routes, exception_handlers={SwarmrouteError: _error_response,
@@ -341,7 +343,7 @@ class Node:
         try:
             return model.model_validate_json(body)
         except ValidationError as exc:
-            raise BadRequestError(f"invalid {model.__name__}: {_summarize(exc)}") from None
+            raise BadRequestError(f"invalid {model.__name__}: {summarize(exc)}") from None
 
     async def _metrics(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type=METRICS_CONTENT_TYPE)
@@ -379,37 +381,12 @@ class Node:
             await session.close()
         return JSONResponse({"closed": session is not None})
 
-    async def _frame(self, request: Request) -> Response:
-        session = self._member(request)
-        if request.headers.get("content-type", FRAME_CONTENT_TYPE) != FRAME_CONTENT_TYPE:
-            raise FrameError(f"frames must be sent as {FRAME_CONTENT_TYPE}")
-        body = await self._body(request, self.settings.max_frame_bytes)
-        try:
-            header, hidden = frames.decode(body)
-        except frames.FrameDecodeError as exc:
-            raise FrameError(str(exc)) from None
-        position = await session.on_frame(header, hidden, len(body))
-        return JSONResponse({"position": position})
-
-    async def _token(self, request: Request) -> Response:
-        session = self._member(request)
-        event = await self._json(request, TokenEvent)
-        assert isinstance(event, TokenEvent)
-        if not session.is_head:
-            raise BadRequestError("tokens go to the session's head")
-        session.on_token(event)
-        return Response(status_code=204)
-
     async def _failure(self, request: Request) -> Response:
         session = self._member(request)
         reason = await self._json(request, FailureReason)
         assert isinstance(reason, FailureReason)
         session.on_failure_report(reason)
         return Response(status_code=204)
-
-
-def _summarize(exc: ValidationError) -> str:
-    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors()[:5])
 
 
 async def _error_response(request: Request, exc: Exception) -> Response:
@@ -420,4 +397,4 @@ async def _error_response(request: Request, exc: Exception) -> Response:
 
 async def _validation_response(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ValidationError)
-    return await _error_response(request, BadRequestError(_summarize(exc)))
+    return await _error_response(request, BadRequestError(summarize(exc)))

@@ -14,9 +14,10 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Literal
 
 from actors.backend import Hidden, StepInput, StepOutput
-from actors.engine import StepTiming
+from actors.engine import StepChain, StepTiming
 from actors.generation import Generation
 from actors.runtime import NodeRuntime
 from actors.telemetry import TelemetryPublisher
@@ -67,6 +68,7 @@ class RouteSession:
                                          is_eog=backend.is_end_of_generation)
         self._events: asyncio.Queue[TokenEvent | FailureReason] = asyncio.Queue()
         self._driver: asyncio.Task[None] | None = None
+        self._chain: StepChain | None = None
         self.telemetry: TelemetryPublisher | None = None
         self.session_token: str | None = None
         """Bound at open when the node checks capabilities; sent on every request to this session's other hops."""
@@ -87,6 +89,8 @@ class RouteSession:
         if self.closed:
             return
         self.closed = True
+        if self._chain is not None:
+            self._chain.stop()
         current = asyncio.current_task()
         others = [t for t in (self._driver, self._sender) if t is not None and t is not current]
         for task in others:
@@ -168,13 +172,17 @@ class RouteSession:
         self._outbox.put_nowait(lambda: self.rt.client.send_frame(nxt.node_id, nxt.endpoint, self.id, data,
                                                                   timeout=timeout, session_token=self.session_token))
 
-    def _queue_token(self, token: int, stamps: tuple[HopStamp, ...]) -> None:
+    def _token_event(self, token: int, stamps: tuple[HopStamp, ...]) -> TokenEvent:
         assert self.generation is not None
         text, finish = self.generation.accept(token)
         timings = [HopTiming(node_id=self.route.hops[s.hop_index].node_id, compute_ms=s.compute_us / 1000,
                              queue_ms=s.queue_us / 1000) for s in stamps if s.hop_index < len(self.route.hops)]
-        event = TokenEvent(session_id=self.id, seq=self.generation.count - 1, token=token, text=text,
-                           finish_reason=finish, hop_timings=timings)
+        return TokenEvent(session_id=self.id, seq=self.generation.count - 1, token=token, text=text,
+                          finish_reason=finish, hop_timings=timings)
+
+    def _queue_token(self, token: int, stamps: tuple[HopStamp, ...]) -> None:
+        event = self._token_event(token, stamps)
+        finish = event.finish_reason
         if self.is_head:
             self._events.put_nowait(event)
             return
@@ -260,6 +268,9 @@ class RouteSession:
             await self.telemetry.prefill_progress(start + len(part), len(tokens))
 
     async def _decode(self) -> None:
+        if self.is_tail:
+            await self._decode_local()
+            return
         assert self.telemetry is not None
         step_started: float | None = None
         while True:
@@ -271,13 +282,9 @@ class RouteSession:
                 # Start the next forward pass first: publishing the token and telemetry then overlaps it instead of
                 # delaying it (the per-token loop competes with the backend's threads for the cores).
                 step_started = time.perf_counter()
-                step = asyncio.ensure_future(self._compute(StepInput(self.id, self.position, tokens=[event.token],
-                                                                     sample=self.is_tail)))
+                step = asyncio.ensure_future(self._compute(StepInput(self.id, self.position, tokens=[event.token])))
             try:
-                await self.rt.publish(self.rt.subjects.tokens(self.id), event)
-                await self.telemetry.token(event.hop_timings, wall_ms)
-                self.rt.metrics.token(self.telemetry.generated, self.telemetry.ttft_ms, wall_ms, event.hop_timings,
-                                      len(self.route.hops))
+                await self._announce(event, wall_ms)
             except BaseException:
                 if step is not None:
                     step.cancel()
@@ -286,19 +293,88 @@ class RouteSession:
                 await self._complete(event)
                 return
             out, timing = await step
-            if self.is_tail:
-                assert out.token is not None
-                self._queue_token(out.token, (self._stamp(timing),))
-            else:
-                assert out.hidden is not None
-                self._queue_frame(FrameKind.DECODE, self.position - 1, out.hidden, True, event.seq + 1,
-                                  (self._stamp(timing),))
+            assert out.hidden is not None
+            self._queue_frame(FrameKind.DECODE, self.position - 1, out.hidden, True, event.seq + 1,
+                              (self._stamp(timing),))
+
+    async def _decode_local(self) -> None:
+        """Head and tail on this node: the engine chains the steps itself (each sampled token is the next input),
+        so the loop only turns outputs into token events; it stops the chain when generation ends."""
+        event = await self._next_event()
+        last = time.perf_counter()
+        wall_ms: float | None = None
+        while True:
+            self.phase = SessionPhase.DECODE
+            if event.finish_reason is None and self._chain is None:
+                self._chain = self.rt.engine.chain(self._local_step(event.token), self._follow_local)
+            await self._announce(event, wall_ms)
+            if event.finish_reason is not None:
+                if self._chain is not None:
+                    self._chain.stop()  # a stop string ended it: the step already queued is dropped
+                await self._complete(event)
+                return
+            out, timing = await self._next_local(event.token)
+            now = time.perf_counter()
+            wall_ms, last = (now - last) * 1e3, now
+            assert out.token is not None
+            event = self._token_event(out.token, (self._stamp(timing),))
+
+    def _local_step(self, token: int) -> StepInput:
+        return StepInput(self.id, self.position, tokens=[token], sample=True)
+
+    def _follow_local(self, item: StepInput, out: StepOutput) -> StepInput | None:
+        """On the engine's thread: the next chained step, unless this output ends the generation for certain
+        (end of generation, max_tokens, context). Stop strings are the loop's to find; it then stops the chain."""
+        token = out.token
+        if token is None:
+            return None
+        generated = item.start_position + 2 - len(self.request.prompt_tokens)
+        backend = self.rt.engine.backend
+        end = (generated >= self.request.max_tokens or item.start_position + 2 > backend.info.context_length
+               or (not self.request.ignore_eos and backend.is_end_of_generation(token)))
+        return None if end else StepInput(self.id, item.start_position + 1, tokens=[token], sample=True)
+
+    async def _next_local(self, token: int) -> tuple[StepOutput, StepTiming]:
+        assert self.telemetry is not None
+        while True:
+            if self._chain is None:
+                self._chain = self.rt.engine.chain(self._local_step(token), self._follow_local)
+            first = self.telemetry.generated == 0
+            timeout = self.rt.settings.first_token_timeout_s if first else self.rt.settings.token_timeout_s
+            try:
+                async with asyncio.timeout(timeout):  # no task per token, unlike wait_for
+                    result = await self._chain.next()
+            except TimeoutError:
+                raise self._failed_here("timeout", f"no token from node {self.rt.node_id} for {timeout:g}s") from None
+            except SwarmrouteError:
+                raise
+            except Exception as exc:
+                raise self._failed_here("backend_error", f"backend failed on node {self.rt.node_id}: {exc!r}") from exc
+            if result is not None:
+                out, timing = result
+                self.position += 1
+                self.rt.metrics.step("decode", timing.compute_ms, timing.queue_ms)
+                return out, timing
+            # The chain ended although the generation goes on (its rules differ from ``Generation``'s): restart it.
+            self._chain = None
+
+    def _failed_here(self, kind: Literal["timeout", "backend_error"], message: str) -> SessionFailed:
+        return SessionFailed(FailureReason(node_id=self.rt.node_id, phase=self.phase, kind=kind, message=message))
+
+    async def _announce(self, event: TokenEvent, wall_ms: float | None) -> None:
+        """Publish a token to the gateway, with its telemetry and metrics."""
+        assert self.telemetry is not None
+        await self.rt.publish(self.rt.subjects.tokens(self.id), event)
+        await self.telemetry.token(event.hop_timings, wall_ms)
+        self.rt.metrics.token(self.telemetry.generated, self.telemetry.ttft_ms, wall_ms, event.hop_timings,
+                              len(self.route.hops))
 
     async def _next_event(self) -> TokenEvent:
         first = self.telemetry is not None and self.telemetry.generated == 0
         timeout = self.rt.settings.first_token_timeout_s if first else self.rt.settings.token_timeout_s
         try:
-            item = await asyncio.wait_for(self._events.get(), timeout)
+            async with asyncio.timeout(timeout):  # no task per token, unlike wait_for
+                item = await self._events.get()
         except TimeoutError:
             raise SessionFailed(await self._diagnose_stall(timeout)) from None
         if isinstance(item, FailureReason):

@@ -11,9 +11,9 @@ import collections
 import time
 from collections.abc import Awaitable, Callable
 
+from schemas.node import LayerRange
 from schemas.route import Route
 from schemas.session import FailureReason, HopTiming, SessionPhase
-from schemas.node import LayerRange
 from schemas.telemetry import GenerationTelemetry, HopHealth, PrefillProgress, RouteHealth, RouteHopView
 
 Publish = Callable[[GenerationTelemetry], Awaitable[None]]

@@ -55,7 +55,8 @@ class HttpLink:
                    headers: dict[str, str] | None = None) -> tuple[int, bytes]:
         """POST and return (status, body). Raises LinkError on connection failure or timeout."""
         try:
-            return await asyncio.wait_for(self._post(path, body, content_type, headers), timeout)
+            async with asyncio.timeout(timeout):  # no task per request, unlike wait_for
+                return await self._post(path, body, content_type, headers)
         except TimeoutError:
             raise LinkError(f"no answer within {timeout:g}s", timeout=True) from None
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:

@@ -97,6 +97,11 @@ class LiveSession:
 
         self._subs = [await nc.subscribe(subjects.session_events(self.id), cb=on_message)]
 
+    @property
+    def backlog(self) -> int:
+        """Events received but not yet consumed."""
+        return self._queue.qsize()
+
     async def events(self) -> AsyncIterator[Event]:
         """Token events and telemetry in arrival order, then exactly one SessionEnd."""
         settings = self._m.settings
@@ -108,10 +113,14 @@ class LiveSession:
                 yield await self._fail_stalled(limit)
                 return
             try:
-                event = await asyncio.wait_for(self._queue.get(), wait)
-            except TimeoutError:
-                yield None
-                continue
+                event = self._queue.get_nowait()
+            except asyncio.QueueEmpty:
+                try:
+                    async with asyncio.timeout(wait):  # no task per event, unlike wait_for
+                        event = await self._queue.get()
+                except TimeoutError:
+                    yield None
+                    continue
             silent_since = time.monotonic()
             processed = self._absorb(event)
             if processed is not None:

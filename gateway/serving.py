@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -19,7 +20,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from gateway import sse
 from gateway.metrics import GatewayMetrics, RequestClock
-from gateway.route_session import GenerationRequest, LiveSession, SessionManager
+from gateway.route_session import Event, GenerationRequest, LiveSession, SessionManager
 from schemas.errors import BadRequestError, RouteFailedError
 from schemas.openai import (
     TELEMETRY_KEY,
@@ -85,6 +86,24 @@ class _Stream:
         return snap
 
 
+_MAX_COALESCED = 32
+"""Most SSE events one write carries when the gateway catches up."""
+
+
+class _ChunkTemplate:
+    """A token chunk's SSE bytes with the text spliced into a body rendered once: token chunks differ only in
+    their text, and building and dumping the pydantic chunk per token cost more than the rest of the relay."""
+
+    _MARK = "\x00swarmroute-token-text\x00"
+
+    def __init__(self, make_chunk: Callable[[str | None, str | None, bool], dict[str, Any]]) -> None:
+        # sse.data and json.dumps(text) escape a string the same way, so the splice equals a full render.
+        self._head, self._tail = sse.data(make_chunk(self._MARK, None, False)).split(json.dumps(self._MARK).encode())
+
+    def render(self, text: str) -> bytes:
+        return self._head + json.dumps(text).encode() + self._tail
+
+
 class OpenAIServing:
     """Serving logic for the OpenAI endpoints; the session manager (the engine) is injected."""
 
@@ -145,40 +164,56 @@ class OpenAIServing:
 
     async def _stream(self, session: LiveSession, state: _Stream,
                       make_chunk: Callable[[str | None, str | None, bool], dict[str, Any]]) -> AsyncIterator[bytes]:
-        """make_chunk(text, finish_reason, first) -> chunk dict without telemetry."""
+        """make_chunk(text, finish_reason, first) -> chunk dict without telemetry.
+
+        Events that are already waiting when one is rendered go out in the same write: a gateway that fell behind
+        (a busy machine, many streams) catches up in one send instead of one per token. Each token is still its
+        own SSE event."""
         done = False
+        token_chunk = _ChunkTemplate(make_chunk)
         try:
             yield sse.data({**make_chunk(None, None, True), **_telemetry(state.fresh_telemetry())})
+            out: list[bytes] = []
             async for event in session.events():
-                if event is None:
-                    yield sse.KEEPALIVE
-                elif isinstance(event, GenerationTelemetry):
-                    if state.include_telemetry:
-                        yield sse.data({**make_chunk(None, None, False), "choices": [],
-                                        **_telemetry(state.fresh_telemetry())})
-                elif isinstance(event, TokenEvent):
-                    self._clock(session).token()
-                    if event.text:
-                        yield sse.data({**make_chunk(event.text, None, False),
-                                        **_telemetry(state.fresh_telemetry())})
-                elif event.phase is SessionPhase.COMPLETE:
-                    yield sse.data({**make_chunk(None, event.finish_reason or "stop", False),
-                                    **_telemetry(session.telemetry)})
-                    if state.include_usage:
-                        yield sse.data({**make_chunk(None, None, False), "choices": [],
-                                        "usage": self._usage(session, event).model_dump()})
-                else:
-                    failure = event.failure
-                    message = failure.describe() if failure else f"session ended: {event.phase.value}"
-                    body: dict[str, Any] = {"error": {"message": message, "type": "route_failed",
-                                                      "code": failure.kind if failure else "route_failed",
-                                                      "param": None,
-                                                      "failure": failure.model_dump(mode="json") if failure else None}}
-                    yield sse.data({**body, **_telemetry(session.telemetry)})
-            yield sse.DONE
+                self._render(event, session, state, make_chunk, token_chunk, out)
+                if out and (not session.backlog or len(out) >= _MAX_COALESCED):
+                    yield b"".join(out)
+                    out.clear()
+            out.append(sse.DONE)
+            yield b"".join(out)
             done = True
         finally:
             self._close_later(session, cancelled=not done and session.end is None)
+
+    def _render(self, event: Event, session: LiveSession, state: _Stream,
+                make_chunk: Callable[[str | None, str | None, bool], dict[str, Any]], token_chunk: _ChunkTemplate,
+                out: list[bytes]) -> None:
+        if event is None:
+            out.append(sse.KEEPALIVE)
+        elif isinstance(event, GenerationTelemetry):
+            if state.include_telemetry:
+                out.append(sse.data({**make_chunk(None, None, False), "choices": [],
+                                     **_telemetry(state.fresh_telemetry())}))
+        elif isinstance(event, TokenEvent):
+            self._clock(session).token()
+            if event.text:
+                snap = state.fresh_telemetry()
+                out.append(token_chunk.render(event.text) if snap is None
+                           else sse.data({**make_chunk(event.text, None, False), **_telemetry(snap)}))
+        elif event.phase is SessionPhase.COMPLETE:
+            out.append(sse.data({**make_chunk(None, event.finish_reason or "stop", False),
+                                 **_telemetry(session.telemetry)}))
+            if state.include_usage:
+                out.append(sse.data({**make_chunk(None, None, False), "choices": [],
+                                     "usage": self._usage(session, event).model_dump()}))
+        else:
+            failure = event.failure
+            message = failure.describe() if failure else f"session ended: {event.phase.value}"
+            body: dict[str, Any] = {"error": {"message": message, "type": "route_failed",
+                                              "code": failure.kind if failure else "route_failed",
+                                              "param": None,
+                                              "failure": failure.model_dump(mode="json") if failure else None}}
+            out.append(sse.data({**body, **_telemetry(session.telemetry)}))
 
     # ---- endpoints ---------------------------------------------------------------------------------------------
 

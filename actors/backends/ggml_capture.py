@@ -27,8 +27,11 @@ post-attention norm, so when ``layer_index`` is the model's last layer only outp
 sequences, rows come grouped by sequence instead, which this class cannot undo.
 
 Cost: the scheduler calls back for every graph node (about 40 per layer for gemma3: 727 per decode step of the
-18-layer 270M model), so the ``ask=True`` path is one 8-byte load and an integer compare before any full name
-check; the copy runs once per ubatch. ``tests/bench/bench_ggml_capture.py`` measures it.
+18-layer 270M model). A ctypes callback costs ~8 us per call and takes the GIL each time: ~3 ms per step of a
+9-layer shard, more than its compute, and far worse while the node's event loop holds the GIL. So the name check
+runs in C (``capture_eval.c``, compiled at first use with the system C compiler and cached); only the claimed node
+calls into Python, once per ubatch, to copy its rows. Without a working C compiler the Python callback is used,
+with a warning (same results, slower). ``tests/bench/bench_ggml_capture.py`` measures both.
 """
 
 from __future__ import annotations
@@ -36,6 +39,13 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import hashlib
+import logging
+import os
+import platform
+import shlex
+import subprocess
+import sysconfig
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -75,6 +85,46 @@ class _TensorHead(ctypes.Structure):
 
 
 _NAME_OFFSET: int = _TensorHead.name.offset
+
+log = logging.getLogger(__name__)
+
+_COPY_FN = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p)
+
+NATIVE_SOURCE = Path(__file__).with_name("capture_eval.c")
+
+
+class _NativeCapture(ctypes.Structure):
+    """``struct swarmroute_capture`` of capture_eval.c: the callback's user data."""
+
+    _fields_ = [("name_offset", ctypes.c_int64), ("copy", _COPY_FN), ("key", ctypes.c_char * _GGML_MAX_NAME)]
+
+
+def native_library_path() -> Path:
+    """Where the compiled callback is cached: keyed by the source and the machine, so an edit rebuilds it."""
+    digest = hashlib.sha256(NATIVE_SOURCE.read_bytes() + platform.machine().encode()).hexdigest()[:16]
+    return Path.home() / ".cache" / "swarmroute" / "native" / f"capture_eval-{digest}.so"
+
+
+@functools.cache
+def _native() -> Any | None:
+    """The C eval callback (``swarmroute_capture_eval``), compiled once; ``None`` if no C compiler works here."""
+    target = native_library_path()
+    if not target.exists():
+        compiler = shlex.split(sysconfig.get_config_var("CC") or "cc") or ["cc"]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+        try:
+            subprocess.run([*compiler, "-O2", "-shared", "-fPIC", "-o", str(partial), str(NATIVE_SOURCE)],
+                           check=True, capture_output=True, timeout=120)
+            os.replace(partial, target)  # atomic: nodes starting together never load a half-written file
+        except (OSError, subprocess.SubprocessError) as exc:
+            detail = exc.stderr.decode(errors="replace").strip() if isinstance(exc, subprocess.CalledProcessError) \
+                else str(exc)
+            log.warning("could not compile the native layer-capture callback (%s); using the Python callback, "
+                        "which costs ~3 ms more per decode step on a 9-layer shard", detail or type(exc).__name__)
+            return None
+    function = ctypes.CDLL(str(target)).swarmroute_capture_eval
+    return ctypes.cast(function, llama_cpp.ggml_backend_sched_eval_callback)
 
 
 class _InitParams(ctypes.Structure):
@@ -175,7 +225,15 @@ class LayerCapture:
         self._out: Hidden | None = None
         self._filled = 0
         self._error: str | None = None
-        self._callback = llama_cpp.ggml_backend_sched_eval_callback(self._make_callback(count_asks))
+        native = None if count_asks else _native()
+        self.native = native is not None
+        """Whether the name checks run in C (see the module docstring)."""
+        if native is not None:
+            self._copy_fn = _COPY_FN(self._copy)
+            self._user_data = _NativeCapture(name_offset=_NAME_OFFSET, copy=self._copy_fn, key=self._key)
+            self._callback = native
+        else:
+            self._callback = llama_cpp.ggml_backend_sched_eval_callback(self._make_callback(count_asks))
 
     @property
     def callback(self) -> Any:
@@ -185,7 +243,8 @@ class LayerCapture:
     def install(self, params: llama_cpp.llama_context_params) -> None:
         """Put the callback into context params (before ``llama_init_from_model``)."""
         params.cb_eval = self._callback
-        params.cb_eval_user_data = ctypes.c_void_p()
+        params.cb_eval_user_data = ctypes.cast(ctypes.pointer(self._user_data), ctypes.c_void_p) if self.native \
+            else ctypes.c_void_p()
 
     @property
     def armed(self) -> bool:

@@ -8,12 +8,15 @@ Configurations, each with the bundled Gemma 3 270M Q4_K_M and the same thread co
 * ``in-process``    llama-cpp-python ``Llama.generate`` on the full GGUF (the reference);
 * ``route-1/2/3``   swarmroute routes of 1, 2 and 3 ``swarmroute node`` processes (shards from the artifact plane),
   tracker and gateway, streamed through the official ``openai`` client;
+* ``route-2 proxied`` the 2-node route with every node behind a counting TCP proxy (no delay): f32 bytes per decode
+  hop on the wire. The proxy relays in Python in this process, so it adds its own cost to every link: the speed and
+  per-hop overhead on loopback are the unproxied rows;
 * ``route-2 +Nms``  the 2-node route with a TCP proxy adding N ms one-way delay on every link of the ring;
 * ``route-2 bf16``  the 2-node route with bf16 activations: payload halves; divergence from f32 is counted in text
   pieces (f16 cannot carry Gemma 3's residual stream: its values pass 65504, and nodes refuse to send it).
 
 Printed: decode tok/s and the ratio to in-process; TTFT for a ~512-token prompt; the telemetry's per-link overhead
-(step wall time minus compute, per link); bytes per decode hop (frame body, measured at a proxy); and for the delayed
+(step wall time minus compute, per link); bytes per decode hop (frame body, at the proxies); and for the delayed
 route the target time per token: compute + (delay + 0.5 ms) x links in the loop.
 Targets: route-2 >= 0.90x and route-3 >= 0.85x in-process decode tok/s; <= 0.5 ms overhead per hop on loopback;
 decode hop <= hidden x 4 + 128 bytes in f32. All nodes share this 2-core machine: see the note printed at the end.
@@ -47,10 +50,12 @@ LONG_PROMPT = " ".join(f"Line {i}: the river flows past the old mill and the sto
 
 
 class Route:
-    """nats-server + tracker + N llama.cpp nodes (each behind a counting/delaying proxy) + gateway, as processes."""
+    """nats-server + tracker + N llama.cpp nodes + gateway, as processes. ``proxied`` puts each node behind a
+    counting (and, with ``delay_s``, delaying) TCP proxy in this process: it measures bytes on the wire, but it also
+    adds its own relay to every link, so speed and per-hop overhead on loopback are measured without it."""
 
     def __init__(self, model: Path, n_nodes: int, threads: int, home: Path, *, delay_s: float = 0.0,
-                 wire_dtype: str = "f32") -> None:
+                 wire_dtype: str = "f32", proxied: bool = False) -> None:
         self.nats = EmbeddedNats(NatsServerConfig(store_dir=home / "nats")).start()
         self.port = free_port()
         common = ["--nats", self.nats.url, "--home", str(home), "--log-level", "warning"]
@@ -60,12 +65,15 @@ class Route:
         loop = asyncio.get_event_loop()
         for i, (a, b) in enumerate(split_layers(18, n_nodes)):
             port = free_port()
-            proxy = loop.run_until_complete(CountingProxy.start(port, delay_s=delay_s))
-            self.proxies.append(proxy)
+            advertise = []
+            if proxied or delay_s:
+                proxy = loop.run_until_complete(CountingProxy.start(port, delay_s=delay_s))
+                self.proxies.append(proxy)
+                advertise = ["--advertise-url", proxy.url]
             self.procs.append(subprocess.Popen(
                 [*swarm, "node", *common, "--backend", "llamacpp", "--model", str(model), "--layers", f"{a}:{b}",
-                 "--threads", str(threads), "--node-id", f"bench-{i}", "--port", str(port),
-                 "--advertise-url", proxy.url, "--wire-dtype", wire_dtype], stdout=subprocess.DEVNULL))
+                 "--threads", str(threads), "--node-id", f"bench-{i}", "--port", str(port), *advertise,
+                 "--wire-dtype", wire_dtype], stdout=subprocess.DEVNULL))
         self.procs.append(subprocess.Popen([*swarm, "gateway", *common, "--port", str(self.port)],
                                            stdout=subprocess.DEVNULL))
         try:
@@ -160,11 +168,13 @@ def main(argv: list[str] | None = None) -> int:
     f32_text: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         home = Path(tmp)
-        for name, n, delay, dtype in [("route-1", 1, 0.0, "f32"), ("route-2", 2, 0.0, "f32"),
-                                      ("route-3", 3, 0.0, "f32"), (f"route-2 +{args.delay_ms:g}ms", 2,
-                                                                   args.delay_ms / 1e3, "f32"),
-                                      ("route-2 bf16", 2, 0.0, "bf16")]:
-            route = Route(model, n, args.threads, home / name.replace(" ", "_"), delay_s=delay, wire_dtype=dtype)
+        for name, n, delay, dtype, proxied in [
+                ("route-1", 1, 0.0, "f32", False), ("route-2", 2, 0.0, "f32", False),
+                ("route-3", 3, 0.0, "f32", False), ("route-2 proxied", 2, 0.0, "f32", True),
+                (f"route-2 +{args.delay_ms:g}ms", 2, args.delay_ms / 1e3, "f32", True),
+                ("route-2 bf16", 2, 0.0, "bf16", True)]:
+            route = Route(model, n, args.threads, home / name.replace(" ", "_"), delay_s=delay, wire_dtype=dtype,
+                          proxied=proxied)
             try:
                 figures = measure(route, args.tokens, args.rounds)
                 text = asyncio.get_event_loop().run_until_complete(
