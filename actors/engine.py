@@ -33,6 +33,13 @@ GATHER_WINDOW_S = 0.0005
 next frames arrive over HTTP within a fraction of a millisecond of each other). Without it a batch of n decodes
 splits into 1 and n-1 for good; a session that ended costs this once."""
 
+HANDOFF_WAIT_S = 0.002
+"""Longest the event loop blocks after queueing a step for an idle worker, until the worker has taken it.
+
+The worker needs the GIL to start a pass; the loop thread, busy right after queueing (publishing the token,
+answering the request), would otherwise keep it for a switch interval at a time: ~0.4 ms per step measured on a
+2-node route. Blocking briefly hands the GIL over; the loop gets it back once the pass is inside llama.cpp."""
+
 Follow = Callable[[StepInput, StepOutput], "StepInput | None"]
 """Called on the worker thread after a chained step: the session's next step, or ``None`` to end the chain."""
 
@@ -86,6 +93,8 @@ class _Pending:
     queued_at: float
     future: asyncio.Future[Result] | None = None
     chain: StepChain | None = None
+    taken: threading.Event | None = None
+    """Set by the worker when the pass carrying this step starts (``enqueue(handoff=True)`` waits for it)."""
 
     def abandoned(self) -> bool:
         return (self.chain is not None and self.chain.stopped) or (self.future is not None and self.future.done())
@@ -107,6 +116,8 @@ class StepEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._expected: set[str] = set()
+        self._busy = False
+        """The worker is in a forward pass (read from the loop without the lock: a stale value only costs a wait)."""
         self.batches_run = 0
         self.max_batch_seen = 0
 
@@ -144,9 +155,18 @@ class StepEngine:
 
     async def submit(self, item: StepInput) -> Result:
         """One step; resolves when the batch it rode in has run."""
+        return await self.enqueue(item, handoff=True)
+
+    def enqueue(self, item: StepInput, *, handoff: bool = False) -> asyncio.Future[Result]:
+        """``submit`` without waiting: the step is queued before this returns (cancel the future to drop it).
+        ``handoff``: if the worker is idle, block (at most ``HANDOFF_WAIT_S``) until it has taken the step."""
         future: asyncio.Future[Result] = self._running_loop().create_future()
-        self._enqueue(_Pending(item, time.perf_counter(), future=future))
-        return await future
+        wait = handoff and not self._busy
+        pending = _Pending(item, time.perf_counter(), future=future, taken=threading.Event() if wait else None)
+        self._enqueue(pending)
+        if pending.taken is not None:
+            pending.taken.wait(HANDOFF_WAIT_S)
+        return future
 
     def chain(self, first: StepInput, follow: Follow) -> StepChain:
         """Run ``first``, then whatever ``follow`` makes of each output, without a round trip through the loop."""
@@ -229,11 +249,17 @@ class StepEngine:
 
     def _run_batch(self, batch: list[_Pending]) -> None:
         started = time.perf_counter()
+        self._busy = True
+        for p in batch:
+            if p.taken is not None:
+                p.taken.set()
         try:
             outputs = self.backend.step([p.item for p in batch])
         except BaseException as exc:  # noqa: BLE001 - every waiter must learn why its step failed
             self._to_loop(_fail_all, batch, exc)
             return
+        finally:
+            self._busy = False
         compute_ms = (time.perf_counter() - started) * 1e3
         self.batches_run += 1
         self.max_batch_seen = max(self.max_batch_seen, len(batch))

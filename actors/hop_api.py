@@ -10,6 +10,7 @@ method or path this does not own) goes on to the Starlette app. Errors keep the 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -79,6 +80,10 @@ class HopApi:
         except frames.FrameDecodeError as exc:
             raise FrameError(str(exc)) from None
         position = await session.on_frame(header, hidden, len(body))
+        # One loop turn before answering: the session's outbox, woken by on_frame, then writes the forwarded frame
+        # (or the token) first. The forward is on the per-token path; this answer is not (the upstream hop sends
+        # this session's next frame only after the ring comes round).
+        await asyncio.sleep(0)
         return 200, b'{"position":%d}' % position
 
     async def _token(self, sid: str, scope: Scope, receive: Receive) -> tuple[int, bytes]:

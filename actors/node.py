@@ -192,7 +192,8 @@ class Node:
     async def __aenter__(self) -> Node:
         return await self.start()
 
-    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
+                        tb: TracebackType | None) -> None:
         await self.stop()
 
     # ---- NATS --------------------------------------------------------------------------------------------------

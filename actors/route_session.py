@@ -30,6 +30,8 @@ from schemas.session import FailureReason, HopTiming, SessionEnd, SessionOpen, S
 
 log = logging.getLogger(__name__)
 
+StepFuture = asyncio.Future[tuple[StepOutput, StepTiming]]
+
 
 class SessionFailed(Exception):
     def __init__(self, reason: FailureReason) -> None:
@@ -69,6 +71,8 @@ class RouteSession:
         self._events: asyncio.Queue[TokenEvent | FailureReason] = asyncio.Queue()
         self._driver: asyncio.Task[None] | None = None
         self._chain: StepChain | None = None
+        self._prefetched: tuple[int, StepFuture] | None = None
+        """Head of a multi-node route: the step ``on_token`` queued for token ``seq``, for the driver to await."""
         self.telemetry: TelemetryPublisher | None = None
         self.session_token: str | None = None
         """Bound at open when the node checks capabilities; sent on every request to this session's other hops."""
@@ -91,6 +95,8 @@ class RouteSession:
         self.closed = True
         if self._chain is not None:
             self._chain.stop()
+        if self._prefetched is not None:
+            self._prefetched[1].cancel()
         current = asyncio.current_task()
         others = [t for t in (self._driver, self._sender) if t is not None and t is not current]
         for task in others:
@@ -142,9 +148,10 @@ class RouteSession:
                 self._queue_frame(header.kind, header.start_position, out.hidden, header.sample, header.step, stamps)
             return self.position
 
-    async def _compute(self, item: StepInput) -> tuple[StepOutput, StepTiming]:
+    async def _compute(self, item: StepInput, queued: StepFuture | None = None) -> tuple[StepOutput, StepTiming]:
+        """Run ``item`` (or await ``queued``, the same step already queued) and advance the session's position."""
         try:
-            out, timing = await self.rt.engine.submit(item)
+            out, timing = await (queued if queued is not None else self.rt.engine.submit(item))
         except SwarmrouteError:
             raise
         except Exception as exc:
@@ -225,8 +232,11 @@ class RouteSession:
         self._events.put_nowait(reason)
 
     def on_token(self, event: TokenEvent) -> None:
-        """Head: the tail posted a sampled token."""
+        """Head: the tail posted a sampled token. The next step is queued at once, ahead of the driver task waking
+        up to publish the token: that wake-up is off the per-token path."""
         self.touch()
+        if event.finish_reason is None and not self.closed and self._prefetched is None:
+            self._prefetched = (event.seq, self.rt.engine.enqueue(self._decode_step(event.token), handoff=True))
         self._events.put_nowait(event)
 
     # ---- the head's driver -----------------------------------------------------------------------------------
@@ -277,12 +287,13 @@ class RouteSession:
             event = await self._next_event()
             wall_ms = (time.perf_counter() - step_started) * 1e3 if step_started is not None else None
             self.phase = SessionPhase.DECODE
-            step: asyncio.Future[tuple[StepOutput, StepTiming]] | None = None
+            step: StepFuture | None = None
             if event.finish_reason is None:
-                # Start the next forward pass first: publishing the token and telemetry then overlaps it instead of
-                # delaying it (the per-token loop competes with the backend's threads for the cores).
+                # Start the next forward pass first (on_token has usually queued it already): publishing the token
+                # and telemetry then overlaps it instead of delaying it.
                 step_started = time.perf_counter()
-                step = asyncio.ensure_future(self._compute(StepInput(self.id, self.position, tokens=[event.token])))
+                queued = self._take_prefetched(event)
+                step = asyncio.ensure_future(self._compute(self._decode_step(event.token), queued))
             try:
                 await self._announce(event, wall_ms)
             except BaseException:
@@ -297,6 +308,19 @@ class RouteSession:
             self._queue_frame(FrameKind.DECODE, self.position - 1, out.hidden, True, event.seq + 1,
                               (self._stamp(timing),))
 
+    def _decode_step(self, token: int) -> StepInput:
+        return StepInput(self.id, self.position, tokens=[token], sample=self.is_tail)
+
+    def _take_prefetched(self, event: TokenEvent) -> StepFuture | None:
+        prefetched, self._prefetched = self._prefetched, None
+        if prefetched is None:
+            return None
+        seq, future = prefetched
+        if seq != event.seq:
+            future.cancel()
+            return None
+        return future
+
     async def _decode_local(self) -> None:
         """Head and tail on this node: the engine chains the steps itself (each sampled token is the next input),
         so the loop only turns outputs into token events; it stops the chain when generation ends."""
@@ -306,7 +330,7 @@ class RouteSession:
         while True:
             self.phase = SessionPhase.DECODE
             if event.finish_reason is None and self._chain is None:
-                self._chain = self.rt.engine.chain(self._local_step(event.token), self._follow_local)
+                self._chain = self.rt.engine.chain(self._decode_step(event.token), self._follow_local)
             await self._announce(event, wall_ms)
             if event.finish_reason is not None:
                 if self._chain is not None:
@@ -318,9 +342,6 @@ class RouteSession:
             wall_ms, last = (now - last) * 1e3, now
             assert out.token is not None
             event = self._token_event(out.token, (self._stamp(timing),))
-
-    def _local_step(self, token: int) -> StepInput:
-        return StepInput(self.id, self.position, tokens=[token], sample=True)
 
     def _follow_local(self, item: StepInput, out: StepOutput) -> StepInput | None:
         """On the engine's thread: the next chained step, unless this output ends the generation for certain
@@ -338,7 +359,7 @@ class RouteSession:
         assert self.telemetry is not None
         while True:
             if self._chain is None:
-                self._chain = self.rt.engine.chain(self._local_step(token), self._follow_local)
+                self._chain = self.rt.engine.chain(self._decode_step(token), self._follow_local)
             first = self.telemetry.generated == 0
             timeout = self.rt.settings.first_token_timeout_s if first else self.rt.settings.token_timeout_s
             try:

@@ -55,7 +55,8 @@ class TelemetryPublisher:
         self.generated = 0
         self.ttft_ms: float | None = None
 
-    def snapshot(self, *, failure: FailureReason | None = None, finish_reason: str | None = None) -> GenerationTelemetry:
+    def snapshot(self, *, failure: FailureReason | None = None,
+                 finish_reason: str | None = None) -> GenerationTelemetry:
         now = time.monotonic()
         while self._token_times and now - self._token_times[0] > RATE_WINDOW_S:
             self._token_times.popleft()

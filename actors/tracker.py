@@ -81,7 +81,8 @@ class Tracker:
     async def __aenter__(self) -> Tracker:
         return await self.start()
 
-    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
+                        tb: TracebackType | None) -> None:
         await self.stop()
 
     def _pending_counts(self) -> dict[str, int]:

@@ -32,6 +32,7 @@ class HttpServer:
         self.host = host
         self.port: int = self._sock.getsockname()[1]
         config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, timeout_keep_alive=75,
+                                proxy_headers=False,
                                 http="h11" if not _has_httptools() else "httptools")
         self._server = _EmbeddedServer(config)
         self._task: asyncio.Task[None] | None = None

@@ -7,9 +7,8 @@ with an error, which is what the structured session failure reports.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import json
+from typing import Literal
 
 import httpx
 
@@ -115,9 +114,7 @@ class NodeClient:
             await self._request(node, "DELETE", f"{endpoint}/v1/sessions/{session_id}", timeout=timeout,
                                 extra=_auth(session_token))
         except HopError as exc:
-            if exc.peer_status == 404:
-                return True
-            return False
+            return exc.peer_status == 404  # already gone there counts as freed
         return True
 
     async def send_frame(self, node: str, endpoint: str, session_id: str, frame: bytes, *,

@@ -151,7 +151,8 @@ class EmbeddedNats:
 
         return await asyncio.to_thread(self.start)
 
-    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
+                        tb: TracebackType | None) -> None:
         import asyncio
 
         await asyncio.to_thread(self.stop)

@@ -33,7 +33,7 @@ class Subjects:
 
     @property
     def models_request(self) -> str:
-        """Request/reply: empty -> ModelsReply (what live nodes serve), served by trackers in queue group ``tracker``."""
+        """Request/reply: empty -> ModelsReply (what live nodes serve); trackers serve it in queue group ``tracker``."""
         return f"{self.namespace}.tracker.models"
 
     @property

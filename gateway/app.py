@@ -84,7 +84,8 @@ def build_app(serving: OpenAIServing, settings: Settings) -> Starlette:
     async def models(request: Request) -> Response:
         reply = await sessions.tracker.models()
         cards = [ModelCard.model_validate({
-            "id": m.id, "name": m.name, "aliases": m.aliases, "complete": m.complete, "n_layers": m.n_layers, "nodes": m.nodes,
+            "id": m.id, "name": m.name, "aliases": m.aliases, "complete": m.complete, "n_layers": m.n_layers,
+            "nodes": m.nodes,
             "layer_ranges": [[r.start, r.end] for r in m.layer_ranges],
             "backend": m.backend.model_dump(mode="json") if m.backend else None}) for m in reply.models]
         return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
@@ -253,5 +254,6 @@ class Gateway:
     async def __aenter__(self) -> Gateway:
         return await self.start()
 
-    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
+                        tb: TracebackType | None) -> None:
         await self.stop()

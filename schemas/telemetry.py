@@ -11,7 +11,6 @@ from schemas.base import WireModel
 from schemas.node import LayerRange
 from schemas.session import FailureReason, SessionPhase
 
-
 HopHealth = Literal["ok", "slow", "failed", "unknown"]
 RouteHealth = Literal["healthy", "degraded", "failed", "unknown"]
 

@@ -147,7 +147,8 @@ swarmroute is up: {args.backend} backend, model {model_id!r}, route {route}
        -d '{{"model": "{model_id}", "messages": [{{"role": "user", "content": "Hello!"}}], "stream": true}}'
 
   python -c "import openai; c = openai.OpenAI(base_url='{url}/v1', api_key='none'); \\
-print(c.chat.completions.create(model='{model_id}', messages=[{{'role': 'user', 'content': 'Hello!'}}]).choices[0].message.content)"
+print(c.chat.completions.create(model='{model_id}', \\
+messages=[{{'role': 'user', 'content': 'Hello!'}}]).choices[0].message.content)"
 
   swarmroute watch --nats {nats.url}     (live sessions and telemetry)
 Ctrl-C stops everything.""", flush=True)

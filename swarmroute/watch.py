@@ -22,7 +22,8 @@ def render(nodes: dict[str, NodeAdvertisement], sessions: dict[str, GenerationTe
         lines.append(f"{n.node_id:<16} {n.model_id[:24]:<24} {str(n.layers):<10} "
                      f"{n.capacity.active_sessions}/{n.capacity.max_sessions:<7} {n.endpoint}")
     lines.append("")
-    lines.append(f"{'SESSION':<10} {'PHASE':<9} {'PREFILL':<11} {'TOKENS':<7} {'TOK/S':<7} {'HEALTH':<9} ROUTE / FAILURE")
+    lines.append(f"{'SESSION':<10} {'PHASE':<9} {'PREFILL':<11} {'TOKENS':<7} {'TOK/S':<7} {'HEALTH':<9} "
+                 "ROUTE / FAILURE")
     for s in sorted(sessions.values(), key=lambda t: t.sent_at, reverse=True)[:20]:
         route = " -> ".join(f"{h.node_id}{h.layers}" for h in s.route)
         tail = s.failure.message if s.failure else route

@@ -142,7 +142,8 @@ async def test_multi_stream_hidden_shape_travels_through_the_route(settings: Set
         assert (await complete(swarm.base_url, "streams", 12)).choices[0].text == expected
         headers = [frames.decode(b)[0] for b in proxy.request_bodies() if b[:4] == b"SRF1"]
         assert headers and all(h.position_shape == shape for h in headers)
-        decode = [b for b in proxy.request_bodies() if b[:4] == b"SRF1" and frames.decode(b)[0].kind is FrameKind.DECODE]
+        decode = [b for b in proxy.request_bodies()
+                  if b[:4] == b"SRF1" and frames.decode(b)[0].kind is FrameKind.DECODE]
         assert all(len(b) - frames.header_size(2, len(frames.decode(b)[0].stamps)) == 4 * 32 * 4 for b in decode)
     finally:
         await proxy.stop()

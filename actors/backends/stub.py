@@ -75,7 +75,8 @@ class StubBackend:
         self.config = config
         self._layers = LayerRange(start=config.layer_start, end=config.layer_end)
         self._dim = int(np.prod(config.hidden_shape))
-        self._weights = {il: (_rng(config.model, "layer", il).standard_normal((self._dim, self._dim)) / np.sqrt(self._dim))
+        scale = np.sqrt(self._dim)
+        self._weights = {il: (_rng(config.model, "layer", il).standard_normal((self._dim, self._dim)) / scale)
                          .astype(np.float32) for il in range(config.layer_start, config.layer_end)}
         self._embed = _rng(config.model, "embed").standard_normal((VOCAB, self._dim)).astype(np.float32)
         self._unembed = _rng(config.model, "unembed").standard_normal((self._dim, VOCAB)).astype(np.float32)
