@@ -6,10 +6,18 @@ Every other backend call (open, close, tokenize) also runs on that thread, becau
 thread-safe.
 
 The worker is a plain thread that loops on its own queue rather than an executor driven from the event loop: each
-hand-off between the loop and a worker costs a wake-up and a GIL hand-over (~0.2 ms each on a busy 2-core node,
-~1 ms per token in all), which is 5% of a small model's decode step. A session whose next input is known as soon as
-its step ends (head and tail on one node: the next input is the token just sampled) runs as a *chain*
-(``StepEngine.chain``): the worker queues the follow-up step itself, and the event loop only consumes the outputs.
+hand-off between the loop and a worker costs a wake-up and a GIL hand-over (~0.1-0.2 ms each on a busy 2-core
+node), which adds up to 5% of a small model's decode step. Three things keep hand-offs off the per-token path:
+
+* a session whose next input is known as soon as its step ends (head and tail on one node: the next input is the
+  token just sampled) runs as a *chain* (``StepEngine.chain``): the worker queues the follow-up step itself, and
+  the event loop only consumes the outputs;
+* a one-position step of the only active session, with the worker idle, runs *inline* on the event loop thread
+  (``submit``): there is nothing to batch it with, and the loop would only wait for it. The loop is blocked for
+  one decode step, never for a prefill chunk; with a second active session everything goes through the worker
+  again, so concurrent sessions still share forward passes;
+* ``enqueue(handoff=True)`` of the only active session blocks the loop briefly until an idle worker has taken the
+  step, so that the worker does not wait for the GIL while the loop goes on publishing.
 """
 
 from __future__ import annotations
@@ -39,6 +47,9 @@ HANDOFF_WAIT_S = 0.002
 The worker needs the GIL to start a pass; the loop thread, busy right after queueing (publishing the token,
 answering the request), would otherwise keep it for a switch interval at a time: ~0.4 ms per step measured on a
 2-node route. Blocking briefly hands the GIL over; the loop gets it back once the pass is inside llama.cpp."""
+
+SOLO_WINDOW_S = 0.25
+"""A session counts as active on this node for this long after its last submitted step."""
 
 Follow = Callable[[StepInput, StepOutput], "StepInput | None"]
 """Called on the worker thread after a chained step: the session's next step, or ``None`` to end the chain."""
@@ -117,7 +128,11 @@ class StepEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._expected: set[str] = set()
         self._busy = False
-        """The worker is in a forward pass (read from the loop without the lock: a stale value only costs a wait)."""
+        """The worker is running a batch or a call (set under ``_cond`` when it takes the work)."""
+        self._inline = False
+        """A step runs on the loop thread (guarded by ``_cond``); the worker takes nothing meanwhile."""
+        self._last_step: dict[str, float] = {}
+        """Session id -> when it last submitted a step (monotonic): who is active, for the inline decision."""
         self.batches_run = 0
         self.max_batch_seen = 0
 
@@ -154,19 +169,54 @@ class StepEngine:
         return await future
 
     async def submit(self, item: StepInput) -> Result:
-        """One step; resolves when the batch it rode in has run."""
+        """One step; resolves when the batch it rode in has run (or at once if it ran inline)."""
         return await self.enqueue(item, handoff=True)
 
     def enqueue(self, item: StepInput, *, handoff: bool = False) -> asyncio.Future[Result]:
-        """``submit`` without waiting: the step is queued before this returns (cancel the future to drop it).
-        ``handoff``: if the worker is idle, block (at most ``HANDOFF_WAIT_S``) until it has taken the step."""
+        """``submit`` without waiting: the step is queued before this returns (cancel the future to drop it), or,
+        alone on an idle engine, already run inline (the future is done). ``handoff``: if the worker is idle,
+        block (at most ``HANDOFF_WAIT_S``) until it has taken the step."""
         future: asyncio.Future[Result] = self._running_loop().create_future()
-        wait = handoff and not self._busy
+        if self._claim_inline(item):
+            try:
+                future.set_result(self._run_inline(item))
+            except Exception as exc:  # noqa: BLE001 - delivered to the awaiting caller, as from the worker
+                future.set_exception(exc)
+            return future
+        # Only for a lone session: with others active the worker should wait for their steps and batch them.
+        wait = handoff and not self._busy and len(self._last_step) == 1
         pending = _Pending(item, time.perf_counter(), future=future, taken=threading.Event() if wait else None)
         self._enqueue(pending)
         if pending.taken is not None:
             pending.taken.wait(HANDOFF_WAIT_S)
         return future
+
+    def _claim_inline(self, item: StepInput) -> bool:
+        now = time.monotonic()
+        last = self._last_step
+        last[item.session_id] = now
+        if len(last) > 1:
+            for sid in [sid for sid, t in last.items() if now - t > SOLO_WINDOW_S]:
+                del last[sid]
+        if item.n_positions != 1 or len(last) != 1:
+            return False
+        with self._cond:
+            if self._busy or self._inline or self._steps or self._calls or self._stopping:
+                return False
+            self._inline = True
+            return True
+
+    def _run_inline(self, item: StepInput) -> Result:
+        started = time.perf_counter()
+        try:
+            out = self.backend.step([item])[0]
+        finally:
+            with self._cond:
+                self._inline = False
+                self._cond.notify()
+        self.batches_run += 1
+        self.max_batch_seen = max(self.max_batch_seen, 1)
+        return out, StepTiming(0.0, (time.perf_counter() - started) * 1e3, 1)
 
     def chain(self, first: StepInput, follow: Follow) -> StepChain:
         """Run ``first``, then whatever ``follow`` makes of each output, without a round trip through the loop."""
@@ -199,17 +249,21 @@ class StepEngine:
     def _work(self) -> None:
         while True:
             with self._cond:
-                while not (self._steps or self._calls or self._stopping):
+                while self._inline or not (self._steps or self._calls or self._stopping):
                     self._cond.wait()
                 if self._stopping:
                     return
                 calls = list(self._calls)
                 self._calls.clear()
                 batch = [] if calls else self._take_batch()
-            for c in calls:
-                self._run_call(c)
-            if batch:
-                self._run_batch(batch)
+                self._busy = bool(calls or batch)
+            try:
+                for c in calls:
+                    self._run_call(c)
+                if batch:
+                    self._run_batch(batch)
+            finally:
+                self._busy = False
 
     def _take_batch(self) -> list[_Pending]:
         """With ``_cond`` held: wait briefly for the previous batch's sessions, then take what fits the budget."""
@@ -249,7 +303,6 @@ class StepEngine:
 
     def _run_batch(self, batch: list[_Pending]) -> None:
         started = time.perf_counter()
-        self._busy = True
         for p in batch:
             if p.taken is not None:
                 p.taken.set()
@@ -258,8 +311,6 @@ class StepEngine:
         except BaseException as exc:  # noqa: BLE001 - every waiter must learn why its step failed
             self._to_loop(_fail_all, batch, exc)
             return
-        finally:
-            self._busy = False
         compute_ms = (time.perf_counter() - started) * 1e3
         self.batches_run += 1
         self.max_batch_seen = max(self.max_batch_seen, len(batch))

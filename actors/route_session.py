@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import Literal
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Literal
 
 from actors.backend import Hidden, StepInput, StepOutput
 from actors.engine import StepChain, StepTiming
@@ -31,6 +31,8 @@ from schemas.session import FailureReason, HopTiming, SessionEnd, SessionOpen, S
 log = logging.getLogger(__name__)
 
 StepFuture = asyncio.Future[tuple[StepOutput, StepTiming]]
+Outbound = Coroutine[Any, Any, None]
+"""One request to another node, already started (see ``RouteSession._send``)."""
 
 
 class SessionFailed(Exception):
@@ -59,7 +61,11 @@ class RouteSession:
         self.positions_received = 0
         self._on_closed = on_closed
         self._next: Hop | None = None if is_tail else self.route.hops[self.hop_index + 1]
-        self._outbox: asyncio.Queue[Callable[[], Awaitable[None]]] = asyncio.Queue()
+        self._outbox: asyncio.Queue[Outbound | Callable[[], Outbound]] = asyncio.Queue()
+        self._sending = False
+        """The outbox task is awaiting an answer."""
+        self._unwritten = 0
+        """Requests queued in the outbox but not yet written (``_send``)."""
         self._sender: asyncio.Task[None] | None = None
         self._frame_lock = asyncio.Lock()
         self.generation: Generation | None = None
@@ -71,8 +77,11 @@ class RouteSession:
         self._events: asyncio.Queue[TokenEvent | FailureReason] = asyncio.Queue()
         self._driver: asyncio.Task[None] | None = None
         self._chain: StepChain | None = None
-        self._prefetched: tuple[int, StepFuture] | None = None
-        """Head of a multi-node route: the step ``on_token`` queued for token ``seq``, for the driver to await."""
+        self._arrivals: dict[int, float] = {}
+        """Head: when each token (by seq) reached ``on_token``, for the step wall time in telemetry."""
+        self._prefetched: tuple[int, StepFuture, float, bool] | None = None
+        """Head of a multi-node route: the step ``on_token`` queued for token ``seq`` (its future, when, and
+        whether its frame has already been forwarded), for the driver to pick up."""
         self.telemetry: TelemetryPublisher | None = None
         self.session_token: str | None = None
         """Bound at open when the node checks capabilities; sent on every request to this session's other hops."""
@@ -103,6 +112,7 @@ class RouteSession:
             task.cancel()
         await self._on_closed(self)
         await asyncio.gather(*others, return_exceptions=True)  # no task outlives its session
+        self._drop_outbox()
 
     def touch(self) -> None:
         self.last_activity = time.monotonic()
@@ -157,10 +167,13 @@ class RouteSession:
         except Exception as exc:
             raise SessionFailed(FailureReason(node_id=self.rt.node_id, phase=self.phase, kind="backend_error",
                                               message=f"backend failed on node {self.rt.node_id}: {exc!r}")) from exc
+        self._advance(item, timing)
+        return out, timing
+
+    def _advance(self, item: StepInput, timing: StepTiming) -> None:
         self.position += item.n_positions
         self.rt.metrics.step("decode" if self.phase is SessionPhase.DECODE else "prefill", timing.compute_ms,
                              timing.queue_ms)
-        return out, timing
 
     def _stamp(self, timing: StepTiming) -> HopStamp:
         return HopStamp(self.hop_index, int(timing.compute_ms * 1000), int(timing.queue_ms * 1000))
@@ -176,8 +189,9 @@ class RouteSession:
         nxt = self._next
         assert nxt is not None
         timeout = self.rt.settings.hop_timeout_s
-        self._outbox.put_nowait(lambda: self.rt.client.send_frame(nxt.node_id, nxt.endpoint, self.id, data,
-                                                                  timeout=timeout, session_token=self.session_token))
+        self._send(lambda: self.rt.client.send_frame(nxt.node_id, nxt.endpoint, self.id, data, timeout=timeout,
+                                                     session_token=self.session_token),
+                   causal=kind is FrameKind.DECODE)
 
     def _token_event(self, token: int, stamps: tuple[HopStamp, ...]) -> TokenEvent:
         assert self.generation is not None
@@ -195,23 +209,51 @@ class RouteSession:
             return
         head = self.route.head
         timeout = self.rt.settings.hop_timeout_s
-        self._outbox.put_nowait(lambda: self.rt.client.send_token(head.node_id, head.endpoint, event, timeout=timeout,
-                                                                  session_token=self.session_token))
+        self._send(lambda: self.rt.client.send_token(head.node_id, head.endpoint, event, timeout=timeout,
+                                                     session_token=self.session_token), causal=True)
         if finish is not None:
             self.phase = SessionPhase.COMPLETE
+
+    def _send(self, start: Callable[[], Outbound], *, causal: bool) -> None:
+        """Queue one request to the next hop (or, on the tail, to the head), in order. ``start`` writes the request
+        when called; the outbox task, a loop turn away, awaits the answers in order.
+
+        When it may be written at once: a decode frame or a token (``causal``) exists only because the previous
+        one was computed downstream (its token came back), so it can never overtake it and goes out as soon as
+        nothing of this session's is still unwritten. A prefill chunk goes out only when the previous request has
+        been answered: chunks follow each other without waiting for the ring, and must reach the next hop in order.
+        """
+        if self._sender is None or self.closed or self._unwritten or (
+                not causal and (self._sending or not self._outbox.empty())):
+            self._unwritten += 1
+            self._outbox.put_nowait(start)
+            return
+        self._outbox.put_nowait(start())
 
     async def _send_loop(self) -> None:
         # The outbox carries frames to the next hop, or (on the tail) tokens to the head: never both.
         peer, kind = (self._next.node_id, "frame") if self._next is not None else (self.route.head.node_id, "token")
         while True:
-            send = await self._outbox.get()
+            item = await self._outbox.get()
+            self._sending = True
+            if not asyncio.iscoroutine(item):
+                self._unwritten -= 1
             try:
                 started = time.perf_counter()
-                await send()
+                await (item if asyncio.iscoroutine(item) else item())
                 self.rt.metrics.hop(peer, kind, time.perf_counter() - started)
             except HopError as exc:
                 await self._report(FailureReason(node_id=exc.node, phase=self.phase, kind=exc.kind, message=str(exc)))
                 return
+            finally:
+                self._sending = False
+
+    def _drop_outbox(self) -> None:
+        """At close: requests never sent are dropped; one already written is closed unawaited."""
+        while not self._outbox.empty():
+            item = self._outbox.get_nowait()
+            if asyncio.iscoroutine(item):
+                item.close()
 
     async def _report(self, reason: FailureReason) -> None:
         """A hop failed: the head fails the session; any other node tells the head, or NATS if the head is gone."""
@@ -234,9 +276,18 @@ class RouteSession:
     def on_token(self, event: TokenEvent) -> None:
         """Head: the tail posted a sampled token. The next step is queued at once, ahead of the driver task waking
         up to publish the token: that wake-up is off the per-token path."""
+        arrived = time.perf_counter()
         self.touch()
+        self._arrivals[event.seq] = arrived
         if event.finish_reason is None and not self.closed and self._prefetched is None:
-            self._prefetched = (event.seq, self.rt.engine.enqueue(self._decode_step(event.token), handoff=True))
+            item = self._decode_step(event.token)
+            step = self.rt.engine.enqueue(item, handoff=True)
+            forwarded = step.done() and not step.cancelled() and step.exception() is None
+            if forwarded:
+                # It ran inline: the frame leaves now, before the driver task even wakes (failures go its way).
+                self._advance(item, step.result()[1])
+                self._forward(step.result(), event)
+            self._prefetched = (event.seq, step, arrived, forwarded)
         self._events.put_nowait(event)
 
     # ---- the head's driver -----------------------------------------------------------------------------------
@@ -285,41 +336,54 @@ class RouteSession:
         step_started: float | None = None
         while True:
             event = await self._next_event()
-            wall_ms = (time.perf_counter() - step_started) * 1e3 if step_started is not None else None
+            # Timed from the token's arrival: on_token may already have run the next step inline since.
+            now = self._arrivals.pop(event.seq, None) or time.perf_counter()
+            wall_ms = (now - step_started) * 1e3 if step_started is not None else None
             self.phase = SessionPhase.DECODE
-            step: StepFuture | None = None
-            if event.finish_reason is None:
-                # Start the next forward pass first (on_token has usually queued it already): publishing the token
-                # and telemetry then overlaps it instead of delaying it.
-                step_started = time.perf_counter()
-                queued = self._take_prefetched(event)
-                step = asyncio.ensure_future(self._compute(self._decode_step(event.token), queued))
+            if event.finish_reason is not None:
+                await self._announce(event, wall_ms)
+                await self._complete(event)
+                return
+            queued, started, forwarded = self._take_prefetched(event)
+            step_started = started or now
+            if forwarded:
+                await self._announce(event, wall_ms)
+                continue
+            if queued is not None and queued.done():
+                # The step ran inline as the token arrived: its frame goes out before the token is published.
+                self._forward(await self._compute(self._decode_step(event.token), queued), event)
+                await self._announce(event, wall_ms)
+                continue
+            # Start the next forward pass first (on_token has usually queued it already): publishing the token and
+            # telemetry then overlaps it instead of delaying it.
+            step = asyncio.ensure_future(self._compute(self._decode_step(event.token), queued))
             try:
                 await self._announce(event, wall_ms)
             except BaseException:
-                if step is not None:
-                    step.cancel()
+                step.cancel()
                 raise
-            if step is None:
-                await self._complete(event)
-                return
-            out, timing = await step
-            assert out.hidden is not None
-            self._queue_frame(FrameKind.DECODE, self.position - 1, out.hidden, True, event.seq + 1,
-                              (self._stamp(timing),))
+            self._forward(await step, event)
+
+    def _forward(self, result: tuple[StepOutput, StepTiming], event: TokenEvent) -> None:
+        out, timing = result
+        assert out.hidden is not None
+        self._queue_frame(FrameKind.DECODE, self.position - 1, out.hidden, True, event.seq + 1,
+                          (self._stamp(timing),))
 
     def _decode_step(self, token: int) -> StepInput:
         return StepInput(self.id, self.position, tokens=[token], sample=self.is_tail)
 
-    def _take_prefetched(self, event: TokenEvent) -> StepFuture | None:
+    def _take_prefetched(self, event: TokenEvent) -> tuple[StepFuture | None, float | None, bool]:
+        """The step ``on_token`` queued for this token, when, and whether it is forwarded; (None, None, False) if
+        there is none for it."""
         prefetched, self._prefetched = self._prefetched, None
         if prefetched is None:
-            return None
-        seq, future = prefetched
+            return None, None, False
+        seq, future, started, forwarded = prefetched
         if seq != event.seq:
             future.cancel()
-            return None
-        return future
+            return None, None, False
+        return future, started, forwarded
 
     async def _decode_local(self) -> None:
         """Head and tail on this node: the engine chains the steps itself (each sampled token is the next input),

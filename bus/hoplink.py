@@ -10,9 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+from collections.abc import Coroutine
+from typing import Any
 from urllib.parse import urlsplit
 
 _MAX_HEADER = 16 * 1024
+
+_Conn = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 
 class LinkError(Exception):
@@ -33,17 +37,17 @@ class HttpLink:
         self.host = parts.hostname
         self.port = parts.port or 80
         self._host_header = parts.netloc.encode()
-        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self._idle: list[_Conn] = []
         self._max_idle = max_idle
 
-    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def _connect(self) -> _Conn:
         reader, writer = await asyncio.open_connection(self.host, self.port)
         sock = writer.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return reader, writer
 
-    def _checkout(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+    def _checkout(self) -> _Conn | None:
         while self._idle:
             reader, writer = self._idle.pop()
             if not reader.at_eof() and not writer.is_closing():
@@ -54,33 +58,42 @@ class HttpLink:
     async def post(self, path: str, body: bytes, content_type: str, timeout: float,
                    headers: dict[str, str] | None = None) -> tuple[int, bytes]:
         """POST and return (status, body). Raises LinkError on connection failure or timeout."""
+        return await self.post_now(path, body, content_type, timeout, headers)
+
+    def post_now(self, path: str, body: bytes, content_type: str, timeout: float,
+                 headers: dict[str, str] | None = None) -> Coroutine[Any, Any, tuple[int, bytes]]:
+        """``post``, with the request written before this returns when a pooled connection is idle (otherwise when
+        the result is awaited): whatever the caller does next is then off the per-token path. Await the result for
+        the answer; it raises LinkError like ``post``."""
+        request = _request_bytes(self._host_header, path, body, content_type, headers)
+        conn = self._checkout()
+        if conn is not None:
+            try:
+                conn[1].write(request)
+            except (OSError, RuntimeError):  # closed under us: the answer opens a fresh connection
+                conn[1].close()
+                conn = None
+        return self._answer(conn, request, timeout)
+
+    async def _answer(self, conn: _Conn | None, request: bytes, timeout: float) -> tuple[int, bytes]:
         try:
             async with asyncio.timeout(timeout):  # no task per request, unlike wait_for
-                return await self._post(path, body, content_type, headers)
+                if conn is not None:
+                    try:
+                        return await self._read_answer(conn)
+                    except (OSError, asyncio.IncompleteReadError):
+                        pass  # the pooled connection had gone stale: retry once on a fresh one
+                conn = await self._connect()
+                conn[1].write(request)
+                return await self._read_answer(conn)
         except TimeoutError:
             raise LinkError(f"no answer within {timeout:g}s", timeout=True) from None
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
             raise LinkError(f"{type(exc).__name__}: {exc}") from None
 
-    async def _post(self, path: str, body: bytes, content_type: str,
-                    headers: dict[str, str] | None) -> tuple[int, bytes]:
-        extra = b"".join(b"\r\n" + f"{k}: {v}".encode("latin-1") for k, v in headers.items()) if headers else b""
-        request = b"".join([b"POST ", path.encode(), b" HTTP/1.1\r\nhost: ", self._host_header,
-                            b"\r\ncontent-type: ", content_type.encode(), b"\r\ncontent-length: ",
-                            str(len(body)).encode(), extra, b"\r\n\r\n", body])
-        conn = self._checkout()
-        if conn is not None:
-            try:
-                return await self._exchange(conn, request)
-            except (OSError, asyncio.IncompleteReadError):
-                pass  # the pooled connection had gone stale: retry once on a fresh one
-        return await self._exchange(await self._connect(), request)
-
-    async def _exchange(self, conn: tuple[asyncio.StreamReader, asyncio.StreamWriter],
-                        request: bytes) -> tuple[int, bytes]:
+    async def _read_answer(self, conn: _Conn) -> tuple[int, bytes]:
         reader, writer = conn
         try:
-            writer.write(request)
             await writer.drain()
             head = await reader.readuntil(b"\r\n\r\n")
             if len(head) > _MAX_HEADER:
@@ -102,6 +115,13 @@ class HttpLink:
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
+
+
+def _request_bytes(host: bytes, path: str, body: bytes, content_type: str, headers: dict[str, str] | None) -> bytes:
+    extra = b"".join(b"\r\n" + f"{k}: {v}".encode("latin-1") for k, v in headers.items()) if headers else b""
+    return b"".join([b"POST ", path.encode(), b" HTTP/1.1\r\nhost: ", host, b"\r\ncontent-type: ",
+                     content_type.encode(), b"\r\ncontent-length: ", str(len(body)).encode(), extra, b"\r\n\r\n",
+                     body])
 
 
 def _parse_head(head: bytes) -> tuple[int, int, bool]:

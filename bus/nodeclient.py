@@ -8,7 +8,8 @@ with an error, which is what the structured session failure reports.
 from __future__ import annotations
 
 import json
-from typing import Literal
+from collections.abc import Coroutine
+from typing import Any, Literal
 
 import httpx
 
@@ -55,12 +56,22 @@ class NodeClient:
     async def _hot_post(self, node: str, endpoint: str, path: str, body: bytes, content_type: str,
                         timeout: float | None, session_token: str | None = None) -> None:
         """The per-token path: raw keep-alive link, same error semantics as the httpx path."""
+        await self._hot_start(node, endpoint, path, body, content_type, timeout, session_token)
+
+    def _hot_start(self, node: str, endpoint: str, path: str, body: bytes, content_type: str,
+                   timeout: float | None, session_token: str | None) -> Coroutine[Any, Any, None]:
         link = self._links.get(endpoint)
         if link is None:
             link = self._links[endpoint] = HttpLink(endpoint)
         wait = timeout if timeout is not None else self._timeout
+        return self._hot_answer(node, endpoint, path, wait,
+                                link.post_now(path, body, content_type, wait, _auth(session_token)))
+
+    @staticmethod
+    async def _hot_answer(node: str, endpoint: str, path: str, wait: float,
+                          answer: Coroutine[Any, Any, tuple[int, bytes]]) -> None:
         try:
-            status, payload = await link.post(path, body, content_type, wait, _auth(session_token))
+            status, payload = await answer
         except LinkError as exc:
             if exc.timeout:
                 raise HopError(node, "timeout", f"node {node} did not answer POST {path} within {wait:g}s") from None
@@ -117,15 +128,18 @@ class NodeClient:
             return exc.peer_status == 404  # already gone there counts as freed
         return True
 
-    async def send_frame(self, node: str, endpoint: str, session_id: str, frame: bytes, *,
-                         timeout: float | None = None, session_token: str | None = None) -> None:
-        await self._hot_post(node, endpoint, f"/v1/sessions/{session_id}/frames", frame, FRAME_CONTENT_TYPE, timeout,
-                             session_token)
+    def send_frame(self, node: str, endpoint: str, session_id: str, frame: bytes, *,
+                   timeout: float | None = None, session_token: str | None = None) -> Coroutine[Any, Any, None]:
+        """POST a frame. The request is written at once when a connection to the node is idle (so the caller may
+        do other work before awaiting the answer); the answer comes after the node has computed it."""
+        return self._hot_start(node, endpoint, f"/v1/sessions/{session_id}/frames", frame, FRAME_CONTENT_TYPE,
+                               timeout, session_token)
 
-    async def send_token(self, node: str, endpoint: str, event: TokenEvent, *, timeout: float | None = None,
-                         session_token: str | None = None) -> None:
-        await self._hot_post(node, endpoint, f"/v1/sessions/{event.session_id}/tokens",
-                             event.model_dump_json().encode(), "application/json", timeout, session_token)
+    def send_token(self, node: str, endpoint: str, event: TokenEvent, *, timeout: float | None = None,
+                   session_token: str | None = None) -> Coroutine[Any, Any, None]:
+        """POST a sampled token to the session's head; written at once like ``send_frame``."""
+        return self._hot_start(node, endpoint, f"/v1/sessions/{event.session_id}/tokens",
+                               event.model_dump_json().encode(), "application/json", timeout, session_token)
 
     async def report_failure(self, node: str, endpoint: str, session_id: str, reason: FailureReason, *,
                              timeout: float = 2.0, session_token: str | None = None) -> None:

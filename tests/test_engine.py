@@ -170,3 +170,51 @@ async def test_stop_fails_queued_work_and_is_safe_twice() -> None:
         await second
     with pytest.raises(EngineStopped):
         await engine.submit(StepInput("b", 0, tokens=PROMPT))
+
+
+async def test_a_lone_decode_step_runs_inline_and_a_second_session_brings_back_the_worker(engine: StepEngine) -> None:
+    backend = engine.backend
+    for sid in ("a", "b"):
+        await open_session(engine, sid)
+    out, _ = await engine.submit(StepInput("a", 0, tokens=PROMPT, sample=True))
+    assert backend.threads == {"backend"}  # type: ignore[attr-defined]  # a prefill chunk always goes to the worker
+    out, timing = await engine.submit(StepInput("a", len(PROMPT), tokens=[out.token], sample=True))  # type: ignore[list-item]
+    assert threading.current_thread().name in backend.threads  # type: ignore[attr-defined]
+    assert timing.queue_ms == 0.0 and timing.batch_size == 1
+
+    backend.threads.clear()  # type: ignore[attr-defined]
+    other, _ = await engine.submit(StepInput("b", 0, tokens=PROMPT, sample=True))
+    results = await asyncio.gather(
+        engine.submit(StepInput("a", len(PROMPT) + 1, tokens=[out.token], sample=True)),  # type: ignore[list-item]
+        engine.submit(StepInput("b", len(PROMPT), tokens=[other.token], sample=True)))  # type: ignore[list-item]
+    assert backend.threads == {"backend"}  # type: ignore[attr-defined]  # two active sessions: batched on the worker
+    assert [t.batch_size for _, t in results] == [2, 2]
+
+
+async def test_an_inline_step_and_the_worker_never_overlap(engine: StepEngine) -> None:
+    """Many sessions submitting at once, some alone for a while: the backend never sees two passes at a time."""
+    backend = engine.backend
+    running = 0
+    overlaps = 0
+    original = backend.step
+
+    def guarded(batch: list[StepInput]) -> list[StepOutput]:
+        nonlocal running, overlaps
+        running += 1
+        overlaps += running > 1
+        try:
+            return original(batch)
+        finally:
+            running -= 1
+
+    backend.step = guarded  # type: ignore[method-assign]
+
+    async def session(sid: str, steps: int) -> None:
+        await open_session(engine, sid)
+        out, _ = await engine.submit(StepInput(sid, 0, tokens=PROMPT, sample=True))
+        for i in range(steps):
+            out, _ = await engine.submit(StepInput(sid, len(PROMPT) + i, tokens=[out.token], sample=True))  # type: ignore[list-item]
+
+    await session("solo", 10)
+    await asyncio.gather(*(session(f"s{i}", 10) for i in range(4)))
+    assert overlaps == 0
