@@ -11,6 +11,7 @@ computed it, so an upstream hop learns at once if its successor died mid-compute
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -31,6 +32,9 @@ from schemas.session import FailureReason, HopTiming, SessionEnd, SessionOpen, S
 log = logging.getLogger(__name__)
 
 StepFuture = asyncio.Future[tuple[StepOutput, StepTiming]]
+
+_DRAIN_S = 1.0
+"""Longest a completing session waits for the answers to its last requests before it closes."""
 Outbound = Coroutine[Any, Any, None]
 """One request to another node, already started (see ``RouteSession._send``)."""
 
@@ -61,7 +65,7 @@ class RouteSession:
         self.positions_received = 0
         self._on_closed = on_closed
         self._next: Hop | None = None if is_tail else self.route.hops[self.hop_index + 1]
-        self._outbox: asyncio.Queue[Outbound | Callable[[], Outbound]] = asyncio.Queue()
+        self._outbox: asyncio.Queue[Outbound | Callable[[], Outbound] | asyncio.Event] = asyncio.Queue()
         self._sending = False
         """The outbox task is awaiting an answer."""
         self._unwritten = 0
@@ -235,6 +239,9 @@ class RouteSession:
         peer, kind = (self._next.node_id, "frame") if self._next is not None else (self.route.head.node_id, "token")
         while True:
             item = await self._outbox.get()
+            if isinstance(item, asyncio.Event):
+                item.set()
+                continue
             self._sending = True
             if not asyncio.iscoroutine(item):
                 self._unwritten -= 1
@@ -247,6 +254,17 @@ class RouteSession:
                 return
             finally:
                 self._sending = False
+
+    async def _drain_outbox(self, timeout: float) -> None:
+        """Wait (at most ``timeout``) for the answers to what was sent: the last frame's answer comes just after
+        the last token, and cancelling its read would lose its hop metric and close a pooled connection."""
+        if self._sender is None or self._sender.done():
+            return
+        drained = asyncio.Event()
+        self._outbox.put_nowait(drained)  # the send loop sets it when it gets there
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await drained.wait()
 
     def _drop_outbox(self) -> None:
         """At close: requests never sent are dropped; one already written is closed unawaited."""
@@ -280,6 +298,7 @@ class RouteSession:
         self.touch()
         self._arrivals[event.seq] = arrived
         if event.finish_reason is None and not self.closed and self._prefetched is None:
+            self.phase = SessionPhase.DECODE  # the first token ends the prefill, on every count
             item = self._decode_step(event.token)
             step = self.rt.engine.enqueue(item, handoff=True)
             forwarded = step.done() and not step.cancelled() and step.exception() is None
@@ -484,6 +503,7 @@ class RouteSession:
                          prompt_tokens=len(self.request.prompt_tokens), completion_tokens=event.seq + 1)
         # Every hop frees the session before the client can learn it ended: a client that opens its next session
         # at once must find the slots free, or a swarm within its capacity refuses it (tests/test_load.py).
+        await self._drain_outbox(_DRAIN_S)
         await self.close()
         await self._release_route()
         await self.rt.publish(self.rt.subjects.tokens(self.id), end)

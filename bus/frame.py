@@ -130,4 +130,8 @@ def decode(data: bytes) -> tuple[FrameHeader, npt.NDArray[np.float32]]:
         raise FrameDecodeError(
             f"payload is {len(payload)} bytes; {n_pos} positions of {tuple(shape)} {wire_dtype.label} need "
             f"{header.payload_bytes}")
-    return header, _from_wire(payload, wire_dtype).reshape((n_pos, *shape))
+    hidden = _from_wire(payload, wire_dtype).reshape((n_pos, *shape))
+    # A NaN or inf would poison the session's KV for good (every later position attends to it): refuse it here.
+    if not np.isfinite(hidden).all():
+        raise FrameDecodeError("frame carries non-finite activations (NaN or inf)")
+    return header, hidden

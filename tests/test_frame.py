@@ -239,3 +239,21 @@ def test_f16_refuses_values_beyond_its_range_instead_of_sending_infinity() -> No
                          n_positions=1, position_shape=(2,))
     with pytest.raises(ValueError, match="f16 range"):
         fr.encode(header, np.array([[1.0, 1e5]], dtype=np.float32))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("dtype", [WireDType.F32, WireDType.BF16])
+def test_non_finite_activations_are_refused_at_decode(bad: float, dtype: WireDType) -> None:
+    h = header(dtype=dtype)
+    values = hidden_for(h)
+    values[1, 3] = bad  # encode does not look: a buggy or hostile sender could send this
+    data = frames.encode(h, values) if dtype is WireDType.F32 else _encode_bf16_unchecked(h, values)
+    with pytest.raises(FrameDecodeError, match="non-finite"):
+        frames.decode(data)
+    frames.decode(frames.encode(h, hidden_for(h)))  # finite values still pass
+
+
+def _encode_bf16_unchecked(h: FrameHeader, values: np.ndarray) -> bytes:
+    good = frames.encode(h, np.zeros_like(values))
+    payload = (values.astype(np.float32).view(np.uint32) >> 16).astype("<u2").tobytes()
+    return good[:len(good) - len(payload)] + payload

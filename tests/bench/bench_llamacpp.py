@@ -18,6 +18,10 @@ server runs one request at a time and by default interrupts a running stream whe
 Configurations are interleaved round by round; figures are medians over rounds.
 
 Targets (issue #4): (c)/(a) decode >= 0.95, (c) >= (b), aggregate with 4 sessions >= 2x one session.
+
+Also printed, for the aggregate target: the *compute ceiling*, swarmroute's llama.cpp backend stepping 1 and then
+``--sessions`` decode rows per forward pass in this process with no serving stack at all: ``sessions x t(1) /
+t(sessions)`` is the most any server could get from batching this model on this CPU.
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ class Run:
 class Figures:
     runs: dict[str, list[Run]] = field(default_factory=dict)
     aggregate: dict[str, list[float]] = field(default_factory=dict)
+    ceiling: tuple[float, float] = (0.0, 0.0)
 
     def add(self, name: str, run: Run) -> None:
         self.runs.setdefault(name, []).append(run)
@@ -116,7 +121,7 @@ def stop(procs: list[subprocess.Popen[bytes]]) -> None:
 
 
 def run_in_process(llm: llama_cpp.Llama, n_tokens: int) -> Run:
-    llm.reset()
+    llm.reset()  # type: ignore[no-untyped-call]
     tokens = llm.tokenize(fresh_prompt().encode(), add_bos=True, special=True)
     started = time.perf_counter()
     first = last = 0.0
@@ -212,6 +217,49 @@ class SwarmrouteServer:
         self.nats.stop()
 
 
+# --- the compute ceiling of batching --------------------------------------------------------------------------------
+
+
+def batching_ceiling(model: Path, threads: int, sessions: int, steps: int = 40) -> tuple[float, float]:
+    """Seconds per decode step with 1 row and with ``sessions`` rows, swarmroute's backend alone (no HTTP, no NATS)."""
+    from actors.backend import StepInput, StepOutput
+    from actors.backends.llamacpp import LlamaCppBackend, LlamaCppConfig
+    from schemas.session import Prompt, SamplingParams
+
+    backend = LlamaCppBackend(LlamaCppConfig(model_path=model, n_ctx=1024, max_sessions=sessions, threads=threads))
+    try:
+        prompt = backend.tokenize(Prompt(text=PROMPT))
+        ids = [f"ceiling-{i}" for i in range(sessions)]
+        tokens: dict[str, int] = {}
+
+        def sampled(out: StepOutput) -> int:
+            assert out.token is not None
+            return out.token
+
+        for sid in ids:
+            backend.open_session(sid, prompt_tokens=prompt, sampling=SamplingParams(temperature=0.0))
+            tokens[sid] = sampled(backend.step([StepInput(sid, 0, tokens=prompt, sample=True)])[0])
+        position = len(prompt)
+
+        def timed(batch_ids: list[str]) -> float:
+            nonlocal position
+            started = time.perf_counter()
+            for _ in range(steps):
+                outs = backend.step([StepInput(sid, position, tokens=[tokens[sid]], sample=True) for sid in batch_ids])
+                for sid, out in zip(batch_ids, outs, strict=True):
+                    tokens[sid] = sampled(out)
+                position += 1
+            return (time.perf_counter() - started) / steps
+
+        timed(ids[:1])  # warm-up; the other sessions then fall behind by ``steps`` positions, so catch them up
+        for sid in ids[1:]:
+            for p in range(len(prompt), position):
+                tokens[sid] = sampled(backend.step([StepInput(sid, p, tokens=[tokens[sid]], sample=True)])[0])
+        return timed(ids[:1]), timed(ids)
+    finally:
+        backend.close()
+
+
 # --- the benchmark -------------------------------------------------------------------------------------------------
 
 
@@ -267,6 +315,7 @@ async def bench(args: argparse.Namespace) -> int:
             swarm.close()
             lcp.close()
             llm.close()
+    figures.ceiling = batching_ceiling(model, args.threads, args.sessions)
     return report(figures, args)
 
 
@@ -292,6 +341,9 @@ def report(figures: Figures, args: argparse.Namespace) -> int:
     one = statistics.median(figures.aggregate["(c) x1"])
     many = statistics.median(figures.aggregate[f"(c) x{args.sessions}"])
     print(f"(c) x{args.sessions} / x1 = {ratio(many, one)}   (target >= 2.0)")
+    t1, tn = figures.ceiling
+    print(f"compute ceiling: one decode step {t1 * 1e3:.1f} ms with 1 row, {tn * 1e3:.1f} ms with {args.sessions} rows "
+          f"(backend alone) -> at most {ratio(args.sessions * t1, tn)}x from batching on this machine")
     return 0
 
 
