@@ -239,22 +239,19 @@ def batching_ceiling(model: Path, threads: int, sessions: int, steps: int = 40) 
         for sid in ids:
             backend.open_session(sid, prompt_tokens=prompt, sampling=SamplingParams(temperature=0.0))
             tokens[sid] = sampled(backend.step([StepInput(sid, 0, tokens=prompt, sample=True)])[0])
-        position = len(prompt)
+        positions = dict.fromkeys(ids, len(prompt))
 
-        def timed(batch_ids: list[str]) -> float:
-            nonlocal position
+        def timed(batch_ids: list[str], n: int = steps) -> float:
             started = time.perf_counter()
-            for _ in range(steps):
-                outs = backend.step([StepInput(sid, position, tokens=[tokens[sid]], sample=True) for sid in batch_ids])
+            for _ in range(n):
+                outs = backend.step([StepInput(sid, positions[sid], tokens=[tokens[sid]], sample=True)
+                                     for sid in batch_ids])
                 for sid, out in zip(batch_ids, outs, strict=True):
                     tokens[sid] = sampled(out)
-                position += 1
-            return (time.perf_counter() - started) / steps
+                    positions[sid] += 1
+            return (time.perf_counter() - started) / n
 
-        timed(ids[:1])  # warm-up; the other sessions then fall behind by ``steps`` positions, so catch them up
-        for sid in ids[1:]:
-            for p in range(len(prompt), position):
-                tokens[sid] = sampled(backend.step([StepInput(sid, p, tokens=[tokens[sid]], sample=True)])[0])
+        timed(ids, 4)  # warm-up: page faults, graph allocation
         return timed(ids[:1]), timed(ids)
     finally:
         backend.close()
