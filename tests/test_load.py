@@ -13,6 +13,7 @@ import asyncio
 import collections
 import dataclasses
 import gc
+import json
 import sys
 import time
 from pathlib import Path
@@ -60,7 +61,8 @@ async def client_loop(base_url: str, tally: Tally, until: float, max_tokens: int
     """One user: streaming requests back to back until ``until``; a refusal waits its Retry-After (bounded)."""
     async with httpx.AsyncClient(timeout=30) as http:
         while time.monotonic() < until:
-            body = {"model": MODEL, "prompt": "load", "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+            body = {"model": MODEL, "prompt": "load", "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+                    "stream_options": {"include_usage": True}}
             try:
                 async with http.stream("POST", f"{base_url}/completions", json=body) as r:
                     if r.status_code in (429, 503):
@@ -75,19 +77,22 @@ async def client_loop(base_url: str, tally: Tally, until: float, max_tokens: int
                     if r.status_code != 200:
                         tally.errors.append(f"{r.status_code}: {(await r.aread())[:200]!r}")
                         continue
-                    tokens, done = 0, False
+                    tokens, texts, done = -1, 0, False
                     async for line in r.aiter_lines():
                         if line == "data: [DONE]":
                             done = True
                         elif line.startswith("data: {\"error\""):
                             tally.errors.append(line[:200])
+                        elif line.startswith("data: ") and '"usage":{' in line:
+                            tokens = json.loads(line[6:])["usage"]["completion_tokens"]
                         elif line.startswith("data: ") and '"text":"' in line and '"text":""' not in line:
-                            tokens += 1
-                    if done and tokens == max_tokens:
+                            texts += 1
+                    # An end-of-generation token sampled under ignore_eos counts but carries no text: no chunk.
+                    if done and tokens == max_tokens and 0 < texts <= tokens:
                         tally.completed += 1
                         tally.tokens += tokens
                     else:
-                        tally.errors.append(f"stream ended after {tokens} tokens (done={done})")
+                        tally.errors.append(f"stream ended after {tokens} tokens, {texts} with text (done={done})")
             except httpx.HTTPError as exc:
                 tally.errors.append(f"{type(exc).__name__}: {exc}")
 

@@ -11,7 +11,8 @@ Configurations, each with the bundled Gemma 3 270M Q4_K_M and the same thread co
 * ``route-2 proxied`` the 2-node route with every node behind a counting TCP proxy (no delay): f32 bytes per decode
   hop on the wire. The proxy relays in Python in this process, so it adds its own cost to every link: the speed and
   per-hop overhead on loopback are the unproxied rows;
-* ``route-2 +Nms``  the 2-node route with a TCP proxy adding N ms one-way delay on every link of the ring;
+* ``route-2 +Nms``  the 2-node route with a TCP proxy adding N ms one-way delay on every link of the ring, each proxy
+  its own process (tests/support/delay_proxy.py); its relay still costs a little on top of the delay;
 * ``route-2 bf16``  the 2-node route with bf16 activations: payload halves; divergence from f32 is counted in text
   pieces (f16 cannot carry Gemma 3's residual stream: its values pass 65504, and nodes refuse to send it).
 
@@ -66,8 +67,10 @@ class Route:
         for i, (a, b) in enumerate(split_layers(18, n_nodes)):
             port = free_port()
             advertise = []
-            if proxied or delay_s:
-                proxy = loop.run_until_complete(CountingProxy.start(port, delay_s=delay_s))
+            if delay_s:
+                advertise = ["--advertise-url", self._delay_proxy(port, delay_s)]
+            elif proxied:
+                proxy = loop.run_until_complete(CountingProxy.start(port))
                 self.proxies.append(proxy)
                 advertise = ["--advertise-url", proxy.url]
             self.procs.append(subprocess.Popen(
@@ -89,6 +92,17 @@ class Route:
         except BaseException:
             self.close()
             raise
+
+    def _delay_proxy(self, target_port: int, delay_s: float) -> str:
+        """A delay proxy in its own process (tests/support/delay_proxy.py); returns its URL."""
+        proc = subprocess.Popen([sys.executable, "-m", "tests.support.delay_proxy", "--target-port", str(target_port),
+                                 "--delay-ms", str(delay_s * 1e3)], stdout=subprocess.PIPE, text=True)
+        self.procs.append(proc)  # type: ignore[arg-type]
+        assert proc.stdout is not None
+        line = proc.stdout.readline().split()
+        if line[:1] != ["ready"]:
+            raise RuntimeError(f"the delay proxy did not start: {line}")
+        return f"http://127.0.0.1:{line[1]}"
 
     @property
     def url(self) -> str:
