@@ -140,28 +140,41 @@ async def stream(url: str, model: str, prompt: str, n_tokens: int) -> tuple[floa
     return (first - started) * 1e3, (len(pieces) - 1) / (last - first), pieces, telemetry
 
 
-def measure(route: Route, n_tokens: int, rounds: int) -> dict[str, float]:
+class Samples:
+    """One configuration's measurements, appended round by round."""
+
+    def __init__(self) -> None:
+        self.tps: list[float] = []
+        self.overhead: list[float] = []
+        self.compute: list[float] = []
+        self.ttft: list[float] = []
+
+    def figures(self, hop: list[int]) -> dict[str, float]:
+        return {"tps": statistics.median(self.tps), "ttft": statistics.median(self.ttft),
+                "overhead": statistics.median(self.overhead) if self.overhead else 0.0,
+                "compute": statistics.median(self.compute) if self.compute else 0.0,
+                "hop_bytes": max(hop) if hop else 0}
+
+
+def measure_round(route: Route, samples: Samples, n_tokens: int, i: int) -> None:
     loop = asyncio.get_event_loop()
-    loop.run_until_complete(stream(route.url, route.model, "Warm up.", 4))
-    for p in route.proxies:
-        p.reset()
-    tps, overhead, compute = [], [], []
-    for i in range(rounds):
-        _, rate, _, tel = loop.run_until_complete(stream(route.url, route.model, f"Run {i}. The capital of France is",
-                                                         n_tokens))
-        tps.append(rate)
-        overhead.append(tel.get("hop_overhead_ms") or 0.0)
-        compute.append(sum(h.get("mean_compute_ms") or 0.0 for h in tel.get("route", [])))
-    ttft = [loop.run_until_complete(stream(route.url, route.model, f"{i} {LONG_PROMPT}", 2))[0] for i in range(2)]
-    hop = route.decode_hop_bytes()
-    return {"tps": statistics.median(tps), "ttft": statistics.median(ttft), "overhead": statistics.median(overhead),
-            "compute": statistics.median(compute), "hop_bytes": max(hop) if hop else 0}
+    _, rate, _, tel = loop.run_until_complete(stream(route.url, route.model, f"Run {i}. The capital of France is",
+                                                     n_tokens))
+    samples.tps.append(rate)
+    samples.overhead.append(tel.get("hop_overhead_ms") or 0.0)
+    samples.compute.append(sum(h.get("mean_compute_ms") or 0.0 for h in tel.get("route", [])))
+
+
+CONFIGS = [("route-1", 1, False, "f32", False), ("route-2", 2, False, "f32", False),
+           ("route-3", 3, False, "f32", False), ("route-2 proxied", 2, False, "f32", True),
+           ("route-2 +{d}ms", 2, True, "f32", False), ("route-2 bf16", 2, False, "bf16", True)]
+"""(name, nodes, delayed, wire dtype, behind counting proxies)."""
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="threads per node process and for in-process")
     parser.add_argument("--delay-ms", type=float, default=5.0)
     args = parser.parse_args(argv)
@@ -169,38 +182,56 @@ def main(argv: list[str] | None = None) -> int:
 
     model = Path(g.assemble(Path.home() / ".cache" / "swarmroute" / "models" / "gemma-3-270m-q4_k_m.gguf"))
     asyncio.set_event_loop(asyncio.new_event_loop())
+    loop = asyncio.get_event_loop()
     llm = llama_cpp.Llama(str(model), n_ctx=2048, n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
-    base = [run_in_process(llm, args.tokens) for _ in range(args.rounds)]
-    base_tps = statistics.median(r.decode_tps for r in base)
-    tokens = llm.tokenize(LONG_PROMPT.encode(), add_bos=True)
-    llm.reset()
-    t0 = time.perf_counter()
-    next(iter(llm.generate(tokens, temp=0.0)))
-    base_ttft = (time.perf_counter() - t0) * 1e3
-    del llm
-    rows: list[tuple[str, dict[str, float]]] = []
-    f32_text: list[str] = []
+    base = Samples()
+    routes: dict[str, Route] = {}
+    samples: dict[str, Samples] = {}
     with tempfile.TemporaryDirectory() as tmp:
         home = Path(tmp)
-        for name, n, delay, dtype, proxied in [
-                ("route-1", 1, 0.0, "f32", False), ("route-2", 2, 0.0, "f32", False),
-                ("route-3", 3, 0.0, "f32", False), ("route-2 proxied", 2, 0.0, "f32", True),
-                (f"route-2 +{args.delay_ms:g}ms", 2, args.delay_ms / 1e3, "f32", True),
-                ("route-2 bf16", 2, 0.0, "bf16", True)]:
-            route = Route(model, n, args.threads, home / name.replace(" ", "_"), delay_s=delay, wire_dtype=dtype,
-                          proxied=proxied)
-            try:
-                figures = measure(route, args.tokens, args.rounds)
-                text = asyncio.get_event_loop().run_until_complete(
-                    stream(route.url, route.model, "The capital of France is", 48))[2]
-                if name == "route-2":
-                    f32_text = text
-                if dtype == "bf16":
-                    figures["diverge"] = next((i for i, (a, b) in enumerate(zip(f32_text, text, strict=False))
-                                               if a != b), len(text))
-                rows.append((name, figures))
-            finally:
+        try:
+            # Every configuration stays up and the rounds interleave: this machine's speed drifts by 10-20% over
+            # minutes, which a configuration measured after another would take for its own.
+            for template, n, delayed, dtype, proxied in CONFIGS:
+                name = template.format(d=f"{args.delay_ms:g}")
+                routes[name] = Route(model, n, args.threads, home / name.replace(" ", "_"),
+                                     delay_s=args.delay_ms / 1e3 if delayed else 0.0, wire_dtype=dtype, proxied=proxied)
+                samples[name] = Samples()
+                loop.run_until_complete(stream(routes[name].url, routes[name].model, "Warm up.", 4))
+            for route in routes.values():
+                for p in route.proxies:
+                    p.reset()
+            run_in_process(llm, 8)
+            for i in range(args.rounds):
+                r = run_in_process(llm, args.tokens)
+                base.tps.append(r.decode_tps)
+                for name, route in routes.items():
+                    measure_round(route, samples[name], args.tokens, i)
+                print(f"round {i + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+            tokens = llm.tokenize(LONG_PROMPT.encode(), add_bos=True)
+            for i in range(2):
+                llm.reset()  # type: ignore[no-untyped-call]
+                t0 = time.perf_counter()
+                next(iter(llm.generate(tokens, temp=0.0)))
+                base.ttft.append((time.perf_counter() - t0) * 1e3)
+                for name, route in routes.items():
+                    samples[name].ttft.append(loop.run_until_complete(
+                        stream(route.url, route.model, f"{i} {LONG_PROMPT}", 2))[0])
+            f32_text = loop.run_until_complete(stream(routes["route-2"].url, routes["route-2"].model,
+                                                      "The capital of France is", 48))[2]
+            bf16_text = loop.run_until_complete(stream(routes["route-2 bf16"].url, routes["route-2 bf16"].model,
+                                                       "The capital of France is", 48))[2]
+            rows = [(name, samples[name].figures(routes[name].decode_hop_bytes())) for name in routes]
+        finally:
+            for route in routes.values():
                 route.close()
+            llm.close()
+    base_tps = statistics.median(base.tps)
+    base_ttft = statistics.median(base.ttft)
+    for name, f in rows:
+        if name == "route-2 bf16":
+            f["diverge"] = next((i for i, (a, b) in enumerate(zip(f32_text, bf16_text, strict=False)) if a != b),
+                                len(bf16_text))
     print(f"\nDistributed GGUF route, Gemma 3 270M Q4_K_M, {args.threads} thread(s) per process, "
           f"{args.tokens} tokens, load average {os.getloadavg()[0]:.1f}")
     print(f"{'configuration':<18} {'decode tok/s':>12} {'vs in-proc':>10} {'TTFT 512 ms':>12} {'ms/link':>8} "
