@@ -241,3 +241,42 @@ def test_without_kv_unified_rows_come_grouped_by_sequence(gemma_path: Path) -> N
     finally:
         unified.close()
         split.close()
+
+
+# --- the native (C) name check and its fallback --------------------------------------------------------------------
+
+
+def test_the_native_callback_captures_the_same_bits_as_the_python_one(gemma_path: Path, full: Stage) -> None:
+    import actors.backends.ggml_capture as capture_module
+
+    if capture_module._native() is None:
+        pytest.skip("no working C compiler on this machine: the Python callback is the only one")
+    tokens = tokenize(full, PROMPT)
+    pos, seq = list(range(len(tokens))), [0] * len(tokens)
+    native = open_stage(gemma_path, capture_layer=7)
+    python = open_stage(gemma_path, capture_layer=7, count_asks=True)  # counting always uses the Python callback
+    try:
+        assert native.capture is not None and native.capture.native
+        assert python.capture is not None and not python.capture.native
+        assert np.array_equal(native.run(tokens=tokens, pos=pos, seq=seq), python.run(tokens=tokens, pos=pos, seq=seq))
+        assert native.capture.stats.captures == 1 and python.capture.stats.ask_calls > 0
+    finally:
+        native.close()
+        python.close()
+
+
+def test_without_a_compiler_the_python_callback_is_used_with_a_warning(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    import actors.backends.ggml_capture as capture_module
+
+    monkeypatch.setattr(capture_module, "native_library_path", lambda: tmp_path / "capture_eval-missing.so")
+    monkeypatch.setattr(capture_module.sysconfig, "get_config_var", lambda name: "/nonexistent/cc")
+    capture_module._native.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger=capture_module.__name__):
+            capture = capture_module.LayerCapture(3, 640)
+        assert not capture.native
+        assert "could not compile the native layer-capture callback" in caplog.text
+        assert not (tmp_path / "capture_eval-missing.so").exists()
+    finally:
+        capture_module._native.cache_clear()  # the next capture compiles (or finds) the real one again
