@@ -133,16 +133,22 @@ class LiveSession:
                 return event
             return None
         if isinstance(event, SessionEnd):
+            sent = event.completion_tokens
+            if event.phase is SessionPhase.COMPLETE and sent is not None and sent != self.tokens_seen:
+                # The last tokens have no successor to reveal the gap: the end's count does.
+                return self._lost(f"the head sent {sent} tokens, {self.tokens_seen} arrived")
             self.end = event
             return event
         if event.seq != self.tokens_seen:
-            reason = FailureReason(node_id=self.route.head.node_id if self.route else None, phase=SessionPhase.DECODE,
-                                   kind="protocol", message=f"token {self.tokens_seen} was lost on the bus "
-                                                            f"(received token {event.seq})")
-            self.end = SessionEnd(session_id=self.id, phase=SessionPhase.FAILED, failure=reason)
-            return self.end
+            return self._lost(f"token {self.tokens_seen} was lost on the bus (received token {event.seq})")
         self.tokens_seen += 1
         return event
+
+    def _lost(self, message: str) -> SessionEnd:
+        reason = FailureReason(node_id=self.route.head.node_id if self.route else None, phase=SessionPhase.DECODE,
+                               kind="protocol", message=message)
+        self.end = SessionEnd(session_id=self.id, phase=SessionPhase.FAILED, failure=reason)
+        return self.end
 
     async def _fail_stalled(self, waited: float) -> SessionEnd:
         node = await self._m.find_unresponsive(self.route) if self.route else None

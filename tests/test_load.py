@@ -61,8 +61,10 @@ async def client_loop(base_url: str, tally: Tally, until: float, max_tokens: int
     """One user: streaming requests back to back until ``until``; a refusal waits its Retry-After (bounded)."""
     async with httpx.AsyncClient(timeout=30) as http:
         while time.monotonic() < until:
+            # Greedy: the stub's text is then the same every time, and it holds no end-of-generation token (which
+            # counts under ignore_eos but has no text, so no chunk).
             body = {"model": MODEL, "prompt": "load", "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
-                    "stream_options": {"include_usage": True}}
+                    "temperature": 0, "stream_options": {"include_usage": True}}
             try:
                 async with http.stream("POST", f"{base_url}/completions", json=body) as r:
                     if r.status_code in (429, 503):
@@ -87,8 +89,7 @@ async def client_loop(base_url: str, tally: Tally, until: float, max_tokens: int
                             tokens = json.loads(line[6:])["usage"]["completion_tokens"]
                         elif line.startswith("data: ") and '"text":"' in line and '"text":""' not in line:
                             texts += 1
-                    # An end-of-generation token sampled under ignore_eos counts but carries no text: no chunk.
-                    if done and tokens == max_tokens and 0 < texts <= tokens:
+                    if done and tokens == texts == max_tokens:
                         tally.completed += 1
                         tally.tokens += tokens
                     else:
