@@ -142,7 +142,7 @@ class RouteSession:
             self.touch()
             self.frames_received += 1
             self.bytes_received += nbytes
-            self.rt.metrics.frame_bytes.inc(nbytes)
+            asyncio.get_running_loop().call_soon(self.rt.metrics.frame_bytes.inc, nbytes)
             self.positions_received += header.n_positions
             if header.kind is FrameKind.DECODE:
                 self.phase = SessionPhase.DECODE
@@ -176,8 +176,10 @@ class RouteSession:
 
     def _advance(self, item: StepInput, timing: StepTiming) -> None:
         self.position += item.n_positions
-        self.rt.metrics.step("decode" if self.phase is SessionPhase.DECODE else "prefill", timing.compute_ms,
-                             timing.queue_ms)
+        # Metrics wait for the next loop turn: right after a forward pass the caches are cold and every line of
+        # Python costs several times its usual price; the frame or token goes out first.
+        asyncio.get_running_loop().call_soon(self.rt.metrics.step, "decode" if self.phase is SessionPhase.DECODE
+                                             else "prefill", timing.compute_ms, timing.queue_ms)
 
     def _stamp(self, timing: StepTiming) -> HopStamp:
         return HopStamp(self.hop_index, int(timing.compute_ms * 1000), int(timing.queue_ms * 1000))
