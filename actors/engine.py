@@ -232,17 +232,16 @@ class StepEngine:
         return self._loop
 
     def _enqueue(self, pending: _Pending) -> None:
-        with self._cond:
-            if self._stopping:
-                raise EngineStopped("node is stopping")
-            self._steps.append(pending)
-            self._cond.notify()
+        self._hand_to_worker(self._steps.append, pending)
 
     def _enqueue_call(self, call: _Call) -> None:
+        self._hand_to_worker(self._calls.append, call)
+
+    def _hand_to_worker(self, put: Callable[[Any], None], work: _Pending | _Call) -> None:
         with self._cond:
             if self._stopping:
                 raise EngineStopped("node is stopping")
-            self._calls.append(call)
+            put(work)
             self._cond.notify()
 
     # ---- the worker -------------------------------------------------------------------------------------------

@@ -83,9 +83,9 @@ class RouteSession:
         self._chain: StepChain | None = None
         self._arrivals: dict[int, float] = {}
         """Head: when each token (by seq) reached ``on_token``, for the step wall time in telemetry."""
-        self._prefetched: tuple[int, StepFuture, float, bool] | None = None
-        """Head of a multi-node route: the step ``on_token`` queued for token ``seq`` (its future, when, and
-        whether its frame has already been forwarded), for the driver to pick up."""
+        self._prefetched: tuple[int, StepFuture, bool] | None = None
+        """Head of a multi-node route: the step ``on_token`` queued for token ``seq`` (its future, and whether its
+        frame has already been forwarded), for the driver to pick up."""
         self.telemetry: TelemetryPublisher | None = None
         self.session_token: str | None = None
         """Bound at open when the node checks capabilities; sent on every request to this session's other hops."""
@@ -169,13 +169,15 @@ class RouteSession:
         except SwarmrouteError:
             raise
         except Exception as exc:
-            raise SessionFailed(FailureReason(node_id=self.rt.node_id, phase=self.phase, kind="backend_error",
-                                              message=f"backend failed on node {self.rt.node_id}: {exc!r}")) from exc
-        self._advance(item, timing)
+            raise self._backend_failed(exc) from exc
+        self._advance(item.n_positions, timing)
         return out, timing
 
-    def _advance(self, item: StepInput, timing: StepTiming) -> None:
-        self.position += item.n_positions
+    def _backend_failed(self, exc: Exception) -> SessionFailed:
+        return self._failed_here("backend_error", f"backend failed on node {self.rt.node_id}: {exc!r}")
+
+    def _advance(self, n_positions: int, timing: StepTiming) -> None:
+        self.position += n_positions
         # Metrics wait for the next loop turn: right after a forward pass the caches are cold and every line of
         # Python costs several times its usual price; the frame or token goes out first.
         asyncio.get_running_loop().call_soon(self.rt.metrics.step, "decode" if self.phase is SessionPhase.DECODE
@@ -306,9 +308,9 @@ class RouteSession:
             forwarded = step.done() and not step.cancelled() and step.exception() is None
             if forwarded:
                 # It ran inline: the frame leaves now, before the driver task even wakes (failures go its way).
-                self._advance(item, step.result()[1])
+                self._advance(item.n_positions, step.result()[1])
                 self._forward(step.result(), event)
-            self._prefetched = (event.seq, step, arrived, forwarded)
+            self._prefetched = (event.seq, step, forwarded)
         self._events.put_nowait(event)
 
     # ---- the head's driver -----------------------------------------------------------------------------------
@@ -365,13 +367,13 @@ class RouteSession:
                 await self._announce(event, wall_ms)
                 await self._complete(event)
                 return
-            queued, started, forwarded = self._take_prefetched(event)
-            step_started = started or now
+            queued, forwarded = self._take_prefetched(event)
+            step_started = now  # the next step started (or was queued) as this token arrived
             if forwarded:
                 await self._announce(event, wall_ms)
                 continue
             if queued is not None and queued.done():
-                # The step ran inline as the token arrived: its frame goes out before the token is published.
+                # It ran inline but was not forwarded (it failed, or was cancelled): _compute raises that first.
                 self._forward(await self._compute(self._decode_step(event.token), queued), event)
                 await self._announce(event, wall_ms)
                 continue
@@ -394,17 +396,16 @@ class RouteSession:
     def _decode_step(self, token: int) -> StepInput:
         return StepInput(self.id, self.position, tokens=[token], sample=self.is_tail)
 
-    def _take_prefetched(self, event: TokenEvent) -> tuple[StepFuture | None, float | None, bool]:
-        """The step ``on_token`` queued for this token, when, and whether it is forwarded; (None, None, False) if
-        there is none for it."""
+    def _take_prefetched(self, event: TokenEvent) -> tuple[StepFuture | None, bool]:
+        """The step ``on_token`` queued for this token and whether it is forwarded; (None, False) if none."""
         prefetched, self._prefetched = self._prefetched, None
         if prefetched is None:
-            return None, None, False
-        seq, future, started, forwarded = prefetched
+            return None, False
+        seq, future, forwarded = prefetched
         if seq != event.seq:
             future.cancel()
-            return None, None, False
-        return future, started, forwarded
+            return None, False
+        return future, forwarded
 
     async def _decode_local(self) -> None:
         """Head and tail on this node: the engine chains the steps itself (each sampled token is the next input),
@@ -445,8 +446,7 @@ class RouteSession:
         while True:
             if self._chain is None:
                 self._chain = self.rt.engine.chain(self._decode_step(token), self._follow_local)
-            first = self.telemetry.generated == 0
-            timeout = self.rt.settings.first_token_timeout_s if first else self.rt.settings.token_timeout_s
+            timeout = self._token_timeout()
             try:
                 async with asyncio.timeout(timeout):  # no task per token, unlike wait_for
                     result = await self._chain.next()
@@ -455,11 +455,10 @@ class RouteSession:
             except SwarmrouteError:
                 raise
             except Exception as exc:
-                raise self._failed_here("backend_error", f"backend failed on node {self.rt.node_id}: {exc!r}") from exc
+                raise self._backend_failed(exc) from exc
             if result is not None:
                 out, timing = result
-                self.position += 1
-                self.rt.metrics.step("decode", timing.compute_ms, timing.queue_ms)
+                self._advance(1, timing)
                 return out, timing
             # The chain ended although the generation goes on (its rules differ from ``Generation``'s): restart it.
             self._chain = None
@@ -475,9 +474,12 @@ class RouteSession:
         self.rt.metrics.token(self.telemetry.generated, self.telemetry.ttft_ms, wall_ms, event.hop_timings,
                               len(self.route.hops))
 
-    async def _next_event(self) -> TokenEvent:
+    def _token_timeout(self) -> float:
         first = self.telemetry is not None and self.telemetry.generated == 0
-        timeout = self.rt.settings.first_token_timeout_s if first else self.rt.settings.token_timeout_s
+        return self.rt.settings.first_token_timeout_s if first else self.rt.settings.token_timeout_s
+
+    async def _next_event(self) -> TokenEvent:
+        timeout = self._token_timeout()
         try:
             async with asyncio.timeout(timeout):  # no task per token, unlike wait_for
                 item = await self._events.get()

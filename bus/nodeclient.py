@@ -53,13 +53,10 @@ class NodeClient:
             await link.aclose()
         await self._client.aclose()
 
-    async def _hot_post(self, node: str, endpoint: str, path: str, body: bytes, content_type: str,
-                        timeout: float | None, session_token: str | None = None) -> None:
-        """The per-token path: raw keep-alive link, same error semantics as the httpx path."""
-        await self._hot_start(node, endpoint, path, body, content_type, timeout, session_token)
-
     def _hot_start(self, node: str, endpoint: str, path: str, body: bytes, content_type: str,
                    timeout: float | None, session_token: str | None) -> Coroutine[Any, Any, None]:
+        """The per-token path: raw keep-alive link (the request is written now if a connection is idle), same error
+        semantics as the httpx path once awaited."""
         link = self._links.get(endpoint)
         if link is None:
             link = self._links[endpoint] = HttpLink(endpoint)
