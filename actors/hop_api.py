@@ -1,18 +1,20 @@
-"""The node's per-token endpoints as a bare ASGI app in front of its Starlette app.
+"""The node's per-token endpoints, served by the fast lane (``bus.hotpath``) and, behind it, as bare ASGI.
 
 ``POST /v1/sessions/{sid}/frames`` (activations from the previous hop) and ``POST /v1/sessions/{sid}/tokens``
-(the tail's sampled token, to the head) are crossed once per hop per decode step. Starlette's routing, Request
-object, exception middleware and Response rendering cost ~0.1-0.2 ms per request in Python, a sizeable share of
-the 0.5 ms a hop may add; these two are handled here on the raw ASGI messages. Every other request (and any
-method or path this does not own) goes on to the Starlette app. Errors keep the node API's shape: the
-``SwarmrouteError`` mapped to its status and OpenAI-style body.
+(the tail's sampled token, to the head) are crossed once per hop per decode step. A hop link's requests are
+answered by ``handle`` straight from the fast lane's ``data_received``: a decode frame that can run inline is
+computed, and its forward written, before that call returns. Requests the fast lane hands to uvicorn (another
+client's shape) reach the same ``handle`` through ``__call__``, an ASGI app in front of the node's Starlette app
+that skips Starlette's routing, Request and Response machinery for these two paths. Every other request goes on to
+the Starlette app. Errors keep the node API's shape: the ``SwarmrouteError`` mapped to its status and
+OpenAI-style body.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from pydantic import ValidationError
@@ -21,6 +23,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from actors.route_session import RouteSession
 from bus import frame as frames
 from bus.capability import HEADER_SESSION_TOKEN
+from bus.hotpath import Answer
 from bus.nodeclient import FRAME_CONTENT_TYPE
 from schemas.errors import BadRequestError, CapacityError, FrameError, PayloadTooLargeError, SwarmrouteError
 from schemas.session import TokenEvent
@@ -31,6 +34,7 @@ Lookup = Callable[[str, str | None], RouteSession]
 _PREFIX = "/v1/sessions/"
 _TOKEN_HEADER = HEADER_SESSION_TOKEN.lower().encode("latin-1")
 _JSON = [(b"content-type", b"application/json")]
+_NO_CONTENT: Answer = (204, b"", ())
 
 
 class HopApi:
@@ -40,56 +44,43 @@ class HopApi:
         self._max_frame_bytes = max_frame_bytes
         self._max_body_bytes = max_body_bytes
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        handler = self._route(scope)
-        if handler is None:
-            await self.app(scope, receive, send)
-            return
-        sid, handle = handler
-        try:
-            status, body = await handle(sid, scope, receive)
-        except SwarmrouteError as exc:
-            await _respond(send, exc.status, json.dumps(exc.to_body()).encode(), _retry_after(exc))
-            return
-        await _respond(send, status, body)
+    # ---- the fast lane's interface (bus.hotpath.HotRoutes) -------------------------------------------------------
 
-    def _route(self, scope: Scope) -> tuple[str, Callable[[str, Scope, Receive], Awaitable[tuple[int, bytes]]]] | None:
-        if scope["type"] != "http" or scope["method"] != "POST":
-            return None
-        path: str = scope["path"]
-        if not path.startswith(_PREFIX):
+    def claims(self, method: str, path: str) -> int | None:
+        if method != "POST" or not path.startswith(_PREFIX):
             return None
         sid, _, leaf = path[len(_PREFIX):].partition("/")
-        if not sid or "/" in leaf:
+        if not sid:
             return None
-        if leaf == "frames":
-            return sid, self._frame
-        if leaf == "tokens":
-            return sid, self._token
-        return None
+        return self._max_frame_bytes if leaf == "frames" else self._max_body_bytes if leaf == "tokens" else None
 
-    async def _frame(self, sid: str, scope: Scope, receive: Receive) -> tuple[int, bytes]:
-        headers = _headers(scope)
+    def handle(self, path: str, headers: Mapping[bytes, bytes], body: bytes) -> Answer | Awaitable[Answer]:
+        """Answer a claimed request; awaitable only when a frame's step had to queue for the backend's worker."""
+        sid, _, leaf = path[len(_PREFIX):].partition("/")
+        try:
+            if leaf == "tokens":
+                self._token(sid, headers, body)
+                return _NO_CONTENT
+            position = self._frame(sid, headers, body)
+        except SwarmrouteError as exc:
+            return _error(exc)
+        if isinstance(position, int):
+            return _position(position)
+        return _answer_later(position)
+
+    def _frame(self, sid: str, headers: Mapping[bytes, bytes], body: bytes) -> int | Awaitable[int]:
         session = self._lookup(sid, _text(headers.get(_TOKEN_HEADER)))
         content_type = _text(headers.get(b"content-type")) or FRAME_CONTENT_TYPE
         if content_type != FRAME_CONTENT_TYPE:
             raise FrameError(f"frames must be sent as {FRAME_CONTENT_TYPE}")
-        body = await _read_body(receive, headers, self._max_frame_bytes)
         try:
             header, hidden = frames.decode(body)
         except frames.FrameDecodeError as exc:
             raise FrameError(str(exc)) from None
-        position = await session.on_frame(header, hidden, len(body))
-        # One loop turn before answering: the session's outbox, woken by on_frame, then writes the forwarded frame
-        # (or the token) first. The forward is on the per-token path; this answer is not (the upstream hop sends
-        # this session's next frame only after the ring comes round).
-        await asyncio.sleep(0)
-        return 200, b'{"position":%d}' % position
+        return session.on_frame(header, hidden, len(body))
 
-    async def _token(self, sid: str, scope: Scope, receive: Receive) -> tuple[int, bytes]:
-        headers = _headers(scope)
+    def _token(self, sid: str, headers: Mapping[bytes, bytes], body: bytes) -> None:
         session = self._lookup(sid, _text(headers.get(_TOKEN_HEADER)))
-        body = await _read_body(receive, headers, self._max_body_bytes)
         try:
             event = TokenEvent.model_validate_json(body)
         except ValidationError as exc:
@@ -97,7 +88,44 @@ class HopApi:
         if not session.is_head:
             raise BadRequestError("tokens go to the session's head")
         session.on_token(event)
-        return 204, b""
+
+    # ---- ASGI, for requests the fast lane left to uvicorn ---------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        limit = self.claims(scope["method"], scope["path"]) if scope["type"] == "http" else None
+        if limit is None:
+            await self.app(scope, receive, send)
+            return
+        headers = _headers(scope)
+        try:
+            body = await _read_body(receive, headers, limit)
+        except SwarmrouteError as exc:
+            answer = _error(exc)
+        else:
+            handled = self.handle(scope["path"], headers, body)
+            answer = handled if isinstance(handled, tuple) else await handled
+        status, payload, extra = answer
+        await _respond(send, status, payload, list(extra))
+
+
+async def _answer_later(position: Awaitable[int]) -> Answer:
+    try:
+        at = await position
+    except SwarmrouteError as exc:
+        return _error(exc)
+    # One loop turn before answering: a forward the outbox could not write at once goes out first. The forward is
+    # on the per-token path; this answer is not (the upstream hop sends this session's next frame only after the
+    # ring comes round).
+    await asyncio.sleep(0)
+    return _position(at)
+
+
+def _position(position: int) -> Answer:
+    return 200, b'{"position":%d}' % position, ()
+
+
+def _error(exc: SwarmrouteError) -> Answer:
+    return exc.status, json.dumps(exc.to_body()).encode(), _retry_after(exc)
 
 
 def _headers(scope: Scope) -> dict[bytes, bytes]:
@@ -134,8 +162,8 @@ def _retry_after(exc: SwarmrouteError) -> list[tuple[bytes, bytes]]:
     return []
 
 
-async def _respond(send: Send, status: int, body: bytes, extra: list[tuple[bytes, bytes]] | None = None) -> None:
-    headers: list[Any] = [(b"content-length", str(len(body)).encode()), *(_JSON if body else []), *(extra or [])]
+async def _respond(send: Send, status: int, body: bytes, extra: list[tuple[bytes, bytes]]) -> None:
+    headers: list[Any] = [(b"content-length", str(len(body)).encode()), *(_JSON if body else []), *extra]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 

@@ -103,8 +103,9 @@ class Node:
         self.subjects = Subjects(settings.namespace)
         self.engine = StepEngine(backend)
         self.sessions: dict[str, RouteSession] = {}
-        self.server = HttpServer(HopApi(self._app(), self._session_for, max_frame_bytes=settings.max_frame_bytes,
-                                        max_body_bytes=settings.max_body_bytes), config.host, config.port)
+        hop_api = HopApi(self._app(), self._session_for, max_frame_bytes=settings.max_frame_bytes,
+                         max_body_bytes=settings.max_body_bytes)
+        self.server = HttpServer(hop_api, config.host, config.port, hot=hop_api)
         self._nc = nc
         self._own_nc = nc is None
         self._client = NodeClient(timeout_s=settings.hop_timeout_s)

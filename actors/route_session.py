@@ -71,7 +71,8 @@ class RouteSession:
         self._unwritten = 0
         """Requests queued in the outbox but not yet written (``_send``)."""
         self._sender: asyncio.Task[None] | None = None
-        self._frame_lock = asyncio.Lock()
+        self._frame_step: StepFuture | None = None
+        """A frame's step queued for the backend's worker: later frames wait for it (``on_frame``)."""
         self.generation: Generation | None = None
         if is_tail:
             backend = rt.engine.backend
@@ -123,8 +124,16 @@ class RouteSession:
 
     # ---- frames (every hop but the head) ---------------------------------------------------------------------
 
-    async def on_frame(self, header: FrameHeader, hidden: Hidden, nbytes: int) -> int:
-        """Validate, compute and queue the forward of one frame; returns the new KV position."""
+    def on_frame(self, header: FrameHeader, hidden: Hidden, nbytes: int) -> int | Awaitable[int]:
+        """Validate, compute and queue the forward of one frame; returns the new KV position. When the step runs
+        inline (a lone session's decode position on an idle engine) all of it happens before this returns, the
+        forward included; otherwise the position comes from the awaitable returned."""
+        self._check_frame(header)
+        if self._frame_step is not None:
+            return self._on_frame_later(header, hidden, nbytes)
+        return self._run_frame(header, hidden, nbytes)
+
+    def _check_frame(self, header: FrameHeader) -> None:
         if header.session_id != self.raw_id:
             raise FrameError(f"frame is for session {frames.session_str(header.session_id)}, not {self.id}")
         if self.is_head:
@@ -132,46 +141,77 @@ class RouteSession:
         if header.position_shape != self.hidden_shape:
             raise FrameError(f"frame position shape {list(header.position_shape)} does not match this model's "
                              f"{list(self.hidden_shape)}")
-        async with self._frame_lock:
-            if header.start_position != self.position:
-                raise FrameError(f"frame starts at position {header.start_position}; session {self.id} is at "
-                                 f"{self.position}", code="position_mismatch")
-            if self.position + header.n_positions > self.rt.engine.backend.info.context_length:
-                raise FrameError(f"frame would grow the session past the context of "
-                                 f"{self.rt.engine.backend.info.context_length} tokens")
-            self.touch()
-            self.frames_received += 1
-            self.bytes_received += nbytes
-            asyncio.get_running_loop().call_soon(self.rt.metrics.frame_bytes.inc, nbytes)
-            self.positions_received += header.n_positions
-            if header.kind is FrameKind.DECODE:
-                self.phase = SessionPhase.DECODE
-            item = StepInput(self.id, header.start_position, hidden=hidden, sample=header.sample and self.is_tail)
-            try:
-                out, timing = await self._compute(item)
-            except SessionFailed as failed:
-                asyncio.create_task(self._report(failed.reason))
-                raise BackendError(failed.reason.message) from None
-            stamps = (*header.stamps, self._stamp(timing))
-            if self.is_tail:
-                if header.sample:
-                    assert out.token is not None
-                    self._queue_token(out.token, stamps)
-            else:
-                assert out.hidden is not None
-                self._queue_frame(header.kind, header.start_position, out.hidden, header.sample, header.step, stamps)
-            return self.position
 
-    async def _compute(self, item: StepInput, queued: StepFuture | None = None) -> tuple[StepOutput, StepTiming]:
-        """Run ``item`` (or await ``queued``, the same step already queued) and advance the session's position."""
+    async def _on_frame_later(self, header: FrameHeader, hidden: Hidden, nbytes: int) -> int:
+        """A frame that came while the previous one is still computing: it runs after it, in arrival order."""
+        while self._frame_step is not None:
+            await asyncio.wait([self._frame_step])
+        ran = self._run_frame(header, hidden, nbytes)
+        return ran if isinstance(ran, int) else await ran
+
+    def _run_frame(self, header: FrameHeader, hidden: Hidden, nbytes: int) -> int | Awaitable[int]:
+        if header.start_position != self.position:
+            raise FrameError(f"frame starts at position {header.start_position}; session {self.id} is at "
+                             f"{self.position}", code="position_mismatch")
+        if self.position + header.n_positions > self.rt.engine.backend.info.context_length:
+            raise FrameError(f"frame would grow the session past the context of "
+                             f"{self.rt.engine.backend.info.context_length} tokens")
+        self.touch()
+        self.frames_received += 1
+        self.bytes_received += nbytes
+        asyncio.get_running_loop().call_soon(self.rt.metrics.frame_bytes.inc, nbytes)
+        self.positions_received += header.n_positions
+        if header.kind is FrameKind.DECODE:
+            self.phase = SessionPhase.DECODE
+        item = StepInput(self.id, header.start_position, hidden=hidden, sample=header.sample and self.is_tail)
+        step = self.rt.engine.enqueue(item, handoff=True)
+        if step.done():
+            return self._frame_computed(header, item, step)
+        self._frame_step = step
+        return self._frame_awaited(header, item, step)
+
+    async def _frame_awaited(self, header: FrameHeader, item: StepInput, step: StepFuture) -> int:
         try:
-            out, timing = await (queued if queued is not None else self.rt.engine.submit(item))
+            with contextlib.suppress(Exception):  # the result says; a cancelled caller cancels the step, though
+                await step
+        finally:
+            self._frame_step = None
+        return self._frame_computed(header, item, step)
+
+    def _frame_computed(self, header: FrameHeader, item: StepInput, step: StepFuture) -> int:
+        """The frame's step has run: advance, then send its forward (or the token) on."""
+        try:
+            out, timing = self._step_result(item, step)
+        except SessionFailed as failed:
+            asyncio.create_task(self._report(failed.reason))
+            raise BackendError(failed.reason.message) from None
+        stamps = (*header.stamps, self._stamp(timing))
+        if self.is_tail:
+            if header.sample:
+                assert out.token is not None
+                self._queue_token(out.token, stamps)
+        else:
+            assert out.hidden is not None
+            self._queue_frame(header.kind, header.start_position, out.hidden, header.sample, header.step, stamps)
+        return self.position
+
+    def _step_result(self, item: StepInput, step: StepFuture) -> tuple[StepOutput, StepTiming]:
+        """A finished step's output, with the session advanced past it; a backend failure as ``SessionFailed``."""
+        try:
+            out, timing = step.result()
         except SwarmrouteError:
             raise
         except Exception as exc:
             raise self._backend_failed(exc) from exc
         self._advance(item.n_positions, timing)
         return out, timing
+
+    async def _compute(self, item: StepInput, queued: StepFuture | None = None) -> tuple[StepOutput, StepTiming]:
+        """Run ``item`` (or await ``queued``, the same step already queued) and advance the session's position."""
+        step = queued if queued is not None else self.rt.engine.enqueue(item, handoff=True)
+        with contextlib.suppress(Exception):  # the result says; a cancelled caller cancels the step, though
+            await step
+        return self._step_result(item, step)
 
     def _backend_failed(self, exc: Exception) -> SessionFailed:
         return self._failed_here("backend_error", f"backend failed on node {self.rt.node_id}: {exc!r}")

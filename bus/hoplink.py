@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import socket
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -58,13 +59,14 @@ class HttpLink:
     async def post(self, path: str, body: bytes, content_type: str, timeout: float,
                    headers: dict[str, str] | None = None) -> tuple[int, bytes]:
         """POST and return (status, body). Raises LinkError on connection failure or timeout."""
-        return await self.post_now(path, body, content_type, timeout, headers)
+        return await self.post_now(path, body, content_type, timeout, headers)()
 
     def post_now(self, path: str, body: bytes, content_type: str, timeout: float,
-                 headers: dict[str, str] | None = None) -> Coroutine[Any, Any, tuple[int, bytes]]:
+                 headers: dict[str, str] | None = None) -> Callable[[], Coroutine[Any, Any, tuple[int, bytes]]]:
         """``post``, with the request written before this returns when a pooled connection is idle (otherwise when
-        the result is awaited): whatever the caller does next is then off the per-token path. Await the result for
-        the answer; it raises LinkError like ``post``."""
+        the answer is awaited): whatever the caller does next is then off the per-token path. Call the result and
+        await that for the answer; it raises LinkError like ``post``. (A callable rather than a coroutine, so that
+        a request whose answer is never wanted leaves no coroutine behind unawaited.)"""
         request = _request_bytes(self._host_header, path, body, content_type, headers)
         conn = self._checkout()
         if conn is not None:
@@ -73,7 +75,7 @@ class HttpLink:
             except (OSError, RuntimeError):  # closed under us: the answer opens a fresh connection
                 conn[1].close()
                 conn = None
-        return self._answer(conn, request, timeout)
+        return functools.partial(self._answer, conn, request, timeout)
 
     async def _answer(self, conn: _Conn | None, request: bytes, timeout: float) -> tuple[int, bytes]:
         try:

@@ -1,4 +1,5 @@
-"""Running a Starlette app under uvicorn inside an actor's event loop, on a socket the actor binds itself."""
+"""Running a Starlette app under uvicorn inside an actor's event loop, on a socket the actor binds itself, with an
+optional fast lane (``bus.hotpath``) for the per-token requests on the same socket."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ import socket
 from collections.abc import Iterator
 
 import uvicorn
+import uvicorn.config
+import uvicorn.importer
 from starlette.types import ASGIApp
+
+from bus.hotpath import HotPathProtocol, HotRoutes, close_idle
+
+IDLE_S = 75.0
+"""Keep-alive connections quiet for this long are closed (uvicorn's own ``timeout_keep_alive`` for the rest)."""
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -20,9 +28,10 @@ class _EmbeddedServer(uvicorn.Server):
 
 
 class HttpServer:
-    """Binds ``host:port`` (port 0 picks a free one) and serves ``app`` until ``stop()``, which is idempotent."""
+    """Binds ``host:port`` (port 0 picks a free one) and serves ``app`` until ``stop()``, which is idempotent.
+    With ``hot``, the requests it claims are answered by the fast lane instead of going through ``app``."""
 
-    def __init__(self, app: ASGIApp, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, app: ASGIApp, host: str = "127.0.0.1", port: int = 0, *, hot: HotRoutes | None = None) -> None:
         self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         # Accepted connections inherit this on Linux; without it a response written as headers + body waits
@@ -31,11 +40,16 @@ class HttpServer:
         self._sock.bind((host, port))
         self.host = host
         self.port: int = self._sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, timeout_keep_alive=75,
-                                proxy_headers=False,
-                                http="h11" if not _has_httptools() else "httptools")
+        self._hot_connections: set[HotPathProtocol] = set()
+        protocol: type[asyncio.Protocol] | str = "httptools" if _has_httptools() else "h11"
+        if hot is not None:
+            fallback = uvicorn.importer.import_from_string(uvicorn.config.HTTP_PROTOCOLS[str(protocol)])
+            protocol = HotPathProtocol.bind(hot, fallback, self._hot_connections)
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
+                                timeout_keep_alive=int(IDLE_S), proxy_headers=False, http=protocol)
         self._server = _EmbeddedServer(config)
         self._task: asyncio.Task[None] | None = None
+        self._sweeper: asyncio.Task[None] | None = None
 
     @property
     def url(self) -> str:
@@ -49,11 +63,19 @@ class HttpServer:
                 await self._task
                 raise RuntimeError(f"HTTP server on {self.url} exited during start-up")
             await asyncio.sleep(0.01)
+        self._sweeper = asyncio.create_task(self._sweep(), name=f"http-idle-{self.port}")
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(IDLE_S / 5)
+            close_idle(self._hot_connections, IDLE_S)
 
     async def stop(self) -> None:
         task, self._task = self._task, None
         if task is None:
             return
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         self._server.should_exit = True
         try:
             await asyncio.wait_for(asyncio.shield(task), 5.0)
@@ -61,6 +83,8 @@ class HttpServer:
             self._server.force_exit = True
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(task, 2.0)
+        for conn in list(self._hot_connections):  # after uvicorn stopped accepting: none can come in behind
+            conn.close()
         with contextlib.suppress(OSError):
             self._sock.close()
 

@@ -8,7 +8,7 @@ with an error, which is what the structured session failure reports.
 from __future__ import annotations
 
 import json
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, Literal
 
 import httpx
@@ -66,9 +66,9 @@ class NodeClient:
 
     @staticmethod
     async def _hot_answer(node: str, endpoint: str, path: str, wait: float,
-                          answer: Coroutine[Any, Any, tuple[int, bytes]]) -> None:
+                          answer: Callable[[], Coroutine[Any, Any, tuple[int, bytes]]]) -> None:
         try:
-            status, payload = await answer
+            status, payload = await answer()
         except LinkError as exc:
             if exc.timeout:
                 raise HopError(node, "timeout", f"node {node} did not answer POST {path} within {wait:g}s") from None

@@ -64,7 +64,8 @@ async def behind(request: Request) -> PlainTextResponse:
 async def served():  # type: ignore[no-untyped-def]
     sessions = Sessions()
     inner = Starlette(routes=[Route("/{rest:path}", behind, methods=["GET", "POST", "DELETE"])])
-    server = HttpServer(HopApi(inner, sessions, max_frame_bytes=4096, max_body_bytes=1024))  # type: ignore[arg-type]
+    api = HopApi(inner, sessions, max_frame_bytes=4096, max_body_bytes=1024)  # type: ignore[arg-type]
+    server = HttpServer(api, hot=api)
     await server.start()
     async with httpx.AsyncClient(base_url=server.url, headers={"x-swarmroute-session-token": "secret"}) as client:
         yield client, sessions
