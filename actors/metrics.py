@@ -19,6 +19,7 @@ Series (all names prefixed ``swarmroute_``)::
     node_ttft_seconds                         head: session start to first sampled token
     node_time_per_output_token_seconds        head: one decode step around the ring
     node_frame_bytes_received_total           activation bytes received from the previous hop
+    node_hop_spin_seconds_total               event-loop polling around expected decode messages (actors/spin.py)
     artifact_bytes_fetched_total{model}       artifact bytes downloaded by this process
     artifact_bytes_served_total{model}        artifact bytes uploaded to peers by this process
 """
@@ -80,6 +81,8 @@ class NodeMetrics:
         self.tpot = Histogram("swarmroute_node_time_per_output_token_seconds", "Head: one decode step around the "
                               "ring", buckets=_FAST, registry=r)
         self.frame_bytes = Counter("swarmroute_node_frame_bytes_received", "Activation bytes received", registry=r)
+        self.spin_seconds = Counter("swarmroute_node_hop_spin_seconds", "Event-loop polling around expected decode "
+                                    "frames and tokens", registry=r)
 
     def bind(self, *, live_sessions: Callable[[], int], max_sessions: Callable[[], int],
              kv_bytes: Callable[[], int]) -> None:

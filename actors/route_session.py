@@ -21,6 +21,7 @@ from actors.backend import Hidden, StepInput, StepOutput
 from actors.engine import StepChain, StepTiming
 from actors.generation import Generation
 from actors.runtime import NodeRuntime
+from actors.spin import ArrivalSpinner
 from actors.telemetry import TelemetryPublisher
 from bus import frame as frames
 from bus.nodeclient import HopError
@@ -84,6 +85,8 @@ class RouteSession:
         self._chain: StepChain | None = None
         self._arrivals: dict[int, float] = {}
         """Head: when each token (by seq) reached ``on_token``, for the step wall time in telemetry."""
+        self._spinner = ArrivalSpinner(rt.settings.hop_spin_lead_s)
+        """Polls the loop around this session's next decode frame or token (multi-node routes)."""
         self._prefetched: tuple[int, StepFuture, bool] | None = None
         """Head of a multi-node route: the step ``on_token`` queued for token ``seq`` (its future, and whether its
         frame has already been forwarded), for the driver to pick up."""
@@ -111,6 +114,8 @@ class RouteSession:
             self._chain.stop()
         if self._prefetched is not None:
             self._prefetched[1].cancel()
+        self._spinner.reset()
+        self.rt.metrics.spin_seconds.inc(self._spinner.spun_s)
         current = asyncio.current_task()
         others = [t for t in (self._driver, self._sender) if t is not None and t is not current]
         for task in others:
@@ -129,6 +134,8 @@ class RouteSession:
         inline (a lone session's decode position on an idle engine) all of it happens before this returns, the
         forward included; otherwise the position comes from the awaitable returned."""
         self._check_frame(header)
+        if header.kind is FrameKind.DECODE:
+            self._spinner.arrived()
         if self._frame_step is not None:
             return self._on_frame_later(header, hidden, nbytes)
         return self._run_frame(header, hidden, nbytes)
@@ -193,6 +200,8 @@ class RouteSession:
         else:
             assert out.hidden is not None
             self._queue_frame(header.kind, header.start_position, out.hidden, header.sample, header.step, stamps)
+        if header.kind is FrameKind.DECODE and self.phase is SessionPhase.DECODE:
+            self._spinner.idle()
         return self.position
 
     def _step_result(self, item: StepInput, step: StepFuture) -> tuple[StepOutput, StepTiming]:
@@ -339,6 +348,7 @@ class RouteSession:
         """Head: the tail posted a sampled token. The next step is queued at once, ahead of the driver task waking
         up to publish the token: that wake-up is off the per-token path."""
         arrived = time.perf_counter()
+        self._spinner.arrived(arrived)
         self.touch()
         self._arrivals[event.seq] = arrived
         if event.finish_reason is None and not self.closed and self._prefetched is None:
@@ -432,6 +442,7 @@ class RouteSession:
         assert out.hidden is not None
         self._queue_frame(FrameKind.DECODE, self.position - 1, out.hidden, True, event.seq + 1,
                           (self._stamp(timing),))
+        self._spinner.idle()
 
     def _decode_step(self, token: int) -> StepInput:
         return StepInput(self.id, self.position, tokens=[token], sample=self.is_tail)

@@ -28,6 +28,11 @@ from schemas.frame import MAGIC, MAX_DIMS, FrameHeader, FrameKind, HopStamp, Wir
 
 _FIXED = struct.Struct("<4sBBBB16sIIIB3x")
 _STAMP = struct.Struct("<III")
+_DIMS = [struct.Struct(f"<{n}I") for n in range(MAX_DIMS + 1)]
+# Plain dict lookups: the decode path runs once per hop per token, often on cold caches, where every enum call and
+# format-string parse costs several microseconds.
+_KINDS = {int(k): k for k in FrameKind}
+_DTYPES = {int(d): d for d in WireDType}
 _F32, _F16, _U16, _U32 = np.dtype("<f4"), np.dtype("<f2"), np.dtype("<u2"), np.dtype("<u4")
 
 
@@ -89,9 +94,9 @@ def encode(header: FrameHeader, hidden: npt.NDArray[np.floating]) -> bytes:
         raise ValueError(f"a frame needs at least one position and no empty dimension, got {expected}")
     flags = 1 if header.sample else 0
     parts = [
-        _FIXED.pack(MAGIC, int(header.kind), int(header.dtype), flags, len(header.position_shape), header.session_id,
+        _FIXED.pack(MAGIC, header.kind, header.dtype, flags, len(header.position_shape), header.session_id,
                     header.step, header.start_position, header.n_positions, len(header.stamps)),
-        struct.pack(f"<{len(header.position_shape)}I", *header.position_shape),
+        _DIMS[len(header.position_shape)].pack(*header.position_shape),
     ]
     parts.extend(_STAMP.pack(s.hop_index, s.compute_us, s.queue_us) for s in header.stamps)
     parts.append(_to_wire(hidden, header.dtype))
@@ -105,11 +110,11 @@ def decode(data: bytes) -> tuple[FrameHeader, npt.NDArray[np.float32]]:
     magic, kind, dtype, flags, n_dims, sid, step, start, n_pos, n_stamps = _FIXED.unpack_from(data, 0)
     if magic != MAGIC:
         raise FrameDecodeError(f"bad magic {magic!r}, expected {MAGIC!r}")
-    if kind not in FrameKind.__members__.values():
+    frame_kind, wire_dtype = _KINDS.get(kind), _DTYPES.get(dtype)
+    if frame_kind is None:
         raise FrameDecodeError(f"unknown frame kind {kind} (expected 0 prefill or 1 decode)")
-    if dtype not in WireDType.__members__.values():
-        raise FrameDecodeError(f"unknown dtype {dtype} (expected 0 f32 or 1 f16)")
-    frame_kind, wire_dtype = FrameKind(kind), WireDType(dtype)
+    if wire_dtype is None:
+        raise FrameDecodeError(f"unknown dtype {dtype} (expected 0 f32, 1 f16 or 2 bf16)")
     if not 1 <= n_dims <= MAX_DIMS:
         raise FrameDecodeError(f"n_dims {n_dims} outside 1..{MAX_DIMS}")
     if n_pos < 1:
@@ -117,11 +122,11 @@ def decode(data: bytes) -> tuple[FrameHeader, npt.NDArray[np.float32]]:
     hsize = header_size(n_dims, n_stamps)
     if len(data) < hsize:
         raise FrameDecodeError(f"frame is {len(data)} bytes, header alone needs {hsize}")
-    shape = struct.unpack_from(f"<{n_dims}I", data, _FIXED.size)
-    if any(d == 0 for d in shape):
+    shape = _DIMS[n_dims].unpack_from(data, _FIXED.size)
+    if 0 in shape:
         raise FrameDecodeError(f"position shape {shape} has a zero dimension")
-    stamps = tuple(HopStamp(*_STAMP.unpack_from(data, _FIXED.size + 4 * n_dims + _STAMP.size * i))
-                   for i in range(n_stamps))
+    at = _FIXED.size + 4 * n_dims
+    stamps = tuple(HopStamp(*_STAMP.unpack_from(data, at + _STAMP.size * i)) for i in range(n_stamps))
     header = FrameHeader(session_id=sid, kind=frame_kind, dtype=wire_dtype, start_position=start,
                          n_positions=n_pos, position_shape=tuple(shape), step=step, sample=bool(flags & 1),
                          stamps=stamps)

@@ -172,7 +172,7 @@ def test_n_dims_out_of_range(n_dims: int) -> None:
 
 def test_unknown_dtype_named_precisely() -> None:
     data = patched(valid_frame(), 5, "<B", 7)
-    with pytest.raises(FrameDecodeError, match=r"^unknown dtype 7 \(expected 0 f32 or 1 f16\)$"):
+    with pytest.raises(FrameDecodeError, match=r"^unknown dtype 7 \(expected 0 f32, 1 f16 or 2 bf16\)$"):
         frames.decode(data)
 
 
