@@ -198,15 +198,15 @@ def test_a_failing_handler_gives_a_500_and_the_connection_lives_on(runner: str) 
 
 
 @RUNNERS
-def test_an_oversized_head_is_refused_by_uvicorn(runner: str) -> None:
+def test_an_oversized_head_is_left_to_uvicorn(runner: str) -> None:
     async def scenario(server: HttpServer, recorder: Recorder) -> None:
         reader, writer = await raw(server)
         writer.write(post("/hot/x", b"", "x-big: " + "a" * (MAX_HEAD + 10)))
         try:
-            status, _, _ = await read_response(reader)
-            assert status >= 400
+            status, _, body = await read_response(reader)
+            assert status >= 400 or body.startswith(b"starlette "), (status, body)
         except (asyncio.IncompleteReadError, ConnectionError):
-            pass  # uvicorn may also just drop the connection
+            pass  # uvicorn's own limit may also just drop the connection
         assert recorder.seen == []
         writer.close()
 

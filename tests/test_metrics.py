@@ -110,7 +110,7 @@ async def test_metrics_after_a_streamed_request(settings: Settings) -> None:
             "sessions_opened_total", "sessions_ended_total", "step_seconds_count", "queue_seconds_count",
             "hop_seconds_count", "link_overhead_seconds_count", "ttft_seconds_count",
             "time_per_output_token_seconds_count", "live_sessions", "max_sessions", "kv_bytes",
-            "frame_bytes_received_total")])
+            "frame_bytes_received_total", "hop_spin_seconds_total")])
         assert node1.value("swarmroute_node_sessions_opened_total", role="head") == 1
         assert node2.value("swarmroute_node_sessions_opened_total", role="tail") == 1
         assert node1.value("swarmroute_node_sessions_ended_total", outcome="complete") == 1
@@ -130,6 +130,12 @@ async def test_metrics_after_a_streamed_request(settings: Settings) -> None:
         assert node1.value("swarmroute_node_step_seconds_sum", kind="decode") >= 0.002 * (n_tokens - 1)
         hidden = 64 * 4  # one f32 position of the stub's (64,) hidden state
         assert node2.value("swarmroute_node_frame_bytes_received_total") > hidden * (prompt_tokens + n_tokens - 1)
+        # both nodes polled around some of the 19 steady decode arrivals (actors/spin.py), each for at most a
+        # couple of milliseconds per step
+        await settled(swarm.nodes[1].endpoint, "swarmroute_node_live_sessions")  # counted when the session closes
+        node2 = await scrape(swarm.nodes[1].endpoint)
+        spun = sum(n.value("swarmroute_node_hop_spin_seconds_total") for n in (node1, node2))
+        assert 0 < spun < wall
     finally:
         await swarm.stop()
 
