@@ -24,8 +24,9 @@ from actors.route_session import RouteSession
 from bus import frame as frames
 from bus.capability import HEADER_SESSION_TOKEN
 from bus.hotpath import Answer
-from bus.nodeclient import FRAME_CONTENT_TYPE
+from bus.nodeclient import FRAME_CONTENT_TYPE, TOKEN_CONTENT_TYPE
 from schemas.errors import BadRequestError, CapacityError, FrameError, PayloadTooLargeError, SwarmrouteError
+from schemas.frame import SampledToken
 from schemas.session import TokenEvent
 
 Lookup = Callable[[str, str | None], RouteSession]
@@ -81,10 +82,22 @@ class HopApi:
 
     def _token(self, sid: str, headers: Mapping[bytes, bytes], body: bytes) -> None:
         session = self._lookup(sid, _text(headers.get(_TOKEN_HEADER)))
-        try:
-            event = TokenEvent.model_validate_json(body)
-        except ValidationError as exc:
-            raise BadRequestError(f"invalid TokenEvent: {summarize(exc)}") from None
+        content_type = _text(headers.get(b"content-type")) or "application/json"
+        event: TokenEvent | SampledToken
+        if content_type == TOKEN_CONTENT_TYPE:
+            try:
+                event = frames.decode_token(body)
+            except frames.FrameDecodeError as exc:
+                raise FrameError(str(exc)) from None
+            if event.session_id != session.raw_id:
+                raise FrameError(f"token frame is for session {frames.session_str(event.session_id)}, not {sid}")
+        elif content_type.split(";")[0].strip() == "application/json":
+            try:
+                event = TokenEvent.model_validate_json(body)
+            except ValidationError as exc:
+                raise BadRequestError(f"invalid TokenEvent: {summarize(exc)}") from None
+        else:
+            raise BadRequestError(f"tokens are sent as {TOKEN_CONTENT_TYPE} or application/json")
         if not session.is_head:
             raise BadRequestError("tokens go to the session's head")
         session.on_token(event)

@@ -26,7 +26,7 @@ from actors.telemetry import TelemetryPublisher
 from bus import frame as frames
 from bus.nodeclient import HopError
 from schemas.errors import BackendError, FrameError, SwarmrouteError
-from schemas.frame import FrameHeader, FrameKind, HopStamp
+from schemas.frame import FrameHeader, FrameKind, HopStamp, SampledToken
 from schemas.route import Hop
 from schemas.session import FailureReason, HopTiming, SessionEnd, SessionOpen, SessionPhase, TokenEvent
 
@@ -80,7 +80,7 @@ class RouteSession:
             self.generation = Generation(max_tokens=request.max_tokens, stops=request.stop,
                                          ignore_eos=request.ignore_eos, token_bytes=backend.token_bytes,
                                          is_eog=backend.is_end_of_generation)
-        self._events: asyncio.Queue[TokenEvent | FailureReason] = asyncio.Queue()
+        self._events: asyncio.Queue[TokenEvent | SampledToken | FailureReason] = asyncio.Queue()
         self._driver: asyncio.Task[None] | None = None
         self._chain: StepChain | None = None
         self._arrivals: dict[int, float] = {}
@@ -250,25 +250,32 @@ class RouteSession:
                                                      session_token=self.session_token),
                    causal=kind is FrameKind.DECODE)
 
-    def _token_event(self, token: int, stamps: tuple[HopStamp, ...]) -> TokenEvent:
+    def _sampled(self, token: int, stamps: tuple[HopStamp, ...]) -> SampledToken:
         assert self.generation is not None
         text, finish = self.generation.accept(token)
-        timings = [HopTiming(node_id=self.route.hops[s.hop_index].node_id, compute_ms=s.compute_us / 1000,
-                             queue_ms=s.queue_us / 1000) for s in stamps if s.hop_index < len(self.route.hops)]
-        return TokenEvent(session_id=self.id, seq=self.generation.count - 1, token=token, text=text,
-                          finish_reason=finish, hop_timings=timings)
+        return SampledToken(session_id=self.raw_id, seq=self.generation.count - 1, token=token, text=text,
+                            finish_reason=finish, stamps=stamps)
+
+    def _event_of(self, sampled: SampledToken) -> TokenEvent:
+        """The gateway's view of a sampled token. Built on the head, after the step it feeds has been started: a
+        validated model costs tens of microseconds right after a forward pass."""
+        hops = self.route.hops
+        timings = [HopTiming(node_id=hops[s.hop_index].node_id, compute_ms=s.compute_us / 1000,
+                             queue_ms=s.queue_us / 1000) for s in sampled.stamps if s.hop_index < len(hops)]
+        return TokenEvent(session_id=self.id, seq=sampled.seq, token=sampled.token, text=sampled.text,
+                          finish_reason=sampled.finish_reason, hop_timings=timings)
 
     def _queue_token(self, token: int, stamps: tuple[HopStamp, ...]) -> None:
-        event = self._token_event(token, stamps)
-        finish = event.finish_reason
+        sampled = self._sampled(token, stamps)
         if self.is_head:
-            self._events.put_nowait(event)
+            self._events.put_nowait(sampled)
             return
         head = self.route.head
         timeout = self.rt.settings.hop_timeout_s
-        self._send(lambda: self.rt.client.send_token(head.node_id, head.endpoint, event, timeout=timeout,
+        data = frames.encode_token(sampled)
+        self._send(lambda: self.rt.client.send_token(head.node_id, head.endpoint, self.id, data, timeout=timeout,
                                                      session_token=self.session_token), causal=True)
-        if finish is not None:
+        if sampled.finish_reason is not None:
             self.phase = SessionPhase.COMPLETE
 
     def _send(self, start: Callable[[], Outbound], *, causal: bool) -> None:
@@ -344,7 +351,7 @@ class RouteSession:
         """Head: a downstream node reported a failure."""
         self._events.put_nowait(reason)
 
-    def on_token(self, event: TokenEvent) -> None:
+    def on_token(self, event: TokenEvent | SampledToken) -> None:
         """Head: the tail posted a sampled token. The next step is queued at once, ahead of the driver task waking
         up to publish the token: that wake-up is off the per-token path."""
         arrived = time.perf_counter()
@@ -437,7 +444,7 @@ class RouteSession:
                 raise
             self._forward(await step, event)
 
-    def _forward(self, result: tuple[StepOutput, StepTiming], event: TokenEvent) -> None:
+    def _forward(self, result: tuple[StepOutput, StepTiming], event: TokenEvent | SampledToken) -> None:
         out, timing = result
         assert out.hidden is not None
         self._queue_frame(FrameKind.DECODE, self.position - 1, out.hidden, True, event.seq + 1,
@@ -478,7 +485,7 @@ class RouteSession:
             now = time.perf_counter()
             wall_ms, last = (now - last) * 1e3, now
             assert out.token is not None
-            event = self._token_event(out.token, (self._stamp(timing),))
+            event = self._event_of(self._sampled(out.token, (self._stamp(timing),)))
 
     def _follow_local(self, item: StepInput, out: StepOutput) -> StepInput | None:
         """On the engine's thread: the next chained step, unless this output ends the generation for certain
@@ -538,7 +545,7 @@ class RouteSession:
             raise SessionFailed(await self._diagnose_stall(timeout)) from None
         if isinstance(item, FailureReason):
             raise SessionFailed(item)
-        return item
+        return self._event_of(item) if isinstance(item, SampledToken) else item
 
     async def _diagnose_stall(self, waited: float) -> FailureReason:
         """No token in time: name the first hop that does not answer, else the route as a whole."""

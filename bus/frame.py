@@ -14,6 +14,18 @@ Layout (all little-endian; docs/protocol.md has the table)::
     36  1  n stamps
     37  3  reserved (zero)
     40     n_dims x u32 dims, then n_stamps x (u32 hop, u32 compute_us, u32 queue_us), then the payload
+
+Token frames (the tail's sampled token, to the head) share the stamps and the byte order::
+
+    0   4  magic "SRT1"
+    4   1  finish          0 none, 1 stop, 2 length
+    5   1  n stamps
+    6   2  reserved (zero)
+    8  16  session id
+    24  4  seq             0 for the first generated token
+    28  4  token id
+    32  4  text bytes
+    36     n_stamps x (u32 hop, u32 compute_us, u32 queue_us), then the text (UTF-8)
 """
 
 from __future__ import annotations
@@ -24,10 +36,22 @@ import uuid
 import numpy as np
 import numpy.typing as npt
 
-from schemas.frame import MAGIC, MAX_DIMS, FrameHeader, FrameKind, HopStamp, WireDType
+from schemas.frame import (
+    FINISH_CODES,
+    MAGIC,
+    MAX_DIMS,
+    TOKEN_MAGIC,
+    FrameHeader,
+    FrameKind,
+    HopStamp,
+    SampledToken,
+    WireDType,
+)
 
 _FIXED = struct.Struct("<4sBBBB16sIIIB3x")
 _STAMP = struct.Struct("<III")
+_TOKEN = struct.Struct("<4sBB2x16sIII")
+_FINISHES = {code: reason for reason, code in FINISH_CODES.items()}
 _DIMS = [struct.Struct(f"<{n}I") for n in range(MAX_DIMS + 1)]
 # Plain dict lookups: the decode path runs once per hop per token, often on cold caches, where every enum call and
 # format-string parse costs several microseconds.
@@ -59,7 +83,6 @@ def _from_wire(payload: memoryview, dtype: WireDType) -> npt.NDArray[np.float32]
         return (np.frombuffer(payload, dtype=_U16).astype(_U32) << 16).view(_F32)
     return np.frombuffer(payload, dtype=_F16).astype(_F32)
 MAX_STAMPS = 64
-
 
 class FrameDecodeError(ValueError):
     """The bytes are not a valid frame; the message says exactly what is wrong."""
@@ -140,3 +163,38 @@ def decode(data: bytes) -> tuple[FrameHeader, npt.NDArray[np.float32]]:
     if not np.isfinite(hidden).all():
         raise FrameDecodeError("frame carries non-finite activations (NaN or inf)")
     return header, hidden
+
+
+def encode_token(token: SampledToken) -> bytes:
+    """A token frame: a few fixed fields, the stamps, then the text; a fraction of what JSON costs to build and
+    parse on the per-token path."""
+    if len(token.stamps) > MAX_STAMPS:
+        raise ValueError(f"at most {MAX_STAMPS} hop stamps")
+    text = token.text.encode()
+    parts = [_TOKEN.pack(TOKEN_MAGIC, FINISH_CODES[token.finish_reason], len(token.stamps), token.session_id,
+                         token.seq, token.token, len(text))]
+    parts.extend(_STAMP.pack(s.hop_index, s.compute_us, s.queue_us) for s in token.stamps)
+    parts.append(text)
+    return b"".join(parts)
+
+
+def decode_token(data: bytes) -> SampledToken:
+    """Parse a token frame; raises FrameDecodeError saying exactly what is wrong."""
+    if len(data) < _TOKEN.size:
+        raise FrameDecodeError(f"token frame is {len(data)} bytes, shorter than the {_TOKEN.size}-byte header")
+    magic, finish, n_stamps, sid, seq, token, n_text = _TOKEN.unpack_from(data, 0)
+    if magic != TOKEN_MAGIC:
+        raise FrameDecodeError(f"bad magic {magic!r}, expected {TOKEN_MAGIC!r}")
+    if finish not in _FINISHES:
+        raise FrameDecodeError(f"unknown finish code {finish} (expected 0 none, 1 stop or 2 length)")
+    at = _TOKEN.size + _STAMP.size * n_stamps
+    if len(data) != at + n_text:
+        raise FrameDecodeError(f"token frame is {len(data)} bytes; {n_stamps} stamps and {n_text} text bytes "
+                               f"need {at + n_text}")
+    try:
+        text = data[at:].decode()
+    except UnicodeDecodeError as exc:
+        raise FrameDecodeError(f"token text is not UTF-8: {exc}") from None
+    stamps = tuple(HopStamp(*_STAMP.unpack_from(data, _TOKEN.size + _STAMP.size * i)) for i in range(n_stamps))
+    return SampledToken(session_id=sid, seq=seq, token=token, text=text, finish_reason=_FINISHES[finish],
+                        stamps=stamps)

@@ -16,9 +16,11 @@ import httpx
 from bus.capability import HEADER_CAPABILITY, HEADER_SESSION_TOKEN
 from bus.hoplink import HttpLink, LinkError
 from schemas.errors import RouteFailedError, SwarmrouteError, error_from_body
-from schemas.session import FailureReason, Prompt, SessionOpen, SessionOpened, TokenEvent, TokenizeReply
+from schemas.session import FailureReason, Prompt, SessionOpen, SessionOpened, TokenizeReply
 
 FRAME_CONTENT_TYPE = "application/x-swarmroute-frame"
+TOKEN_CONTENT_TYPE = "application/x-swarmroute-token"
+"""A token frame (``bus.frame.encode_token``); the tokens endpoint also takes a JSON ``TokenEvent``."""
 HopErrorKind = Literal["unreachable", "timeout", "http_error"]
 
 
@@ -132,11 +134,11 @@ class NodeClient:
         return self._hot_start(node, endpoint, f"/v1/sessions/{session_id}/frames", frame, FRAME_CONTENT_TYPE,
                                timeout, session_token)
 
-    def send_token(self, node: str, endpoint: str, event: TokenEvent, *, timeout: float | None = None,
-                   session_token: str | None = None) -> Coroutine[Any, Any, None]:
-        """POST a sampled token to the session's head; written at once like ``send_frame``."""
-        return self._hot_start(node, endpoint, f"/v1/sessions/{event.session_id}/tokens",
-                               event.model_dump_json().encode(), "application/json", timeout, session_token)
+    def send_token(self, node: str, endpoint: str, session_id: str, token_frame: bytes, *,
+                   timeout: float | None = None, session_token: str | None = None) -> Coroutine[Any, Any, None]:
+        """POST a sampled token (a token frame) to the session's head; written at once like ``send_frame``."""
+        return self._hot_start(node, endpoint, f"/v1/sessions/{session_id}/tokens", token_frame, TOKEN_CONTENT_TYPE,
+                               timeout, session_token)
 
     async def report_failure(self, node: str, endpoint: str, session_id: str, reason: FailureReason, *,
                              timeout: float = 2.0, session_token: str | None = None) -> None:

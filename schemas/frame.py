@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Literal
 
 MAGIC = b"SRF1"
+TOKEN_MAGIC = b"SRT1"
 MAX_DIMS = 4
 
 
@@ -75,3 +77,22 @@ class FrameHeader:
         for d in self.position_shape:
             n *= d
         return n
+
+
+FinishReason = Literal["stop", "length"]
+"""The same as schemas.session.FinishReason."""
+FINISH_CODES: dict[FinishReason | None, int] = {None: 0, "stop": 1, "length": 2}
+"""How a token frame carries ``finish_reason`` (schemas.session.FinishReason)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SampledToken:
+    """A token frame: the tail's sampled token on its way to the head, in binary (``bus.frame.encode_token``).
+    The head turns it into a ``TokenEvent`` for the gateway, naming each stamp's node from its route."""
+
+    session_id: bytes  # 16 raw bytes (uuid)
+    seq: int
+    token: int
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    stamps: tuple[HopStamp, ...] = ()

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from bus import frame as frames
 from bus.frame import FrameDecodeError
-from schemas.frame import MAGIC, MAX_DIMS, FrameHeader, FrameKind, HopStamp, WireDType
+from schemas.frame import MAGIC, MAX_DIMS, FrameHeader, FrameKind, HopStamp, SampledToken, WireDType
 
 SID = uuid.UUID("0123456789abcdef0123456789abcdef").bytes
 FIXED = 40  # documented size of the fixed header
@@ -257,3 +257,37 @@ def _encode_bf16_unchecked(h: FrameHeader, values: np.ndarray) -> bytes:
     good = frames.encode(h, np.zeros_like(values))
     payload = (values.astype(np.float32).view(np.uint32) >> 16).astype("<u2").tobytes()
     return good[:len(good) - len(payload)] + payload
+
+
+# ---- token frames ----------------------------------------------------------------------------------------------
+
+def sampled(**overrides: object) -> SampledToken:
+    fields: dict[str, object] = dict(session_id=bytes(range(16)), seq=41, token=262143, text="naïve 🙂",
+                                     finish_reason="length", stamps=(HopStamp(0, 5000, 12), HopStamp(1, 15000, 0)))
+    fields.update(overrides)
+    return SampledToken(**fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("token", [sampled(), sampled(text="", finish_reason=None, stamps=()),
+                                   sampled(finish_reason="stop", seq=0)])
+def test_token_frames_round_trip(token: SampledToken) -> None:
+    assert frames.decode_token(frames.encode_token(token)) == token
+
+
+def test_token_frame_layout_is_fixed() -> None:
+    data = frames.encode_token(sampled(text="ab", stamps=(HopStamp(2, 3, 4),)))
+    assert data[:4] == b"SRT1" and data[4] == 2 and data[5] == 1 and len(data) == 36 + 12 + 2
+    assert struct.unpack_from("<III", data, 24) == (41, 262143, 2)
+
+
+@pytest.mark.parametrize(("mutate", "message"), [
+    (lambda d: d[:20], r"shorter than the 36-byte header"),
+    (lambda d: b"SRF1" + d[4:], r"bad magic"),
+    (lambda d: d[:4] + bytes([7]) + d[5:], r"unknown finish code 7"),
+    (lambda d: d + b"x", r"need"),
+    (lambda d: d[:-1], r"need"),
+    (lambda d: d[:-2] + b"\xff\xfe", r"not UTF-8"),
+])
+def test_bad_token_frames_are_named(mutate, message) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(FrameDecodeError, match=message):
+        frames.decode_token(mutate(frames.encode_token(sampled(text="ok"))))

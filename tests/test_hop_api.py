@@ -20,9 +20,9 @@ from starlette.routing import Route
 from actors.hop_api import HopApi
 from bus import frame as frames
 from bus.httpserver import HttpServer
-from bus.nodeclient import FRAME_CONTENT_TYPE
+from bus.nodeclient import FRAME_CONTENT_TYPE, TOKEN_CONTENT_TYPE
 from schemas.errors import CapabilityError, SessionNotFoundError
-from schemas.frame import FrameHeader, FrameKind, WireDType
+from schemas.frame import FrameHeader, FrameKind, HopStamp, SampledToken, WireDType
 from schemas.session import TokenEvent
 
 SID = "0123456789abcdef0123456789abcdef"
@@ -32,13 +32,14 @@ class RecordingSession:
     def __init__(self, *, is_head: bool) -> None:
         self.is_head = is_head
         self.frames: list[tuple[FrameHeader, Any, int]] = []
-        self.tokens: list[TokenEvent] = []
+        self.tokens: list[TokenEvent | SampledToken] = []
+        self.raw_id = frames.session_bytes(SID)
 
     async def on_frame(self, header: FrameHeader, hidden: Any, nbytes: int) -> int:
         self.frames.append((header, hidden, nbytes))
         return header.start_position + header.n_positions
 
-    def on_token(self, event: TokenEvent) -> None:
+    def on_token(self, event: TokenEvent | SampledToken) -> None:
         self.tokens.append(event)
 
 
@@ -97,6 +98,16 @@ async def test_a_token_reaches_the_head(served) -> None:  # type: ignore[no-unty
     assert sessions.by_id[SID].tokens == [event]
 
 
+async def test_a_token_frame_reaches_the_head(served) -> None:  # type: ignore[no-untyped-def]
+    client, sessions = served
+    token = SampledToken(session_id=frames.session_bytes(SID), seq=3, token=42, text="hi", finish_reason="stop",
+                         stamps=(HopStamp(0, 1500, 0), HopStamp(1, 9000, 20)))
+    r = await client.post(f"/v1/sessions/{SID}/tokens", content=frames.encode_token(token),
+                          headers={"content-type": TOKEN_CONTENT_TYPE})
+    assert r.status_code == 204
+    assert sessions.by_id[SID].tokens == [token]
+
+
 async def test_other_requests_pass_through_to_starlette(served) -> None:  # type: ignore[no-untyped-def]
     client, _ = served
     for method, path in [("GET", f"/v1/sessions/{SID}/frames"), ("POST", f"/v1/sessions/{SID}/failure"),
@@ -117,6 +128,12 @@ async def test_other_requests_pass_through_to_starlette(served) -> None:  # type
     (f"/v1/sessions/{SID}/tokens", {"content": b'{"seq": "x"}'}, 400, "invalid_request"),
     (f"/v1/sessions/{SID}/tokens", {"content": b"{" * 2000}, 413, None),
     ("/v1/sessions/tail/tokens", {"content": TokenEvent(session_id="tail", seq=0, token=1, text="").model_dump_json()},
+     400, "invalid_request"),
+    (f"/v1/sessions/{SID}/tokens", {"content": b"SRT1", "headers": {"content-type": TOKEN_CONTENT_TYPE}},
+     400, "invalid_frame"),
+    (f"/v1/sessions/{SID}/tokens", {"content": frames.encode_token(SampledToken(session_id=bytes(16), seq=0, token=1)),
+                                    "headers": {"content-type": TOKEN_CONTENT_TYPE}}, 400, "invalid_frame"),
+    (f"/v1/sessions/{SID}/tokens", {"content": b"1", "headers": {"content-type": "text/plain"}},
      400, "invalid_request"),
 ])
 async def test_bad_requests_get_the_node_error_shape(served, path, kwargs, status, code) -> None:  # type: ignore[no-untyped-def]
