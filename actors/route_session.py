@@ -85,8 +85,8 @@ class RouteSession:
         self._chain: StepChain | None = None
         self._arrivals: dict[int, float] = {}
         """Head: when each token (by seq) reached ``on_token``, for the step wall time in telemetry."""
-        self._spinner = ArrivalSpinner(rt.settings.hop_spin_lead_s)
-        """Polls the loop around this session's next decode frame or token (multi-node routes)."""
+        self._spinner = ArrivalSpinner(rt.settings.hop_spin_grace_s)
+        """Polls the loop until this session's next decode frame or token (multi-node routes)."""
         self._prefetched: tuple[int, StepFuture, bool] | None = None
         """Head of a multi-node route: the step ``on_token`` queued for token ``seq`` (its future, and whether its
         frame has already been forwarded), for the driver to pick up."""

@@ -60,10 +60,10 @@ class Settings(BaseSettings):
     token_timeout_s: float = Field(default=15.0, gt=0)
     """Longest the gateway waits between two tokens before it declares the route stalled."""
 
-    hop_spin_lead_s: float = Field(default=0.001, ge=0, le=0.05)
-    """A decoding node polls (busy) from this long before a session's next frame or token is due until it comes
-    (at most this long after): it saves the wake-up of an idle CPU on every hop, for about twice this much CPU
-    per step. 0 turns it off (actors/spin.py)."""
+    hop_spin_grace_s: float = Field(default=0.002, ge=0, le=1.0)
+    """Between decode steps a node busy-polls (yielding its CPU to anything runnable) until the session's next
+    frame or token comes, or this long after it was due: it saves an idle CPU's wake-up on every hop, for a CPU that
+    looks busy while decoding. 0 turns polling off (actors/spin.py)."""
 
     session_idle_ttl_s: float = Field(default=120.0, gt=0)
     """A node frees a session's KV after this long without frames."""
