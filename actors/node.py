@@ -8,7 +8,7 @@ HTTP API (docs/protocol.md has the full contract)::
     POST   /v1/sessions                     open (SessionOpen); the head starts prefill at once
     GET    /v1/sessions/{id}                position and counters of one session
     POST   /v1/sessions/{id}/frames         binary activation frame (every hop but the head)
-    POST   /v1/sessions/{id}/tokens         head: the tail's sampled token (TokenEvent)
+    POST   /v1/sessions/{id}/tokens         head: the tail's sampled token (token frame or TokenEvent)
     POST   /v1/sessions/{id}/failure        head: a downstream hop reports a failure (FailureReason)
     DELETE /v1/sessions/{id}                free the session (idempotent)
 """
