@@ -39,6 +39,7 @@ from actors.registry import open_registry
 from actors.route_session import RouteSession
 from actors.runtime import NodeRuntime
 from actors.services import node_service
+from actors.spin import LoopPoller
 from bus import codec
 from bus.capability import HEADER_CAPABILITY, HEADER_SESSION_TOKEN, verifier_from_settings
 from bus.connection import connect_settings
@@ -139,7 +140,8 @@ class Node:
             self._nc = await connect_settings(self.settings, name=f"node-{self.config.node_id}")
         self.runtime = NodeRuntime(node_id=self.config.node_id, engine=self.engine, client=self._client,
                                    publish=self._publish, subjects=self.subjects, settings=self.settings,
-                                   wire_dtype=WireDType.parse(self.config.wire_dtype), metrics=self.metrics)
+                                   wire_dtype=WireDType.parse(self.config.wire_dtype), metrics=self.metrics,
+                                   poller=LoopPoller(on_polled=self.metrics.spin_seconds.inc))
         await self.engine.start()
         await self.server.start()
         self._kv = await open_registry(self._nc, self.subjects, self.settings.registry_ttl_s,

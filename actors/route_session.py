@@ -85,7 +85,7 @@ class RouteSession:
         self._chain: StepChain | None = None
         self._arrivals: dict[int, float] = {}
         """Head: when each token (by seq) reached ``on_token``, for the step wall time in telemetry."""
-        self._spinner = ArrivalSpinner(rt.settings.hop_spin_grace_s)
+        self._spinner = ArrivalSpinner(rt.poller, rt.settings.hop_spin_grace_s)
         """Polls the loop until this session's next decode frame or token (multi-node routes)."""
         self._prefetched: tuple[int, StepFuture, bool] | None = None
         """Head of a multi-node route: the step ``on_token`` queued for token ``seq`` (its future, and whether its
@@ -115,7 +115,6 @@ class RouteSession:
         if self._prefetched is not None:
             self._prefetched[1].cancel()
         self._spinner.reset()
-        self.rt.metrics.spin_seconds.inc(self._spinner.spun_s)
         current = asyncio.current_task()
         others = [t for t in (self._driver, self._sender) if t is not None and t is not current]
         for task in others:

@@ -1,4 +1,5 @@
-"""What a node's sessions share: the backend engine, the HTTP client to other nodes, NATS publishing, settings."""
+"""What a node's sessions share: the backend engine, the HTTP client to other nodes, NATS publishing, settings,
+metrics and the loop poller."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pydantic import BaseModel
 
 from actors.engine import StepEngine
 from actors.metrics import NodeMetrics
+from actors.spin import LoopPoller
 from bus.nodeclient import NodeClient
 from bus.subjects import Subjects
 from schemas.frame import WireDType
@@ -29,3 +31,5 @@ class NodeRuntime:
     wire_dtype: WireDType = WireDType.F32
     metrics: NodeMetrics = dataclasses.field(default_factory=NodeMetrics)
     """Prometheus series of this node (actors.metrics)."""
+    poller: LoopPoller = dataclasses.field(default_factory=LoopPoller)
+    """Keeps the node's loop polling while a decoding session waits for its next message (actors.spin)."""

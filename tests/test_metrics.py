@@ -130,12 +130,12 @@ async def test_metrics_after_a_streamed_request(settings: Settings) -> None:
         assert node1.value("swarmroute_node_step_seconds_sum", kind="decode") >= 0.002 * (n_tokens - 1)
         hidden = 64 * 4  # one f32 position of the stub's (64,) hidden state
         assert node2.value("swarmroute_node_frame_bytes_received_total") > hidden * (prompt_tokens + n_tokens - 1)
-        # both nodes polled around some of the 19 steady decode arrivals (actors/spin.py), each for at most a
-        # couple of milliseconds per step
-        await settled(swarm.nodes[1].endpoint, "swarmroute_node_live_sessions")  # counted when the session closes
+        # the nodes polled between decode steps (actors/spin.py): each for part of the session at most (its last
+        # stretch may outlast the stream by a step plus the grace)
+        await settled(swarm.nodes[1].endpoint, "swarmroute_node_live_sessions")
         node2 = await scrape(swarm.nodes[1].endpoint)
-        spun = sum(n.value("swarmroute_node_hop_spin_seconds_total") for n in (node1, node2))
-        assert 0 < spun < wall
+        polled = [n.value("swarmroute_node_hop_spin_seconds_total") for n in (node1, node2)]
+        assert sum(polled) > 0 and all(0 <= p < wall + 0.05 for p in polled), (polled, wall)
     finally:
         await swarm.stop()
 

@@ -1,4 +1,5 @@
-"""ArrivalSpinner (actors/spin.py) on a real event loop: when it polls, what stops it, and that the loop goes on.
+"""LoopPoller and ArrivalSpinner (actors/spin.py) on a real event loop: when the loop polls, what stops it, and that
+everything else on the loop goes on meanwhile.
 
 No timing is asserted beyond "it polled" / "it stopped": the windows are wide so that a busy machine passes too.
 """
@@ -8,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from actors.spin import ArrivalSpinner
+from actors.spin import ArrivalSpinner, LoopPoller
 
 
 def steady(spinner: ArrivalSpinner, period_s: float) -> None:
@@ -19,7 +20,7 @@ def steady(spinner: ArrivalSpinner, period_s: float) -> None:
 
 
 async def test_the_interval_is_learned_from_arrivals() -> None:
-    spinner = ArrivalSpinner(0.001)
+    spinner = ArrivalSpinner(LoopPoller(), 0.001)
     spinner.arrived(10.0)
     assert spinner.period_s is None
     spinner.arrived(10.020)
@@ -31,17 +32,21 @@ async def test_the_interval_is_learned_from_arrivals() -> None:
 
 
 async def test_without_a_steady_interval_it_never_polls() -> None:
-    spinner = ArrivalSpinner(0.005)
+    poller = LoopPoller()
+    spinner = ArrivalSpinner(poller, 0.005)
     spinner.arrived()
     spinner.idle()
     await asyncio.sleep(0.03)
-    assert spinner.spun_s == 0.0
+    assert poller.polled_s == 0.0 and not poller.polling
 
 
 async def test_it_polls_until_the_grace_after_the_due_time_while_the_loop_goes_on() -> None:
-    spinner = ArrivalSpinner(0.005)
+    stretches: list[float] = []
+    poller = LoopPoller(on_polled=stretches.append)
+    spinner = ArrivalSpinner(poller, 0.005)
     steady(spinner, 0.010)
     spinner.idle()
+    assert poller.polling
     ticks = 0
 
     async def other_work() -> None:
@@ -53,48 +58,66 @@ async def test_it_polls_until_the_grace_after_the_due_time_while_the_loop_goes_o
     worker = asyncio.create_task(other_work())
     await asyncio.sleep(0.1)  # no arrival: it polls until 5 ms after the due time, then gives up
     worker.cancel()
-    assert 0.0 < spinner.spun_s < 0.1
+    assert not poller.polling and 0.0 < poller.polled_s < 0.1
+    assert stretches == [poller.polled_s]
     assert ticks > 10  # the rest of the loop kept running while it polled
-    spun = spinner.spun_s
     await asyncio.sleep(0.02)
-    assert spinner.spun_s == spun  # given up
+    assert stretches == [poller.polled_s]  # given up for good
 
 
 async def test_an_arrival_stops_the_polling_and_counts_as_caught() -> None:
-    spinner = ArrivalSpinner(0.05)
+    poller = LoopPoller()
+    spinner = ArrivalSpinner(poller, 0.05)
     steady(spinner, 0.05)
     spinner.idle()
     await asyncio.sleep(0.005)
     spinner.arrived()
-    assert spinner.caught == 1 and spinner.spun_s > 0
-    spun = spinner.spun_s
+    assert spinner.caught == 1
+    await asyncio.sleep(0.005)
+    assert not poller.polling and poller.polled_s > 0
+    polled = poller.polled_s
     await asyncio.sleep(0.03)
-    assert spinner.spun_s == spun
+    assert poller.polled_s == polled
 
 
 async def test_an_overdue_message_is_not_polled_for() -> None:
-    spinner = ArrivalSpinner(0.001)
+    poller = LoopPoller()
+    spinner = ArrivalSpinner(poller, 0.001)
     now = time.perf_counter()
     spinner.arrived(now - 0.3)
     spinner.arrived(now - 0.2)  # the next was due 0.1 s ago, its grace long past
     spinner.idle()
     await asyncio.sleep(0.01)
-    assert spinner.spun_s == 0.0
+    assert poller.polled_s == 0.0
+
+
+async def test_sessions_share_one_stretch_of_polling() -> None:
+    stretches: list[float] = []
+    poller = LoopPoller(on_polled=stretches.append)
+    short, long = ArrivalSpinner(poller, 0.01), ArrivalSpinner(poller, 0.01)
+    steady(short, 0.01)
+    steady(long, 0.05)
+    short.idle()
+    long.idle()
+    await asyncio.sleep(0.03)  # the short one's deadline passed; the long one still waits
+    assert poller.polling and stretches == []
+    long.arrived()
+    await asyncio.sleep(0.005)
+    assert not poller.polling and len(stretches) == 1 and long.caught == 1
 
 
 async def test_reset_and_a_zero_grace_stop_it() -> None:
-    spinner = ArrivalSpinner(0.05)
+    poller = LoopPoller()
+    spinner = ArrivalSpinner(poller, 0.05)
     steady(spinner, 0.05)
     spinner.idle()
     await asyncio.sleep(0.005)
     spinner.reset()
-    spun = spinner.spun_s
-    assert spun > 0
-    await asyncio.sleep(0.03)
-    assert spinner.spun_s == spun and spinner.period_s is None
+    await asyncio.sleep(0.005)
+    assert not poller.polling and spinner.period_s is None
 
-    off = ArrivalSpinner(0.0)
+    off = ArrivalSpinner(LoopPoller(), 0.0)
     steady(off, 0.05)
     off.idle()
     await asyncio.sleep(0.01)
-    assert off.spun_s == 0.0
+    assert off.poller.polled_s == 0.0
