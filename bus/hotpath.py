@@ -34,6 +34,10 @@ Answer = tuple[int, bytes, Sequence[tuple[bytes, bytes]]]
 MAX_HEAD = 16 * 1024
 """A head longer than this goes to uvicorn (which refuses it)."""
 
+STALL_S = 60.0
+"""A request begun but not complete for this long closes the connection: a peer trickling a large declared body
+would otherwise hold its buffer (the idle sweep spares connections with bytes buffered)."""
+
 _INTERNAL = (500, b'{"error":{"message":"internal error on the hop endpoint","type":"server_error",'
                   b'"code":"internal"}}', ())
 
@@ -68,6 +72,7 @@ class HotPathProtocol(asyncio.Protocol):
         self._buffer = bytearray()
         self._pending: asyncio.Task[None] | None = None
         self._delegated = False
+        self._stall: asyncio.TimerHandle | None = None
         self.last_active = time.monotonic()
 
     # ---- asyncio.Protocol -------------------------------------------------------------------------------------
@@ -78,6 +83,7 @@ class HotPathProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
+        self._unwatch()
         self.registry.discard(self)
 
     def data_received(self, data: bytes) -> None:
@@ -94,6 +100,8 @@ class HotPathProtocol(asyncio.Protocol):
             if end < 0:
                 if len(self._buffer) > MAX_HEAD:
                     self._delegate()
+                elif self._buffer:
+                    self._watch()
                 return
             request = _parse_head(bytes(self._buffer[:end]))
             limit = self.routes.claims(request[0], request[1]) if request is not None else None
@@ -103,11 +111,28 @@ class HotPathProtocol(asyncio.Protocol):
                 return
             total = end + 4 + length
             if len(self._buffer) < total:
+                self._watch()
                 return
+            if self._stall is not None:
+                self._unwatch()
             body = bytes(self._buffer[end + 4:total])
             del self._buffer[:total]
             self.last_active = time.monotonic()
             self._answer(request[1], request[2], body)
+
+    def _watch(self) -> None:
+        if self._stall is None:
+            self._stall = asyncio.get_running_loop().call_later(STALL_S, self._stalled)
+
+    def _unwatch(self) -> None:
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+
+    def _stalled(self) -> None:
+        self._stall = None
+        log.warning("closing a connection whose request stayed incomplete for %.0f s", STALL_S)
+        self.close()
 
     def _answer(self, path: str, headers: Mapping[bytes, bytes], body: bytes) -> None:
         try:
@@ -153,6 +178,7 @@ class HotPathProtocol(asyncio.Protocol):
         transport = self._transport
         assert transport is not None
         self._delegated = True
+        self._unwatch()
         self.registry.discard(self)
         protocol = self.fallback(**self._uvicorn_args)
         protocol.connection_made(transport)

@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
+from bus import hotpath
 from bus.hoplink import HttpLink
 from bus.hotpath import MAX_HEAD, Answer, HotPathProtocol, close_idle
 from bus.httpserver import HttpServer
@@ -120,7 +121,7 @@ def test_other_requests_reach_the_app_on_the_same_connection(runner: str) -> Non
         writer.write(post("/hot/2", b"y"))  # still served, now through the app behind
         status, _, body = await read_response(reader)
         assert body == b"starlette POST /hot/2 1"
-        assert [p for p, _, _ in recorder.seen] == ["/hot/1"]
+        assert [p for p, _, _ in recorder.seen] == ["/hot/1", "/hot/2"]
         writer.close()
 
     serve(scenario, runner)
@@ -208,6 +209,25 @@ def test_an_oversized_head_is_left_to_uvicorn(runner: str) -> None:
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # uvicorn's own limit may also just drop the connection
         assert recorder.seen == []
+        writer.close()
+
+    serve(scenario, runner)
+
+
+@RUNNERS
+def test_a_request_left_incomplete_closes_the_connection(runner: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hotpath, "STALL_S", 0.2)
+
+    async def scenario(server: HttpServer, recorder: Recorder) -> None:
+        reader, writer = await raw(server)
+        writer.write(post("/hot/1", b"abc"))
+        await read_response(reader)
+        await asyncio.sleep(0.4)  # a connection between requests is not watched: it stays open
+        writer.write(post("/hot/2", b"def"))
+        await read_response(reader)
+        writer.write(post("/hot/trickle", b"0123456789")[:-4])  # the body stops 4 bytes short
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        assert [p for p, _, _ in recorder.seen] == ["/hot/1", "/hot/2"]
         writer.close()
 
     serve(scenario, runner)
