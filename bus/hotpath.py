@@ -210,7 +210,9 @@ def _parse_head(head: bytes) -> tuple[str, str, dict[bytes, bytes]] | None:
     """(method, path, lower-cased headers) of an HTTP/1.1 request head, or ``None`` if it is anything else."""
     lines = head.split(b"\r\n")
     parts = lines[0].split(b" ")
-    if len(parts) != 3 or parts[2] != b"HTTP/1.1" or not parts[1].startswith(b"/") or b"?" in parts[1]:
+    target = parts[1] if len(parts) == 3 else b""
+    # A query or a percent-escape: uvicorn decodes them, the fast lane only serves paths it can compare as they are.
+    if parts[2:] != [b"HTTP/1.1"] or not target.startswith(b"/") or b"?" in target or b"%" in target:
         return None
     headers: dict[bytes, bytes] = {}
     for line in lines[1:]:

@@ -136,8 +136,9 @@ def test_other_requests_reach_the_app_on_the_same_connection(runner: str) -> Non
     post("/hot/x", b"a" * (LIMIT + 1)),
     post("/hot/x", b"abc").replace(b"HTTP/1.1", b"HTTP/1.0"),
     post("/hot/x?q=1", b"abc"),
+    post("/hot/%78", b"abc"),
     b"GET /hot/x HTTP/1.1\r\nhost: test\r\n\r\n",
-], ids=["chunked", "connection-close", "expect", "over-limit", "http-1.0", "query", "get"])
+], ids=["chunked", "connection-close", "expect", "over-limit", "http-1.0", "query", "escaped", "get"])
 def test_anything_but_the_plain_shape_goes_to_uvicorn(runner: str, shape: bytes) -> None:
     async def scenario(server: HttpServer, recorder: Recorder) -> None:
         reader, writer = await raw(server)
