@@ -6,11 +6,11 @@ handler runs (~0.1 ms in Python on a busy 2-core node, a fifth of what a hop may
 such requests itself in ``data_received`` and calls the handler there and then: a frame's forward pass can start in
 the same loop turn its last byte arrived in.
 
-It only takes what it can answer without doubt: ``POST`` to a path the handler claims, HTTP/1.1, a
-``Content-Length`` within the handler's limit, no transfer coding, no ``Expect`` or ``Upgrade``, kept alive. At the
-first request that is anything else, the connection from that request on is handed to uvicorn's own protocol (the
-bytes already read go with it), so every other route, every malformed request and every error answer of HTTP
-itself stay uvicorn's. Hop links (``bus.hoplink``) only ever send the plain shape, so their connections stay here.
+It only takes what it can answer without doubt: ``POST`` to a path the handler claims (no query, no
+percent-escape), HTTP/1.1, a ``Content-Length`` within the handler's limit, no transfer coding, no ``Expect`` or
+``Upgrade``, kept alive. At the first request that is anything else, the connection from that request on is handed
+to uvicorn's own protocol (the bytes already read go with it), so every other route, every malformed request and
+every error answer of HTTP itself stay uvicorn's. Hop links (``bus.hoplink``) only ever send the plain shape, so their connections stay here.
 
 Requests on one connection are answered in order: while an answer is pending (the handler returned an awaitable)
 the connection stops reading.
@@ -32,7 +32,7 @@ Answer = tuple[int, bytes, Sequence[tuple[bytes, bytes]]]
 """Status, JSON body (empty for none), extra headers."""
 
 MAX_HEAD = 16 * 1024
-"""A head longer than this goes to uvicorn (which refuses it)."""
+"""A head longer than this goes to uvicorn, whose own limits then apply."""
 
 STALL_S = 60.0
 """A request begun but not complete for this long closes the connection: a peer trickling a large declared body
