@@ -10,7 +10,8 @@ It only takes what it can answer without doubt: ``POST`` to a path the handler c
 percent-escape), HTTP/1.1, a ``Content-Length`` within the handler's limit, no transfer coding, no ``Expect`` or
 ``Upgrade``, kept alive. At the first request that is anything else, the connection from that request on is handed
 to uvicorn's own protocol (the bytes already read go with it), so every other route, every malformed request and
-every error answer of HTTP itself stay uvicorn's. Hop links (``bus.hoplink``) only ever send the plain shape, so their connections stay here.
+every error answer of HTTP itself stay uvicorn's. Hop links (``bus.hoplink``) only ever send the plain shape, so
+their connections stay here.
 
 Requests on one connection are answered in order: while an answer is pending (the handler returned an awaitable)
 the connection stops reading.
