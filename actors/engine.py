@@ -322,6 +322,9 @@ class StepEngine:
             with self._cond:
                 # Ahead of anything queued meanwhile: the chain's step is next in its session's order anyway.
                 self._steps[:0] = queued
+        # Idle before the results reach the loop: a session that answers at once (its next decode step) must find
+        # the worker idle to run inline; the worker touches the backend again only after taking new work.
+        self._busy = False
         self._to_loop(_deliver_all, [(p, r, f) for (p, r), f in zip(results, followers, strict=True)])
 
     def _follow(self, pending: _Pending, out: StepOutput) -> _Pending | BaseException | None:
