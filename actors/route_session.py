@@ -178,8 +178,7 @@ class RouteSession:
 
     async def _frame_awaited(self, header: FrameHeader, item: StepInput, step: StepFuture) -> int:
         try:
-            with contextlib.suppress(Exception):  # the result says; a cancelled caller cancels the step, though
-                await step
+            await _settled(step)
         finally:
             self._frame_step = None
         return self._frame_computed(header, item, step)
@@ -217,8 +216,7 @@ class RouteSession:
     async def _compute(self, item: StepInput, queued: StepFuture | None = None) -> tuple[StepOutput, StepTiming]:
         """Run ``item`` (or await ``queued``, the same step already queued) and advance the session's position."""
         step = queued if queued is not None else self.rt.engine.enqueue(item, handoff=True)
-        with contextlib.suppress(Exception):  # the result says; a cancelled caller cancels the step, though
-            await step
+        await _settled(step)
         return self._step_result(item, step)
 
     def _backend_failed(self, exc: Exception) -> SessionFailed:
@@ -589,3 +587,9 @@ class RouteSession:
         await self.close()
         await self._release_route()
 
+
+async def _settled(step: StepFuture) -> None:
+    """Wait for a step to finish, however it ends: ``_step_result`` then reads its result or failure. Cancelling the
+    waiter still cancels the step."""
+    with contextlib.suppress(Exception):
+        await step

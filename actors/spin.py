@@ -88,7 +88,6 @@ class ArrivalSpinner:
         self.grace_s = grace_s
         self.period_s: float | None = None
         """Moving average of the interval between arrivals."""
-        self.arrivals = 0
         self.caught = 0
         """Arrivals that found the loop polling for them."""
         self._last: float | None = None
@@ -96,7 +95,6 @@ class ArrivalSpinner:
     def arrived(self, now: float | None = None) -> None:
         """A message came in: stop polling for it and learn the interval."""
         now = time.perf_counter() if now is None else now
-        self.arrivals += 1
         self.caught += self.poller.holds(self)
         self.poller.release(self)
         if self._last is not None:

@@ -111,8 +111,6 @@ def encode(header: FrameHeader, hidden: npt.NDArray[np.floating]) -> bytes:
         raise ValueError(f"hidden states have shape {tuple(hidden.shape)}, header says {expected}")
     if not 1 <= len(header.position_shape) <= MAX_DIMS:
         raise ValueError(f"position shape must have 1..{MAX_DIMS} dims, got {header.position_shape}")
-    if len(header.stamps) > MAX_STAMPS:
-        raise ValueError(f"at most {MAX_STAMPS} hop stamps")
     if header.n_positions < 1 or any(d < 1 for d in header.position_shape):
         raise ValueError(f"a frame needs at least one position and no empty dimension, got {expected}")
     flags = 1 if header.sample else 0
@@ -121,7 +119,7 @@ def encode(header: FrameHeader, hidden: npt.NDArray[np.floating]) -> bytes:
                     header.step, header.start_position, header.n_positions, len(header.stamps)),
         _DIMS[len(header.position_shape)].pack(*header.position_shape),
     ]
-    parts.extend(_STAMP.pack(s.hop_index, s.compute_us, s.queue_us) for s in header.stamps)
+    parts.append(_pack_stamps(header.stamps))
     parts.append(_to_wire(hidden, header.dtype))
     return b"".join(parts)
 
@@ -149,7 +147,7 @@ def decode(data: bytes) -> tuple[FrameHeader, npt.NDArray[np.float32]]:
     if 0 in shape:
         raise FrameDecodeError(f"position shape {shape} has a zero dimension")
     at = _FIXED.size + 4 * n_dims
-    stamps = tuple(HopStamp(*_STAMP.unpack_from(data, at + _STAMP.size * i)) for i in range(n_stamps))
+    stamps = _unpack_stamps(data, at, n_stamps)
     header = FrameHeader(session_id=sid, kind=frame_kind, dtype=wire_dtype, start_position=start,
                          n_positions=n_pos, position_shape=tuple(shape), step=step, sample=bool(flags & 1),
                          stamps=stamps)
@@ -168,14 +166,11 @@ def decode(data: bytes) -> tuple[FrameHeader, npt.NDArray[np.float32]]:
 def encode_token(token: SampledToken) -> bytes:
     """A token frame: a few fixed fields, the stamps, then the text; a fraction of what JSON costs to build and
     parse on the per-token path."""
-    if len(token.stamps) > MAX_STAMPS:
-        raise ValueError(f"at most {MAX_STAMPS} hop stamps")
+    stamps = _pack_stamps(token.stamps)
     text = token.text.encode()
-    parts = [_TOKEN.pack(TOKEN_MAGIC, FINISH_CODES[token.finish_reason], len(token.stamps), token.session_id,
-                         token.seq, token.token, len(text))]
-    parts.extend(_STAMP.pack(s.hop_index, s.compute_us, s.queue_us) for s in token.stamps)
-    parts.append(text)
-    return b"".join(parts)
+    head = _TOKEN.pack(TOKEN_MAGIC, FINISH_CODES[token.finish_reason], len(token.stamps), token.session_id,
+                       token.seq, token.token, len(text))
+    return b"".join((head, stamps, text))
 
 
 def decode_token(data: bytes) -> SampledToken:
@@ -195,6 +190,15 @@ def decode_token(data: bytes) -> SampledToken:
         text = data[at:].decode()
     except UnicodeDecodeError as exc:
         raise FrameDecodeError(f"token text is not UTF-8: {exc}") from None
-    stamps = tuple(HopStamp(*_STAMP.unpack_from(data, _TOKEN.size + _STAMP.size * i)) for i in range(n_stamps))
     return SampledToken(session_id=sid, seq=seq, token=token, text=text, finish_reason=_FINISHES[finish],
-                        stamps=stamps)
+                        stamps=_unpack_stamps(data, _TOKEN.size, n_stamps))
+
+
+def _pack_stamps(stamps: tuple[HopStamp, ...]) -> bytes:
+    if len(stamps) > MAX_STAMPS:
+        raise ValueError(f"at most {MAX_STAMPS} hop stamps")
+    return b"".join(_STAMP.pack(s.hop_index, s.compute_us, s.queue_us) for s in stamps)
+
+
+def _unpack_stamps(data: bytes, at: int, n: int) -> tuple[HopStamp, ...]:
+    return tuple(HopStamp(*_STAMP.unpack_from(data, at + _STAMP.size * i)) for i in range(n))

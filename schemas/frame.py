@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Literal
+
+from schemas.session import FinishReason
 
 MAGIC = b"SRF1"
 TOKEN_MAGIC = b"SRT1"
@@ -79,8 +80,6 @@ class FrameHeader:
         return n
 
 
-FinishReason = Literal["stop", "length"]
-"""The same as schemas.session.FinishReason."""
 FINISH_CODES: dict[FinishReason | None, int] = {None: 0, "stop": 1, "length": 2}
 """How a token frame carries ``finish_reason`` (schemas.session.FinishReason)."""
 

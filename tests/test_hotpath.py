@@ -77,6 +77,17 @@ def serve(scenario: Scenario, runner: str) -> None:
 RUNNERS = pytest.mark.parametrize("runner", ["asyncio", "uvloop"])
 
 
+def on_both_loops(scenario: Scenario) -> Callable[[str], None]:
+    """A test of ``scenario`` against a fresh server, under asyncio's loop and under uvloop."""
+
+    @RUNNERS
+    def test(runner: str) -> None:
+        serve(scenario, runner)
+
+    test.__doc__ = scenario.__doc__
+    return test
+
+
 async def raw(server: HttpServer) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     return await asyncio.open_connection("127.0.0.1", server.port)
 
@@ -94,37 +105,31 @@ def post(path: str, body: bytes, *extra: str) -> bytes:
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
 
 
-@RUNNERS
-def test_a_claimed_request_is_answered_by_the_lane(runner: str) -> None:
-    async def scenario(server: HttpServer, recorder: Recorder) -> None:
-        link = HttpLink(server.url)
-        status, body = await link.post("/hot/a", b"hello", "application/octet-stream", 5.0, {"x-token": "t1"})
-        assert status == 200 and json.loads(body) == {"path": "/hot/a", "body": "hello"}
-        path, headers, seen_body = recorder.seen[0]
-        assert path == "/hot/a" and seen_body == b"hello" and headers[b"x-token"] == b"t1"
-        assert headers[b"content-type"] == b"application/octet-stream"
-        await link.aclose()
-
-    serve(scenario, runner)
+@on_both_loops
+async def test_a_claimed_request_is_answered_by_the_lane(server: HttpServer, recorder: Recorder) -> None:
+    link = HttpLink(server.url)
+    status, body = await link.post("/hot/a", b"hello", "application/octet-stream", 5.0, {"x-token": "t1"})
+    assert status == 200 and json.loads(body) == {"path": "/hot/a", "body": "hello"}
+    path, headers, seen_body = recorder.seen[0]
+    assert path == "/hot/a" and seen_body == b"hello" and headers[b"x-token"] == b"t1"
+    assert headers[b"content-type"] == b"application/octet-stream"
+    await link.aclose()
 
 
-@RUNNERS
-def test_other_requests_reach_the_app_on_the_same_connection(runner: str) -> None:
-    async def scenario(server: HttpServer, recorder: Recorder) -> None:
-        reader, writer = await raw(server)
-        writer.write(post("/hot/1", b"x"))
-        status, headers, body = await read_response(reader)
-        assert status == 200 and headers["x-lane"] == "hot"
-        writer.write(post("/v1/other", b"abc"))  # from here on the connection is uvicorn's
-        status, _, body = await read_response(reader)
-        assert status == 200 and body == b"starlette POST /v1/other 3"
-        writer.write(post("/hot/2", b"y"))  # still served, now through the app behind
-        status, _, body = await read_response(reader)
-        assert body == b"starlette POST /hot/2 1"
-        assert [p for p, _, _ in recorder.seen] == ["/hot/1"]
-        writer.close()
-
-    serve(scenario, runner)
+@on_both_loops
+async def test_other_requests_reach_the_app_on_the_same_connection(server: HttpServer, recorder: Recorder) -> None:
+    reader, writer = await raw(server)
+    writer.write(post("/hot/1", b"x"))
+    status, headers, body = await read_response(reader)
+    assert status == 200 and headers["x-lane"] == "hot"
+    writer.write(post("/v1/other", b"abc"))  # from here on the connection is uvicorn's
+    status, _, body = await read_response(reader)
+    assert status == 200 and body == b"starlette POST /v1/other 3"
+    writer.write(post("/hot/2", b"y"))  # still served, now through the app behind
+    status, _, body = await read_response(reader)
+    assert body == b"starlette POST /hot/2 1"
+    assert [p for p, _, _ in recorder.seen] == ["/hot/1"]
+    writer.close()
 
 
 @RUNNERS
@@ -153,66 +158,56 @@ def test_anything_but_the_plain_shape_goes_to_uvicorn(runner: str, shape: bytes)
     serve(scenario, runner)
 
 
-@RUNNERS
-def test_pipelined_requests_are_answered_in_order_even_when_one_waits(runner: str) -> None:
-    async def scenario(server: HttpServer, recorder: Recorder) -> None:
-        reader, writer = await raw(server)
-        writer.write(post("/hot/slow", b"first") + post("/hot/fast", b"second"))
-        await asyncio.sleep(0.1)
-        assert [p for p, _, _ in recorder.seen] == ["/hot/slow"]  # the second waits for the first's answer
-        recorder.release.set()
-        first, second = await read_response(reader), await read_response(reader)
-        assert (first[0], json.loads(first[2])) == (201, {"later": "first"})
-        assert (second[0], json.loads(second[2])["body"]) == (200, "second")
-        writer.close()
-
-    serve(scenario, runner)
+@on_both_loops
+async def test_pipelined_requests_are_answered_in_order_even_when_one_waits(
+        server: HttpServer, recorder: Recorder) -> None:
+    reader, writer = await raw(server)
+    writer.write(post("/hot/slow", b"first") + post("/hot/fast", b"second"))
+    await asyncio.sleep(0.1)
+    assert [p for p, _, _ in recorder.seen] == ["/hot/slow"]  # the second waits for the first's answer
+    recorder.release.set()
+    first, second = await read_response(reader), await read_response(reader)
+    assert (first[0], json.loads(first[2])) == (201, {"later": "first"})
+    assert (second[0], json.loads(second[2])["body"]) == (200, "second")
+    writer.close()
 
 
-@RUNNERS
-def test_a_request_arriving_in_pieces_is_handled_once_whole(runner: str) -> None:
-    async def scenario(server: HttpServer, recorder: Recorder) -> None:
-        reader, writer = await raw(server)
-        data = post("/hot/pieces", b"0123456789")
-        for i in range(0, len(data), 7):
-            writer.write(data[i:i + 7])
-            await writer.drain()
-            await asyncio.sleep(0.01)
+@on_both_loops
+async def test_a_request_arriving_in_pieces_is_handled_once_whole(server: HttpServer, recorder: Recorder) -> None:
+    reader, writer = await raw(server)
+    data = post("/hot/pieces", b"0123456789")
+    for i in range(0, len(data), 7):
+        writer.write(data[i:i + 7])
+        await writer.drain()
+        await asyncio.sleep(0.01)
+    status, _, body = await read_response(reader)
+    assert status == 200 and json.loads(body)["body"] == "0123456789"
+    assert len(recorder.seen) == 1
+    writer.close()
+
+
+@on_both_loops
+async def test_a_failing_handler_gives_a_500_and_the_connection_lives_on(
+        server: HttpServer, recorder: Recorder) -> None:
+    link = HttpLink(server.url)
+    status, body = await link.post("/hot/boom", b"", "application/json", 5.0)
+    assert status == 500 and json.loads(body)["error"]["code"] == "internal"
+    status, _ = await link.post("/hot/after", b"", "application/json", 5.0)
+    assert status == 200
+    await link.aclose()
+
+
+@on_both_loops
+async def test_an_oversized_head_is_left_to_uvicorn(server: HttpServer, recorder: Recorder) -> None:
+    reader, writer = await raw(server)
+    writer.write(post("/hot/x", b"", "x-big: " + "a" * (MAX_HEAD + 10)))
+    try:
         status, _, body = await read_response(reader)
-        assert status == 200 and json.loads(body)["body"] == "0123456789"
-        assert len(recorder.seen) == 1
-        writer.close()
-
-    serve(scenario, runner)
-
-
-@RUNNERS
-def test_a_failing_handler_gives_a_500_and_the_connection_lives_on(runner: str) -> None:
-    async def scenario(server: HttpServer, recorder: Recorder) -> None:
-        link = HttpLink(server.url)
-        status, body = await link.post("/hot/boom", b"", "application/json", 5.0)
-        assert status == 500 and json.loads(body)["error"]["code"] == "internal"
-        status, _ = await link.post("/hot/after", b"", "application/json", 5.0)
-        assert status == 200
-        await link.aclose()
-
-    serve(scenario, runner)
-
-
-@RUNNERS
-def test_an_oversized_head_is_left_to_uvicorn(runner: str) -> None:
-    async def scenario(server: HttpServer, recorder: Recorder) -> None:
-        reader, writer = await raw(server)
-        writer.write(post("/hot/x", b"", "x-big: " + "a" * (MAX_HEAD + 10)))
-        try:
-            status, _, body = await read_response(reader)
-            assert status >= 400 or body.startswith(b"starlette "), (status, body)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass  # uvicorn's own limit may also just drop the connection
-        assert recorder.seen == []
-        writer.close()
-
-    serve(scenario, runner)
+        assert status >= 400 or body.startswith(b"starlette "), (status, body)
+    except (asyncio.IncompleteReadError, ConnectionError):
+        pass  # uvicorn's own limit may also just drop the connection
+    assert recorder.seen == []
+    writer.close()
 
 
 @RUNNERS
@@ -234,24 +229,22 @@ def test_a_request_left_incomplete_closes_the_connection(runner: str, monkeypatc
     serve(scenario, runner)
 
 
-@RUNNERS
-def test_stop_closes_the_lanes_connections_and_idle_ones_are_swept(runner: str) -> None:
-    async def scenario(server: HttpServer, recorder: Recorder) -> None:
-        reader, writer = await raw(server)
-        writer.write(post("/hot/1", b""))
-        await read_response(reader)
-        connections: set[HotPathProtocol] = server._hot_connections  # noqa: SLF001 - the lane's registry
-        assert len(connections) == 1
-        close_idle(connections, older_than_s=60)
-        assert len(connections) == 1  # recent: kept
-        close_idle(connections, older_than_s=0)
-        assert await reader.read() == b""  # closed by the sweep
-        reader2, writer2 = await raw(server)
-        writer2.write(post("/hot/2", b""))
-        await read_response(reader2)
-        await server.stop()
-        assert await reader2.read() == b""
-        writer.close()
-        writer2.close()
-
-    serve(scenario, runner)
+@on_both_loops
+async def test_stop_closes_the_lanes_connections_and_idle_ones_are_swept(
+        server: HttpServer, recorder: Recorder) -> None:
+    reader, writer = await raw(server)
+    writer.write(post("/hot/1", b""))
+    await read_response(reader)
+    connections: set[HotPathProtocol] = server._hot_connections  # noqa: SLF001 - the lane's registry
+    assert len(connections) == 1
+    close_idle(connections, older_than_s=60)
+    assert len(connections) == 1  # recent: kept
+    close_idle(connections, older_than_s=0)
+    assert await reader.read() == b""  # closed by the sweep
+    reader2, writer2 = await raw(server)
+    writer2.write(post("/hot/2", b""))
+    await read_response(reader2)
+    await server.stop()
+    assert await reader2.read() == b""
+    writer.close()
+    writer2.close()

@@ -19,6 +19,15 @@ def steady(spinner: ArrivalSpinner, period_s: float) -> None:
     spinner.arrived(now)
 
 
+async def waiting(poller: LoopPoller, grace_s: float, period_s: float) -> ArrivalSpinner:
+    """A spinner whose session has a steady interval and has just gone idle, 5 ms ago."""
+    spinner = ArrivalSpinner(poller, grace_s)
+    steady(spinner, period_s)
+    spinner.idle()
+    await asyncio.sleep(0.005)
+    return spinner
+
+
 async def test_the_interval_is_learned_from_arrivals() -> None:
     spinner = ArrivalSpinner(LoopPoller(), 0.001)
     spinner.arrived(10.0)
@@ -67,10 +76,7 @@ async def test_it_polls_until_the_grace_after_the_due_time_while_the_loop_goes_o
 
 async def test_an_arrival_stops_the_polling_and_counts_as_caught() -> None:
     poller = LoopPoller()
-    spinner = ArrivalSpinner(poller, 0.05)
-    steady(spinner, 0.05)
-    spinner.idle()
-    await asyncio.sleep(0.005)
+    spinner = await waiting(poller, 0.05, 0.05)
     spinner.arrived()
     assert spinner.caught == 1
     await asyncio.sleep(0.005)
@@ -108,10 +114,7 @@ async def test_sessions_share_one_stretch_of_polling() -> None:
 
 async def test_reset_and_a_zero_grace_stop_it() -> None:
     poller = LoopPoller()
-    spinner = ArrivalSpinner(poller, 0.05)
-    steady(spinner, 0.05)
-    spinner.idle()
-    await asyncio.sleep(0.005)
+    spinner = await waiting(poller, 0.05, 0.05)
     spinner.reset()
     await asyncio.sleep(0.005)
     assert not poller.polling and spinner.period_s is None
