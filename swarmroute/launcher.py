@@ -11,7 +11,6 @@ import json
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -110,9 +109,24 @@ def stop_children(children: list[subprocess.Popen[bytes]]) -> None:
             child.wait()
 
 
-def on_stop_signal() -> threading.Event:
-    """An event set by SIGINT or SIGTERM, so a supervisor loop can stop its children in order."""
-    stop = threading.Event()
+class StopRequest:
+    """Set by SIGINT or SIGTERM, read by a supervisor loop that stops its children in order.
+
+    Not a ``threading.Event``: its ``set`` takes a lock, and a second signal landing while the handler of the first
+    holds it (Ctrl-C twice, or INT then TERM from a process manager) deadlocked the process for good."""
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+
+def on_stop_signal() -> StopRequest:
+    stop = StopRequest()
     signal.signal(signal.SIGINT, lambda signum, frame: stop.set())
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
     return stop

@@ -164,3 +164,17 @@ async def test_watch_once_lists_the_nodes(settings: Settings) -> None:
             assert MODEL in row and layers in row and node.endpoint in row
     finally:
         await swarm.stop()
+
+
+def test_up_survives_a_burst_of_stop_signals(up: Up) -> None:
+    """Ctrl-C pressed repeatedly, or INT then TERM from a process manager: the launcher still stops everything."""
+    assert up.banner.wait(90), up.output
+    children = descendants(up.proc.pid)
+    for signum in [signal.SIGINT] * 200 + [signal.SIGTERM] * 50:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(up.proc.pid, signum)
+    assert up.proc.wait(30) == 0, up.output
+    deadline = time.monotonic() + 10
+    while any(alive(pid, started) for pid, started in children.items()):
+        assert time.monotonic() < deadline, [pid for pid, s in children.items() if alive(pid, s)]
+        time.sleep(0.1)
