@@ -23,6 +23,7 @@ import time
 from types import TracebackType
 
 from nats.aio.client import Client as NATS
+from nats.js.kv import KeyValue
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -111,7 +112,7 @@ class Node:
         self._own_nc = nc is None
         self._client = NodeClient(timeout_s=settings.hop_timeout_s)
         self._tasks: list[asyncio.Task[None]] = []
-        self._kv: object | None = None
+        self._kv: KeyValue | None = None
         self._started = False
         self._stopped = False
         self.runtime: NodeRuntime | None = None
@@ -160,9 +161,7 @@ class Node:
         if not self._started or self._stopped:
             return len(self.sessions)
         self.draining = True
-        if self._kv is not None:
-            with contextlib.suppress(Exception):
-                await self._kv.delete(self.config.node_id)  # type: ignore[attr-defined]
+        await self._withdraw()
         log.info("node %s draining: %d session(s) open", self.config.node_id, len(self.sessions))
         deadline = time.monotonic() + timeout_s
         while self.sessions and time.monotonic() < deadline:
@@ -180,9 +179,7 @@ class Node:
         if self._service is not None:
             with contextlib.suppress(Exception):
                 await self._service.stop()  # type: ignore[attr-defined]
-        if self._kv is not None:
-            with contextlib.suppress(Exception):
-                await self._kv.delete(self.config.node_id)  # type: ignore[attr-defined]
+        await self._withdraw()
         for session in list(self.sessions.values()):
             await session.close()
         await self.server.stop()
@@ -216,9 +213,23 @@ class Node:
                                  verified=self.config.verified, manifest_id=self.config.manifest_id,
                                  aliases=list(self.config.aliases))
 
+    @property
+    def _registry_timeout_s(self) -> float:
+        """How long one registry write may wait for JetStream's ack. A stream that lost its leader (its server died)
+        answers nothing until a new one is elected; a put waiting the client's default 5 s, plus a rebind waiting
+        as long, left this node out of the registry, and out of the trackers' view, for longer than the TTL."""
+        return max(0.5, min(self.settings.heartbeat_s, self.settings.registry_ttl_s / 4))
+
     async def _heartbeat_once(self) -> None:
         assert self._kv is not None
-        await self._kv.put(self.config.node_id, codec.encode(self.advertisement()))  # type: ignore[attr-defined]
+        await self._kv.put(self.config.node_id, codec.encode(self.advertisement()))
+
+    async def _withdraw(self) -> None:
+        """Delete this node's advertisement (drain, clean stop); a registry that cannot answer is not waited for."""
+        if self._kv is not None:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self._registry_timeout_s):
+                    await self._kv.delete(self.config.node_id)
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -231,7 +242,12 @@ class Node:
             if self.draining:
                 continue  # a draining node stays out of the registry
             try:
-                await self._heartbeat_once()
+                async with asyncio.timeout(self._registry_timeout_s):
+                    await self._heartbeat_once()
+            except TimeoutError:
+                # No ack (leader election, a server going away): the put itself still reached the trackers'
+                # live feed, and the next beat may land on the new leader. Rebinding would wait just as long.
+                log.warning("heartbeat not acknowledged within %.1fs", self._registry_timeout_s)
             except Exception as exc:  # noqa: BLE001 - a NATS outage must not kill the node; retry next beat
                 log.warning("heartbeat failed: %s", type(exc).__name__)
                 await self._rebind_registry()
@@ -242,9 +258,10 @@ class Node:
         in the KV once more instead of failing until some tracker restarts. Binds the bucket if it still exists."""
         assert self._nc is not None
         with contextlib.suppress(Exception):
-            self._kv = await open_registry(self._nc, self.subjects, self.settings.registry_ttl_s,
-                                           replicas=self.settings.registry_replicas,
-                                           unavailable_wait_s=self.settings.heartbeat_s)
+            async with asyncio.timeout(self._registry_timeout_s + self.settings.heartbeat_s):
+                self._kv = await open_registry(self._nc, self.subjects, self.settings.registry_ttl_s,
+                                               replicas=self.settings.registry_replicas,
+                                               unavailable_wait_s=self.settings.heartbeat_s)
 
     async def _sweep_loop(self) -> None:
         ttl = self.settings.session_idle_ttl_s

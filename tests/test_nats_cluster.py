@@ -1,6 +1,7 @@
 """A fleet on a real 3-server NATS cluster with the shipped per-role authorization (deploy/nats/auth.conf):
 SIGKILL the server that the tracker and both nodes are connected to while a stream runs. The stream completes
 with exactly the text a single node computes, the registry (3 replicas) keeps both nodes, and new sessions route.
+And a node whose registry writes are never acknowledged (JetStream without quorum) stays live for the tracker.
 
 Each member lists all three servers, nearest first, with shuffling off (``nats.randomize: false``), so the test
 knows where everyone sits: the gateway on s0, tracker and nodes on s1. The servers' /connz confirms it before the
@@ -10,6 +11,8 @@ kill, so the kill provably hits the connections it claims to.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -18,9 +21,13 @@ import nats
 import openai
 import pytest
 
+from actors.backends.stub import StubBackend, StubConfig
+from actors.node import Node, NodeConfig
+from actors.tracker import Tracker
 from schemas.session import Prompt
 from tests.support.fleet import Proc, stub_reference, write_fleet
 from tests.support.nats_cluster import NatsCluster, free_port, start_cluster, wait_jetstream
+from tests.support.swarm import make_settings
 
 AUTH_CONF = Path(__file__).resolve().parent.parent / "deploy" / "nats" / "auth.conf"
 ROLES = ("tracker", "node", "gateway", "monitor", "admin")
@@ -53,6 +60,26 @@ def _fleet(c: NatsCluster, gateway_port: int) -> dict[str, Any]:
         "nodes": [{"name": "head", "nats_servers": [s1, s2, s0]}, {"name": "tail", "nats_servers": [s1, s0, s2]}],
         "gateways": [{"name": "gateway", "listen": f"127.0.0.1:{gateway_port}", "nats_servers": [s0, s2, s1]}],
     }
+
+
+async def _lead_registry_from(c: NatsCluster, member: str, timeout: float = 30.0) -> None:
+    """Move the registry stream's leader onto ``member`` (stepdown with a preferred placement), so the kill below
+    always takes the stream's leader with it: the case where no write is acknowledged until a new one is elected."""
+    nc = await nats.connect(servers=c.urls, user="admin", password="test-admin-password")
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            info = await nc.jetstream().stream_info("KV_swarmroute_nodes")
+            if info.cluster is not None and info.cluster.leader == member:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"registry leader stays on {info.cluster and info.cluster.leader}")
+            with contextlib.suppress(Exception):
+                await nc.request("$JS.API.STREAM.LEADER.STEPDOWN.KV_swarmroute_nodes",
+                                 json.dumps({"placement": {"preferred": member}}).encode(), timeout=5)
+            await asyncio.sleep(0.5)
+    finally:
+        await nc.close()
 
 
 async def _registry(c: NatsCluster, timeout: float = 20.0) -> tuple[list[str], Any]:
@@ -100,6 +127,7 @@ def test_killing_a_nats_server_mid_stream_loses_nothing(cluster: NatsCluster, tm
         assert info.config.num_replicas == 3 and info.cluster is not None and len(info.cluster.replicas or []) == 2
 
         s0, s1, _ = cluster.members
+        asyncio.run(_lead_registry_from(cluster, "s1"))
         assert {"node-head", "node-tail", "tracker"} <= s1.connection_names()
         assert "gateway" in s0.connection_names() and "gateway" not in s1.connection_names()
 
@@ -136,3 +164,39 @@ def test_killing_a_nats_server_mid_stream_loses_nothing(cluster: NatsCluster, tm
         assert status.run(60) == 0, "\n".join(status.output)
     finally:
         up.stop()
+
+
+async def test_a_node_stays_live_while_its_registry_writes_go_unacknowledged(tmp_path: Path) -> None:
+    """Two of three servers SIGKILLed: the registry stream (3 replicas) has no quorum, so no heartbeat is
+    acknowledged for as long as the outage lasts. Each put still reaches the tracker's live feed on the surviving
+    server; a node that waited the client's default 5 s for every ack (and as long again to rebind) fell silent
+    for longer than the TTL and the tracker dropped it."""
+    c = start_cluster(tmp_path / "cluster")
+    try:
+        await wait_jetstream(c.urls)
+        settings = make_settings(c.urls[0], tmp_path / "home", heartbeat_s=0.5, registry_ttl_s=3.0,
+                                 registry_replicas=3)
+        backend = StubBackend(StubConfig(model="stub-model", n_layers=8, layer_start=0, layer_end=8))
+        async with Tracker(settings) as tracker, Node(NodeConfig(node_id="n1", model_id="stub-model"), backend,
+                                                     settings):
+            assert tracker.registry is not None
+            while "n1" not in {a.node_id for a in tracker.registry.live()}:
+                await asyncio.sleep(0.05)
+            for member in c.members[1:]:
+                member.server.kill()
+            probe = await nats.connect(c.urls[0])
+            try:
+                with pytest.raises(TimeoutError):  # the outage is real: JetStream acknowledges nothing now
+                    await probe.jetstream().publish("$KV.swarmroute_nodes.probe", b"x", timeout=2.0)
+            finally:
+                await probe.close()
+
+            oldest = 0.0
+            deadline = time.monotonic() + 2 * settings.registry_ttl_s
+            while time.monotonic() < deadline:
+                oldest = max(oldest, tracker.registry.age_s("n1") or float("inf"))
+                await asyncio.sleep(0.05)
+            assert oldest < settings.registry_ttl_s, f"the tracker heard nothing from n1 for {oldest:.1f}s"
+            assert "n1" in {a.node_id for a in tracker.registry.live()}
+    finally:
+        c.stop()
