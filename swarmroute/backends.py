@@ -83,7 +83,8 @@ def _llamacpp(args: argparse.Namespace, settings: Settings, start: int | None, e
     if source is None and store_id is None:
         source = default_model_path(settings)
     prepared = prepare(settings.home, source, model_id=store_id, start=start, end=end)
-    options: dict[str, Any] = dict(model_path=prepared.path, max_sessions=args.max_sessions, threads=threads)
+    options: dict[str, Any] = dict(model_path=prepared.path, max_sessions=args.max_sessions, threads=threads,
+                                   native_dir=settings.home / "native")
     if args.ctx:
         options["n_ctx"] = args.ctx
     if (prepared.start, prepared.end) == (0, prepared.manifest.n_layers):

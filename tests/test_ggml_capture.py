@@ -249,7 +249,7 @@ def test_without_kv_unified_rows_come_grouped_by_sequence(gemma_path: Path) -> N
 def test_the_native_callback_captures_the_same_bits_as_the_python_one(gemma_path: Path, full: Stage) -> None:
     import actors.backends.ggml_capture as capture_module
 
-    if capture_module._native() is None:
+    if capture_module._native(capture_module.default_native_dir()) is None:
         pytest.skip("no working C compiler on this machine: the Python callback is the only one")
     tokens = tokenize(full, PROMPT)
     pos, seq = list(range(len(tokens))), [0] * len(tokens)
@@ -265,18 +265,30 @@ def test_the_native_callback_captures_the_same_bits_as_the_python_one(gemma_path
         python.close()
 
 
+def test_the_native_callback_is_built_under_the_given_directory_and_home(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import actors.backends.ggml_capture as capture_module
+
+    if capture_module._native(capture_module.default_native_dir()) is None:
+        pytest.skip("no working C compiler on this machine: the Python callback is the only one")
+    capture = capture_module.LayerCapture(3, 640, native_dir=tmp_path / "native")
+    assert capture.native and [p.name for p in (tmp_path / "native").iterdir()] == [
+        capture_module.native_library_path(tmp_path / "native").name]
+    monkeypatch.setenv("SWARMROUTE_HOME", str(tmp_path / "home"))
+    assert capture_module.default_native_dir() == tmp_path / "home" / "native"
+
+
 def test_without_a_compiler_the_python_callback_is_used_with_a_warning(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     import actors.backends.ggml_capture as capture_module
 
-    monkeypatch.setattr(capture_module, "native_library_path", lambda: tmp_path / "capture_eval-missing.so")
     monkeypatch.setattr(capture_module.sysconfig, "get_config_var", lambda name: "/nonexistent/cc")
     capture_module._native.cache_clear()
     try:
         with caplog.at_level("WARNING", logger=capture_module.__name__):
-            capture = capture_module.LayerCapture(3, 640)
+            capture = capture_module.LayerCapture(3, 640, native_dir=tmp_path)
         assert not capture.native
         assert "could not compile the native layer-capture callback" in caplog.text
-        assert not (tmp_path / "capture_eval-missing.so").exists()
+        assert list(tmp_path.iterdir()) == []  # nothing half-written left behind
     finally:
         capture_module._native.cache_clear()  # the next capture compiles (or finds) the real one again

@@ -56,6 +56,7 @@ import numpy as np
 
 from actors.backend import Hidden
 from schemas.errors import BackendError
+from schemas.settings import Settings
 
 _GGML_TYPE_F32 = 0
 _GGML_MAX_DIMS = 4
@@ -99,16 +100,23 @@ class _NativeCapture(ctypes.Structure):
     _fields_ = [("name_offset", ctypes.c_int64), ("copy", _COPY_FN), ("key", ctypes.c_char * _GGML_MAX_NAME)]
 
 
-def native_library_path() -> Path:
-    """Where the compiled callback is cached: keyed by the source and the machine, so an edit rebuilds it."""
+def native_library_path(directory: Path) -> Path:
+    """Where the compiled callback is cached in ``directory``: keyed by the source and the machine, so an edit
+    rebuilds it."""
     digest = hashlib.sha256(NATIVE_SOURCE.read_bytes() + platform.machine().encode()).hexdigest()[:16]
-    return Path.home() / ".cache" / "swarmroute" / "native" / f"capture_eval-{digest}.so"
+    return directory / f"capture_eval-{digest}.so"
+
+
+def default_native_dir() -> Path:
+    """``<SWARMROUTE_HOME>/native``: built artifacts live under the home the operator chose, like models."""
+    return Settings().home / "native"
 
 
 @functools.cache
-def _native() -> Any | None:
-    """The C eval callback (``swarmroute_capture_eval``), compiled once; ``None`` if no C compiler works here."""
-    target = native_library_path()
+def _native(directory: Path) -> Any | None:
+    """The C eval callback (``swarmroute_capture_eval``), compiled once into ``directory``; ``None`` if no C
+    compiler works here."""
+    target = native_library_path(directory)
     if not target.exists():
         compiler = shlex.split(sysconfig.get_config_var("CC") or "cc") or ["cc"]
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -207,12 +215,14 @@ class LayerCapture:
     referenced for as long as the context lives (ctypes frees the trampoline with the object).
     """
 
-    def __init__(self, layer_index: int, n_embd: int, *, stop_after: bool = True, count_asks: bool = False) -> None:
+    def __init__(self, layer_index: int, n_embd: int, *, stop_after: bool = True, count_asks: bool = False,
+                 native_dir: Path | None = None) -> None:
         """``layer_index`` is numbered as the loaded model numbers its layers (a shard GGUF counts from 0).
 
         ``stop_after``: cancel the rest of the graph once the layer is copied (skips ``output_norm`` + lm_head and,
         in a full model, the later layers and their KV writes). ``count_asks``: count name checks in ``stats``,
-        at the price of a counter increment per graph node.
+        at the price of a counter increment per graph node. ``native_dir``: where the C callback is compiled and
+        cached (default ``default_native_dir()``).
         """
         if layer_index < 0 or n_embd <= 0:
             raise ValueError(f"bad layer_index {layer_index} or n_embd {n_embd}")
@@ -225,7 +235,7 @@ class LayerCapture:
         self._out: Hidden | None = None
         self._filled = 0
         self._error: str | None = None
-        native = None if count_asks else _native()
+        native = None if count_asks else _native(native_dir or default_native_dir())
         self.native = native is not None
         """Whether the name checks run in C (see the module docstring)."""
         if native is not None:

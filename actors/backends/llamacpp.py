@@ -88,6 +88,9 @@ class LlamaCppConfig:
     verbose: bool = False
     """Let llama.cpp's own log through (it is chatty: off by default)."""
 
+    native_dir: Path | None = None
+    """Where the layer-capture callback is compiled and cached; default ``<SWARMROUTE_HOME>/native``."""
+
     def __post_init__(self) -> None:
         self.model_path = Path(self.model_path)
         self.shard_dir = Path(self.shard_dir) if self.shard_dir is not None else None
@@ -206,7 +209,7 @@ class LlamaCppBackend:
         self._n_ctx = min(self.config.n_ctx, int(llama_cpp.llama_model_n_ctx_train(self._model)), CONTEXT_CAP)
         self._threads = self.config.threads or os.cpu_count() or 1
         self._capture = None if self.is_tail else LayerCapture(
-            int(llama_cpp.llama_model_n_layer(self._model)) - 1, self._n_embd)
+            int(llama_cpp.llama_model_n_layer(self._model)) - 1, self._n_embd, native_dir=self.config.native_dir)
         self._ctx = llama_cpp.llama_init_from_model(self._model, self._context_params())
         if not self._ctx:
             raise ModelLoadError(f"llama.cpp could not create a context for {self._path} "
