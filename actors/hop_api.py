@@ -6,7 +6,8 @@ answered by ``handle`` straight from the fast lane's ``data_received``: a decode
 computed, and its forward written, before that call returns. Requests the fast lane hands to uvicorn (another
 client's shape) reach the same ``handle`` through ``__call__``, an ASGI app in front of the node's Starlette app
 that skips Starlette's routing, Request and Response machinery for these two paths. Every other request goes on to
-the Starlette app. Errors keep the node API's shape: the ``SwarmrouteError`` mapped to its status and
+the Starlette app. A frame or token whose body names another session than its URL is refused here, for both
+token encodings. Errors keep the node API's shape: the ``SwarmrouteError`` mapped to its status and
 OpenAI-style body.
 """
 
@@ -78,6 +79,8 @@ class HopApi:
             header, hidden = frames.decode(body)
         except frames.FrameDecodeError as exc:
             raise FrameError(str(exc)) from None
+        if header.session_id != session.raw_id:
+            raise FrameError(f"frame is for session {frames.session_str(header.session_id)}, not {sid}")
         return session.on_frame(header, hidden, len(body))
 
     def _token(self, sid: str, headers: Mapping[bytes, bytes], body: bytes) -> None:
@@ -96,6 +99,8 @@ class HopApi:
                 event = TokenEvent.model_validate_json(body)
             except ValidationError as exc:
                 raise BadRequestError(f"invalid TokenEvent: {summarize(exc)}") from None
+            if event.session_id != sid:
+                raise BadRequestError(f"token event is for session {event.session_id}, not {sid}")
         else:
             raise BadRequestError(f"tokens are sent as {TOKEN_CONTENT_TYPE} or application/json")
         if not session.is_head:

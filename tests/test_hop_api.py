@@ -73,8 +73,8 @@ async def served():  # type: ignore[no-untyped-def]
     await server.stop()
 
 
-def frame(n: int = 2, dim: int = 8) -> bytes:
-    header = FrameHeader(session_id=frames.session_bytes(SID), kind=FrameKind.DECODE, dtype=WireDType.F32,
+def frame(n: int = 2, dim: int = 8, sid: str = SID) -> bytes:
+    header = FrameHeader(session_id=frames.session_bytes(sid), kind=FrameKind.DECODE, dtype=WireDType.F32,
                          start_position=5, n_positions=n, position_shape=(dim,), step=0, sample=True, stamps=())
     return frames.encode(header, np.arange(n * dim, dtype=np.float32).reshape(n, dim))
 
@@ -129,6 +129,10 @@ async def test_other_requests_pass_through_to_starlette(served) -> None:  # type
     (f"/v1/sessions/{SID}/tokens", {"content": b"{" * 2000}, 413, None),
     ("/v1/sessions/tail/tokens", {"content": TokenEvent(session_id="tail", seq=0, token=1, text="").model_dump_json()},
      400, "invalid_request"),
+    (f"/v1/sessions/{SID}/tokens", {"content": TokenEvent(session_id="f" * 32, seq=0, token=1).model_dump_json()},
+     400, "invalid_request"),
+    (f"/v1/sessions/{SID}/frames", {"content": frame(sid="f" * 32), "headers": {"content-type": FRAME_CONTENT_TYPE}},
+     400, "invalid_frame"),
     (f"/v1/sessions/{SID}/tokens", {"content": b"SRT1", "headers": {"content-type": TOKEN_CONTENT_TYPE}},
      400, "invalid_frame"),
     (f"/v1/sessions/{SID}/tokens", {"content": frames.encode_token(SampledToken(session_id=bytes(16), seq=0, token=1)),
