@@ -7,7 +7,7 @@ its code calls ``count_artifact_fetched`` / ``count_artifact_served``, and every
 Series (all names prefixed ``swarmroute_``)::
 
     node_sessions_opened_total{role}          head | middle | tail | whole
-    node_sessions_ended_total{outcome}        head only: complete | failed
+    node_sessions_ended_total{outcome}        head only: complete | failed | cancelled (its client went away)
     node_live_sessions                        sessions holding KV now
     node_max_sessions                         KV slots
     node_kv_bytes                             KV memory in use (backend's count)

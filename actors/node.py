@@ -23,6 +23,7 @@ import time
 from types import TracebackType
 
 from nats.aio.client import Client as NATS
+from nats.errors import NoRespondersError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
@@ -63,6 +64,8 @@ from schemas.settings import Settings
 log = logging.getLogger(__name__)
 MIN_BEAT_SPACING_S = 0.05
 """Heartbeats triggered by freed sessions are coalesced to at most one per this interval."""
+CLIENT_PROBE_TIMEOUT_S = 2.0
+"""How long a head waits for its client's answer to a presence probe; silence counts as "unknown"."""
 
 
 @dataclasses.dataclass
@@ -142,7 +145,8 @@ class Node:
         self.runtime = NodeRuntime(node_id=self.config.node_id, engine=self.engine, client=self._client,
                                    publish=self._publish, subjects=self.subjects, settings=self.settings,
                                    wire_dtype=WireDType.parse(self.config.wire_dtype), metrics=self.metrics,
-                                   poller=LoopPoller(on_polled=self.metrics.spin_seconds.inc))
+                                   poller=LoopPoller(on_polled=self.metrics.spin_seconds.inc),
+                                   client_present=self._client_present)
         await self.engine.start()
         await self.server.start()
         self._kv = await open_registry(self._nc, self.subjects, self.settings.registry_ttl_s,
@@ -219,6 +223,18 @@ class Node:
         answers nothing until a new one is elected; a put waiting the client's default 5 s, plus a rebind waiting
         as long, left this node out of the registry, and out of the trackers' view, for longer than the TTL."""
         return max(0.5, min(self.settings.heartbeat_s, self.settings.registry_ttl_s / 4))
+
+    async def _client_present(self, session_id: str) -> bool | None:
+        """Whether a session's client (its gateway) still listens: NATS answers "no responders" at once when
+        nobody subscribes to the session's subjects any more. No answer in time says nothing either way."""
+        assert self._nc is not None
+        try:
+            await self._nc.request(self.subjects.client(session_id), b"", timeout=CLIENT_PROBE_TIMEOUT_S)
+        except NoRespondersError:
+            return False
+        except Exception:  # noqa: BLE001 - a timeout or an outage: unknown, the next probe asks again
+            return None
+        return True
 
     async def _heartbeat_once(self) -> None:
         assert self._kv is not None

@@ -31,6 +31,8 @@ from schemas.route import Hop
 from schemas.session import FailureReason, HopTiming, SessionEnd, SessionOpen, SessionPhase, TokenEvent
 
 log = logging.getLogger(__name__)
+CLIENT_MISSES = 3
+"""Probes in a row that must find no subscriber before a head cancels a session (``_watch_client``)."""
 
 StepFuture = asyncio.Future[tuple[StepOutput, StepTiming]]
 
@@ -82,6 +84,8 @@ class RouteSession:
                                          is_eog=backend.is_end_of_generation)
         self._events: asyncio.Queue[TokenEvent | SampledToken | FailureReason] = asyncio.Queue()
         self._driver: asyncio.Task[None] | None = None
+        self._watcher: asyncio.Task[None] | None = None
+        """Head: asks every ``client_probe_s`` whether the session's client still listens (``_watch_client``)."""
         self._chain: StepChain | None = None
         self._arrivals: dict[int, float] = {}
         """Head: when each token (by seq) reached ``on_token``, for the step wall time in telemetry."""
@@ -104,6 +108,8 @@ class RouteSession:
                 self.route, lambda snap: self.rt.publish(self.rt.subjects.telemetry(self.id), snap),
                 interval_s=self.rt.settings.telemetry_interval_s)
             self._driver = asyncio.create_task(self._drive(), name=f"drive-{self.id[:8]}")
+            if self.rt.settings.client_probe_s > 0:
+                self._watcher = asyncio.create_task(self._watch_client(), name=f"client-{self.id[:8]}")
 
     async def close(self) -> None:
         """Free the KV and stop every task. Idempotent; safe from within the session's own tasks."""
@@ -116,7 +122,7 @@ class RouteSession:
             self._prefetched[1].cancel()
         self._spinner.reset()
         current = asyncio.current_task()
-        others = [t for t in (self._driver, self._sender) if t is not None and t is not current]
+        others = [t for t in (self._driver, self._sender, self._watcher) if t is not None and t is not current]
         for task in others:
             task.cancel()
         await self._on_closed(self)
@@ -565,6 +571,34 @@ class RouteSession:
         await self.close()
         await self._release_route()
         await self.rt.publish(self.rt.subjects.tokens(self.id), end)
+
+    async def _watch_client(self) -> None:
+        """Cancel the session once its client is gone: NATS reports no subscriber for ``CLIENT_MISSES`` probes in
+        a row. A killed gateway tells nobody; without this its sessions would generate to ``max_tokens`` and hold
+        a KV slot on every hop meanwhile. A probe without an answer (a NATS outage, a slow gateway) proves nothing
+        and resets nothing: only "no responders" counts, several times, so a gateway reconnecting is not taken for
+        a dead one."""
+        misses = 0
+        while misses < CLIENT_MISSES:
+            await asyncio.sleep(self.rt.settings.client_probe_s)
+            present = await self.rt.client_present(self.id)
+            misses = misses + 1 if present is False else 0 if present else misses
+        await self._cancel(f"its client stopped listening (no subscriber for {CLIENT_MISSES} probes "
+                           f"{self.rt.settings.client_probe_s:g}s apart)")
+
+    async def _cancel(self, why: str) -> None:
+        assert self.telemetry is not None
+        if self.closed:
+            return  # it ended on its own meanwhile
+        log.warning("session %s cancelled: %s", self.id, why)
+        await self.close()  # first: the driver stops, so the session cannot also complete or fail meanwhile
+        self.phase = SessionPhase.CANCELLED
+        self.rt.metrics.sessions_ended.labels(outcome="cancelled").inc()
+        await self.telemetry.cancel()
+        end = SessionEnd(session_id=self.id, phase=SessionPhase.CANCELLED,
+                         prompt_tokens=len(self.request.prompt_tokens), completion_tokens=self.telemetry.generated)
+        await self.rt.publish(self.rt.subjects.tokens(self.id), end)  # for monitors; the client is gone
+        await self._release_route()
 
     async def _release_route(self) -> None:
         """Head, at the end: free the session on every other hop. The gateway does the same, but it may be gone,

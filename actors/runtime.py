@@ -17,6 +17,12 @@ from schemas.frame import WireDType
 from schemas.settings import Settings
 
 PublishModel = Callable[[str, BaseModel], Awaitable[None]]
+ClientProbe = Callable[[str], Awaitable[bool | None]]
+"""A session id -> whether its client listens: True, False (NATS: no responders), None (no answer: unknown)."""
+
+
+async def _always_there(session_id: str) -> bool | None:
+    return None
 
 
 @dataclasses.dataclass
@@ -33,3 +39,5 @@ class NodeRuntime:
     """Prometheus series of this node (actors.metrics)."""
     poller: LoopPoller = dataclasses.field(default_factory=LoopPoller)
     """Keeps the node's loop polling while a decoding session waits for its next message (actors.spin)."""
+    client_present: ClientProbe = _always_there
+    """Asks a head session's client whether it still listens (``Settings.client_probe_s``)."""

@@ -129,6 +129,10 @@ class TelemetryPublisher:
         self.phase = SessionPhase.COMPLETE
         await self._send(True, finish_reason=finish_reason)
 
+    async def cancel(self) -> None:
+        self.phase = SessionPhase.CANCELLED
+        await self._send(True)
+
     async def fail(self, reason: FailureReason) -> None:
         self.phase = SessionPhase.FAILED
         self._failed_node = reason.node_id

@@ -57,8 +57,14 @@ class Subjects:
         """TokenEvent then one SessionEnd, published by the session's head for the gateway."""
         return f"{self.namespace}.tokens.{_wild_or(session_id, 'session id')}"
 
+    def client(self, session_id: str) -> str:
+        """Request/reply: empty -> empty. The session's head asks whether its client still listens; the gateway's
+        per-session subscription (``session_events``) answers. NATS "no responders" means the client is gone."""
+        return f"{self.namespace}.client.{_check_token(session_id, 'session id')}"
+
     def session_events(self, session_id: str) -> str:
-        """Matches both ``tokens.<id>`` and ``telemetry.<id>``: one subscription keeps their relative order."""
+        """Matches ``tokens.<id>`` and ``telemetry.<id>`` (and ``client.<id>``): one subscription keeps their
+        relative order."""
         return f"{self.namespace}.*.{_check_token(session_id, 'session id')}"
 
     def node_events(self, node_id: str = "*") -> str:

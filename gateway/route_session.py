@@ -82,9 +82,15 @@ class LiveSession:
     async def subscribe(self, nc: NATS, subjects: Subjects) -> None:
         """One subscription for both the token and the telemetry subject, so their relative order is kept."""
         telemetry_subject = subjects.telemetry(self.id)
+        client_subject = subjects.client(self.id)
 
         async def on_message(msg: Msg) -> None:
             try:
+                if msg.subject == client_subject:  # the head asks whether this session's client still listens
+                    if msg.reply:
+                        with contextlib.suppress(Exception):  # NATS reconnecting: the head asks again
+                            await msg.respond(b"")
+                    return
                 if msg.subject == telemetry_subject:
                     self._queue.put_nowait(codec.decode(msg.data, GenerationTelemetry))
                     return

@@ -68,6 +68,11 @@ class Settings(BaseSettings):
     session_idle_ttl_s: float = Field(default=120.0, gt=0)
     """A node frees a session's KV after this long without frames."""
 
+    client_probe_s: float = Field(default=5.0, ge=0)
+    """How often a session's head asks whether its client (the gateway relaying its tokens) still listens on NATS.
+    After three answers in a row of "no one there" (a killed gateway) the head cancels the session
+    and frees it on every hop, instead of generating to ``max_tokens`` for nobody. 0 turns the check off."""
+
     prefill_chunk: int = Field(default=256, ge=1, le=8192)
     """Prompt tokens per prefill frame."""
 

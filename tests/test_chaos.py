@@ -249,18 +249,26 @@ async def test_gateway_killed_breaks_only_its_clients_and_nodes_free_the_kv(flee
     assert doomed.url and spare.url
     await wait_routable(doomed.url)
     victim, bystander = Outcome(), Outcome()
-    hit = asyncio.create_task(stream(doomed.url, victim, max_tokens=80))
+    # At ~25 ms per token the orphan would run for ~100 s to its max_tokens; the head cancels it long before.
+    hit = asyncio.create_task(stream(doomed.url, victim, max_tokens=4000))
     other = asyncio.create_task(stream(spare.url, bystander, max_tokens=80))
     await until(lambda: victim.tokens >= 5 and bystander.tokens >= 5)
     doomed.kill()
+    killed_at = time.monotonic()
     await asyncio.wait_for(hit, 30)
     assert victim.error is not None and not victim.finished  # its server is gone: a broken connection
     await asyncio.wait_for(other, 30)
     assert bystander.error is None and bystander.finished and bystander.tokens == 80
-    # The orphaned session runs to its max_tokens on the route (nobody cancels it), then frees its KV.
-    freed_s = await all_freed(fleet.nodes(), timeout=15)
+    # Its head finds nobody listening (three probes 0.5 s apart), cancels it and frees it on every hop.
+    await all_freed(fleet.nodes(), timeout=15)
+    freed_s = time.monotonic() - killed_at
+    head = fleet.nodes()[0]
+    async with httpx.AsyncClient(timeout=5) as http:
+        metrics = (await http.get(f"{head.url}/metrics")).text
+    assert 'swarmroute_node_sessions_ended_total{outcome="cancelled"} 1.0' in metrics, metrics
     figures.add("chaos", "gateway_kill_injected")
-    figures.record("chaos_gateway_kill", unaffected_tokens=bystander.tokens, orphaned_session_freed_s=round(freed_s, 2))
+    figures.record("chaos_gateway_kill", unaffected_tokens=bystander.tokens,
+                   orphaned_session_freed_after_kill_s=round(freed_s, 2))
 
 
 # ---- NATS -------------------------------------------------------------------------------------------------------
@@ -276,8 +284,9 @@ def own_nats(tmp_path: Path) -> Iterator[EmbeddedNats]:
 
 @pytest.fixture
 def nats_fleet(own_nats: EmbeddedNats, tmp_path: Path) -> Iterator[Fleet]:
+    # Client probes at the default spacing: while the server restarts, a head may reconnect before its gateway.
     settings = make_settings(own_nats.url, tmp_path / "home", token_timeout_s=3.0, first_token_timeout_s=5.0,
-                             hop_timeout_s=2.0)
+                             hop_timeout_s=2.0, client_probe_s=5.0)
     f = Fleet(settings)
     yield f
     assert f.close() == [], "processes outlived the test"

@@ -122,8 +122,8 @@ async def test_each_role_does_its_job_with_no_violation(auth_server: EmbeddedNat
     home = tmp_path / "home"
     tracker_s, node_s, gateway_s = (role_settings(auth_server, home, passwords, r)
                                     for r in ("tracker", "node", "gateway"))
-    async with Tracker(tracker_s) as tracker, Node(NodeConfig("n1", MODEL), stub(0, 4), node_s), \
-            Node(NodeConfig("n2", MODEL), stub(4, 8), node_s), Gateway(gateway_s, port=0) as gateway:
+    async with Tracker(tracker_s) as tracker, Node(NodeConfig("n1", MODEL), stub(0, 4), node_s) as head, \
+            Node(NodeConfig("n2", MODEL), stub(4, 8, delay_s=0.005), node_s), Gateway(gateway_s, port=0) as gateway:
         await wait_model(tracker, MODEL, n_nodes=2)
         client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
         whole = await client.completions.create(model=MODEL, prompt="hello", max_tokens=6, temperature=0,
@@ -136,6 +136,16 @@ async def test_each_role_does_its_job_with_no_violation(auth_server: EmbeddedNat
         assert streamed == whole.choices[0].text and len(whole.choices[0].text) > 0
         models = await client.models.list()
         assert [m.id for m in models.data] == [MODEL]
+
+        # A head's presence probe reaches its session's gateway, and the gateway answers, within their permissions.
+        running = await client.completions.create(model=MODEL, prompt="hello", max_tokens=2000, temperature=0,
+                                                  stream=True, extra_body={"ignore_eos": True})
+        await anext(aiter(running))
+        assert gateway.serving is not None
+        [sid] = gateway.serving.sessions.live
+        assert await head._client_present(sid) is True
+        assert await head._client_present(uuid.uuid4().hex) is False  # nobody listens for that session
+        await running.close()
     violations = [line for line in auth_server.log_tail(500) if "Violation" in line]
     assert violations == []
 

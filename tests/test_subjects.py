@@ -21,6 +21,7 @@ def test_default_namespace_subjects() -> None:
     assert s.telemetry_all == "swarmroute.telemetry.>"
     assert s.tokens("abc") == "swarmroute.tokens.abc"
     assert s.session_events("abc") == "swarmroute.*.abc"
+    assert s.client("abc") == "swarmroute.client.abc"  # inside session_events' wildcard: the client answers it
     assert s.node_events() == "swarmroute.node.*.events"
     assert s.artifact_peer_query("m1") == "swarmroute.artifacts.who.m1"
 
@@ -28,8 +29,8 @@ def test_default_namespace_subjects() -> None:
 def test_namespace_prefixes_everything() -> None:
     s = Subjects("prod-eu_1")
     subjects = [s.route_request, s.models_request, s.telemetry("x"), s.telemetry_all, s.tokens("x"),
-                s.session_events("x"), s.node_events("n"), s.artifact_progress("n"), s.artifact_peers("m"),
-                s.artifact_peer_query("m"), s.artifact_manifest("m")]
+                s.session_events("x"), s.client("x"), s.node_events("n"), s.artifact_progress("n"),
+                s.artifact_peers("m"), s.artifact_peer_query("m"), s.artifact_manifest("m")]
     assert all(subject.startswith("prod-eu_1.") for subject in subjects)
     assert s.registry_bucket == "prod-eu_1_nodes"
 
@@ -43,8 +44,8 @@ def test_bad_namespace_rejected(bad: str) -> None:
 @pytest.mark.parametrize("bad", BAD_TOKENS)
 def test_bad_identifiers_rejected_everywhere(bad: str) -> None:
     s = Subjects()
-    for make in (s.telemetry, s.tokens, s.session_events, s.node_events, s.artifact_progress, s.artifact_peers,
-                 s.artifact_peer_query, s.artifact_manifest):
+    for make in (s.telemetry, s.tokens, s.session_events, s.client, s.node_events, s.artifact_progress,
+                 s.artifact_peers, s.artifact_peer_query, s.artifact_manifest):
         with pytest.raises(ValueError, match="is not a valid subject token"):
             make(bad)
 
@@ -54,7 +55,7 @@ def test_wildcards_only_where_a_subscriber_may_use_them() -> None:
     assert s.telemetry(">") == "swarmroute.telemetry.>"
     assert s.node_events("*") == "swarmroute.node.*.events"
     # Subjects a session or request is addressed to never take a wildcard: a publish there would be invalid.
-    for make in (s.session_events, s.artifact_peer_query, s.artifact_manifest):
+    for make in (s.session_events, s.client, s.artifact_peer_query, s.artifact_manifest):
         for wild in ("*", ">"):
             with pytest.raises(ValueError):
                 make(wild)

@@ -131,6 +131,7 @@ def node_processes(settings: Settings, specs: Sequence[tuple[str, list[str]]]): 
 def make_settings(nats_url: str, home: Path, **overrides: object) -> Settings:
     base: dict[str, object] = dict(nats_url=nats_url, home=home, gateway_port=0, heartbeat_s=0.5, registry_ttl_s=2.0,
                                    hop_timeout_s=5.0, token_timeout_s=5.0, first_token_timeout_s=20.0,
-                                   session_idle_ttl_s=60.0, telemetry_interval_s=0.05)
+                                   session_idle_ttl_s=60.0, telemetry_interval_s=0.05,
+                                   client_probe_s=0.5)  # every test's sessions are probed, and must survive it
     base.update(overrides)
     return Settings(**base)  # type: ignore[arg-type]
