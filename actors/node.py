@@ -115,6 +115,7 @@ class Node:
         self._own_nc = nc is None
         self._client = NodeClient(timeout_s=settings.hop_timeout_s)
         self._tasks: list[asyncio.Task[None]] = []
+        self._rebinding: asyncio.Task[None] | None = None
         self._kv: KeyValue | None = None
         self._started = False
         self._stopped = False
@@ -177,9 +178,10 @@ class Node:
             self._stopped = True
             return
         self._stopped = True
-        for task in self._tasks:
+        tasks = [*self._tasks, *([self._rebinding] if self._rebinding is not None else [])]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self._service is not None:
             with contextlib.suppress(Exception):
                 await self._service.stop()  # type: ignore[attr-defined]
@@ -260,14 +262,21 @@ class Node:
             try:
                 async with asyncio.timeout(self._registry_timeout_s):
                     await self._heartbeat_once()
-            except TimeoutError:
-                # No ack (leader election, a server going away): the put itself still reached the trackers'
-                # live feed, and the next beat may land on the new leader. Rebinding would wait just as long.
-                log.warning("heartbeat not acknowledged within %.1fs", self._registry_timeout_s)
             except Exception as exc:  # noqa: BLE001 - a NATS outage must not kill the node; retry next beat
-                log.warning("heartbeat failed: %s", type(exc).__name__)
-                await self._rebind_registry()
+                # No ack: a stream electing a leader, or a restarted server without the bucket (NATS says "no
+                # responders" only when nobody at all listens, and trackers listen to these subjects). The put
+                # itself still reached the trackers' live feed either way.
+                if isinstance(exc, TimeoutError):
+                    log.warning("heartbeat not acknowledged within %.1fs", self._registry_timeout_s)
+                else:
+                    log.warning("heartbeat failed: %s", type(exc).__name__)
+                self._rebind_soon()
             await asyncio.sleep(MIN_BEAT_SPACING_S)
+
+    def _rebind_soon(self) -> None:
+        """Rebind in the background: heartbeats keep their pace meanwhile, which the trackers' view depends on."""
+        if self._rebinding is None or self._rebinding.done():
+            self._rebinding = asyncio.create_task(self._rebind_registry(), name="registry-rebind")
 
     async def _rebind_registry(self) -> None:
         """A NATS server restarted without its (in-memory) registry bucket: create it again, so heartbeats land
