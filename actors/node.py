@@ -44,7 +44,7 @@ from actors.services import node_service
 from actors.spin import LoopPoller
 from bus import codec
 from bus.capability import HEADER_CAPABILITY, HEADER_SESSION_TOKEN, verifier_from_settings
-from bus.connection import connect_settings
+from bus.connection import connect_settings, keep_cancellation
 from bus.httpserver import HttpServer
 from bus.nodeclient import NodeClient
 from bus.subjects import Subjects
@@ -207,6 +207,7 @@ class Node:
     async def _publish(self, subject: str, model: BaseModel) -> None:
         assert self._nc is not None
         await self._nc.publish(subject, codec.encode(model))
+        keep_cancellation()
 
     def advertisement(self) -> NodeAdvertisement:
         info = self.backend.info
@@ -232,6 +233,7 @@ class Node:
         assert self._nc is not None
         try:
             await self._nc.request(self.subjects.client(session_id), b"", timeout=CLIENT_PROBE_TIMEOUT_S)
+            keep_cancellation()
         except NoRespondersError:
             return False
         except Exception:  # noqa: BLE001 - a timeout or an outage: unknown, the next probe asks again
@@ -241,6 +243,7 @@ class Node:
     async def _heartbeat_once(self) -> None:
         assert self._kv is not None
         await self._kv.put(self.config.node_id, codec.encode(self.advertisement()))
+        keep_cancellation()
 
     async def _withdraw(self) -> None:
         """Delete this node's advertisement (drain, clean stop); a registry that cannot answer is not waited for."""

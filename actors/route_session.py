@@ -577,14 +577,22 @@ class RouteSession:
         a row. A killed gateway tells nobody; without this its sessions would generate to ``max_tokens`` and hold
         a KV slot on every hop meanwhile. A probe without an answer (a NATS outage, a slow gateway) proves nothing
         and resets nothing: only "no responders" counts, several times, so a gateway reconnecting is not taken for
-        a dead one."""
+        a dead one.
+
+        The loop checks ``closed`` itself: nats.py swallows a cancellation that lands while it flushes a publish
+        (``Client._flush_pending``), and a watcher that went on probing after ``close()`` cancelled it kept
+        ``close()`` waiting for it for good."""
         misses = 0
-        while misses < CLIENT_MISSES:
+        while not self.closed:
             await asyncio.sleep(self.rt.settings.client_probe_s)
             present = await self.rt.client_present(self.id)
+            if self.closed:
+                return
             misses = misses + 1 if present is False else 0 if present else misses
-        await self._cancel(f"its client stopped listening (no subscriber for {CLIENT_MISSES} probes "
-                           f"{self.rt.settings.client_probe_s:g}s apart)")
+            if misses >= CLIENT_MISSES:
+                await self._cancel(f"its client stopped listening (no subscriber for {CLIENT_MISSES} probes "
+                                   f"{self.rt.settings.client_probe_s:g}s apart)")
+                return
 
     async def _cancel(self, why: str) -> None:
         assert self.telemetry is not None

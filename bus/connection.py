@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -11,6 +12,19 @@ from nats.aio.client import Client as NATS
 from schemas.settings import Settings
 
 log = logging.getLogger(__name__)
+
+
+def keep_cancellation() -> None:
+    """Call after awaiting a nats.py publish or request: re-raise a cancellation that was lost on the way.
+
+    A request waits with ``asyncio.wait_for``, which on Python 3.11 returns the reply and drops the cancellation
+    when both arrive in the same loop turn; ``Client._flush_pending`` catches ``CancelledError`` outright
+    (nats-py 2.16). Either way the task goes on as if it was never cancelled: a loop cancelled that way runs on,
+    and whoever awaits its end (a session's ``close()``) waits for good.
+    """
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 async def connect(

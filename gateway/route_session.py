@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from nats.aio.client import Client as NATS
@@ -22,6 +22,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from bus import capability, codec
+from bus.connection import keep_cancellation
 from bus.nodeclient import HopError, NodeClient
 from bus.subjects import Subjects
 from gateway.tracker_client import TrackerClient
@@ -76,6 +77,9 @@ class LiveSession:
         self.tokens_seen = 0
         self._queue: asyncio.Queue[TokenEvent | GenerationTelemetry | SessionEnd] = asyncio.Queue()
         self._subs: list[Subscription] = []
+        self._reconnects: Callable[[], int] = lambda: 0
+        """How often the gateway's NATS connection has reconnected so far."""
+        self._reconnects_before = 0
         self._closed = False
         self.created = time.monotonic()
 
@@ -102,6 +106,8 @@ class LiveSession:
                 log.warning("session %s: undecodable message on %s: %s", self.id, msg.subject, exc)
 
         self._subs = [await nc.subscribe(subjects.session_events(self.id), cb=on_message)]
+        self._reconnects = lambda: int(nc.stats.get("reconnects", 0))
+        self._reconnects_before = self._reconnects()
 
     @property
     def backlog(self) -> int:
@@ -159,9 +165,16 @@ class LiveSession:
     async def _fail_stalled(self, waited: float) -> SessionEnd:
         node = await self._m.find_unresponsive(self.route) if self.route else None
         phase = self.telemetry.phase if self.telemetry and not self.telemetry.phase.terminal else SessionPhase.PREFILL
-        message = (f"node {node} stopped answering" if node else "the route went silent") + \
-                  f" during {phase.value}; no event for {waited:g}s"
-        reason = FailureReason(node_id=node, phase=phase, kind="timeout", message=message)
+        if node is None and self._reconnects() > self._reconnects_before:
+            # Every hop answers, and this gateway lost its NATS connection meanwhile: core NATS is at-most-once,
+            # so the rest of the stream (possibly its end) was published while nobody here was subscribed.
+            reason = FailureReason(node_id=None, phase=phase, kind="protocol",
+                                   message=f"the stream was lost on the bus: the gateway's NATS connection dropped "
+                                           f"during {phase.value} and no event came for {waited:g}s after")
+        else:
+            message = (f"node {node} stopped answering" if node else "the route went silent") + \
+                      f" during {phase.value}; no event for {waited:g}s"
+            reason = FailureReason(node_id=node, phase=phase, kind="timeout", message=message)
         self.end = SessionEnd(session_id=self.id, phase=SessionPhase.FAILED, failure=reason,
                               prompt_tokens=len(self.prompt_tokens), completion_tokens=self.tokens_seen)
         await self._m.publish_telemetry(self, SessionPhase.FAILED, failure=reason)
@@ -286,6 +299,7 @@ class SessionManager:
             self._remember(session.id, snap)
         with contextlib.suppress(Exception):
             await self.nc.publish(self.subjects.telemetry(session.id), codec.encode(snap))
+            keep_cancellation()
 
     @staticmethod
     def snapshot(session: LiveSession, phase: SessionPhase, *, seq: int | None = None,

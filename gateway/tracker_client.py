@@ -7,6 +7,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from bus import codec
+from bus.connection import keep_cancellation
 from bus.subjects import Subjects
 from schemas.errors import CapacityError, ModelNotFoundError, NoRouteError, SwarmrouteError
 from schemas.route import ModelsReply, Route, RouteReply, RouteRequest
@@ -25,6 +26,7 @@ class TrackerClient:
             raise NoRouteError("no tracker is running (nobody answers on the route subject)") from None
         except NatsTimeoutError:
             raise NoRouteError(f"no tracker answered within {self._timeout:g}s") from None
+        keep_cancellation()  # a client gone while routing: its request must not go on to open a session
         return bytes(msg.data)
 
     async def route(self, model: str, session_id: str, exclude: list[str] | None = None) -> Route:

@@ -177,3 +177,19 @@ async def test_unknown_session_frame_is_404(settings: Settings, n: int) -> None:
             assert r.json()["error"]["code"] == "session_not_found"
     finally:
         await swarm.stop()
+
+
+async def test_sessions_end_while_client_probes_are_in_flight(settings: Settings) -> None:
+    """A head probes its client every 10 ms here, so a session usually ends while a probe is in flight, and the
+    probe's reply and the cancellation can land in the same loop turn (Python 3.11's wait_for then drops the
+    cancellation). Every session must still end with its text: the watcher used to go on probing, and the head's
+    close() waited for it for good (a stall the gateway reported as a timeout)."""
+    swarm = await start_swarm(settings.model_copy(update={"client_probe_s": 0.01}), [stub(0, 4), stub(4, 8)],
+                              model_id=MODEL)
+    try:
+        reference = (await complete(swarm.base_url, "probed", 6)).choices[0].text
+        for _ in range(80):
+            assert (await complete(swarm.base_url, "probed", 6)).choices[0].text == reference
+        assert not any(n.sessions for n in swarm.nodes)
+    finally:
+        await swarm.stop()
