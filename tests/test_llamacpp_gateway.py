@@ -4,7 +4,7 @@ What is proven here:
 * greedy completions and chat completions (streaming and not) equal llama-cpp-python's own greedy output;
 * a 2-node route of shard GGUFs ([0, 12) + [12, 18)) gives the same text as llama-cpp-python's whole model;
 * concurrent requests (batched together on the node) give what the same requests give one at a time, except after
-  a near-tie the backend test suite explains (``tests/test_llamacpp.TIE``), checked here with the node's own logits;
+  a token whose two best candidates lie within batch noise (``BATCH_NOISE``), checked with the node's own logits;
 * a client that walks away mid-stream frees the llama.cpp sequence (no KV cell left for any sequence).
 """
 
@@ -31,7 +31,6 @@ from actors.backends.llamacpp import LlamaCppBackend  # noqa: E402
 from bus.server import EmbeddedNats, NatsServerConfig  # noqa: E402
 from schemas.session import Prompt, SamplingParams  # noqa: E402
 from tests.support.swarm import Swarm, make_settings, start_swarm  # noqa: E402
-from tests.test_llamacpp import TIE  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -43,6 +42,13 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 QUESTIONS = ["What is the capital of France?", "Name three colours.", "Write a haiku about rain.",
              "What is 2 + 2?"]
 _namespaces = itertools.count()
+
+BATCH_NOISE = 1.5
+"""Largest top-2 margin of the lone run at which a concurrent run may pick the other token. tests/test_llamacpp
+fixes the batch compositions and bounds flips by both runs' logits (``TIE``); here timing decides which steps share a
+forward pass, and only the lone run's logits are at hand. ggml's CPU kernels are not batch-invariant and move this
+model's logits by up to ~1.4 between a lone and a batched run (measured, see ``tests/test_llamacpp.TIE``); a CI run
+saw a flip at a margin of 0.45. A session mixed up with another's KV or positions diverges at once and by more."""
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +215,8 @@ async def test_concurrent_requests_equal_sequential_ones(swarm: Swarm) -> None:
             done += piece
         assert at is not None
         top = np.argsort(logits[at])[-2:]
-        assert float(logits[at][top[1]] - logits[at][top[0]]) < TIE, f"{prompt!r} diverged at token {at}, not a tie"
+        margin = float(logits[at][top[1]] - logits[at][top[0]])
+        assert margin < BATCH_NOISE, f"{prompt!r} diverged at token {at} with a margin of {margin:.2f}: not batch noise"
 
 
 # --- a client that walks away ------------------------------------------------------------------------------------
