@@ -579,9 +579,9 @@ class RouteSession:
         and resets nothing: only "no responders" counts, several times, so a gateway reconnecting is not taken for
         a dead one.
 
-        The loop checks ``closed`` itself: nats.py swallows a cancellation that lands while it flushes a publish
-        (``Client._flush_pending``), and a watcher that went on probing after ``close()`` cancelled it kept
-        ``close()`` waiting for it for good."""
+        The loop checks ``closed`` itself: a cancellation can be lost inside nats.py's request (see
+        ``bus.connection.keep_cancellation``), and a watcher that went on probing after ``close()`` had cancelled
+        it kept ``close()`` waiting for it for good."""
         misses = 0
         while not self.closed:
             await asyncio.sleep(self.rt.settings.client_probe_s)
