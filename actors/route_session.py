@@ -28,7 +28,15 @@ from bus.nodeclient import HopError
 from schemas.errors import BackendError, FrameError, SwarmrouteError
 from schemas.frame import FrameHeader, FrameKind, HopStamp, SampledToken
 from schemas.route import Hop
-from schemas.session import FailureReason, HopTiming, SessionEnd, SessionOpen, SessionPhase, TokenEvent
+from schemas.session import (
+    FailureReason,
+    FinishReason,
+    HopTiming,
+    SessionEnd,
+    SessionOpen,
+    SessionPhase,
+    TokenEvent,
+)
 
 log = logging.getLogger(__name__)
 CLIENT_MISSES = 3
@@ -560,11 +568,8 @@ class RouteSession:
 
     async def _complete(self, event: TokenEvent) -> None:
         assert self.telemetry is not None and event.finish_reason is not None
-        self.phase = SessionPhase.COMPLETE
-        self.rt.metrics.sessions_ended.labels(outcome="complete").inc()
+        end = self._ended(SessionPhase.COMPLETE, event.seq + 1, finish_reason=event.finish_reason)
         await self.telemetry.complete(event.finish_reason)
-        end = SessionEnd(session_id=self.id, phase=SessionPhase.COMPLETE, finish_reason=event.finish_reason,
-                         prompt_tokens=len(self.request.prompt_tokens), completion_tokens=event.seq + 1)
         # Every hop frees the session before the client can learn it ended: a client that opens its next session
         # at once must find the slots free, or a swarm within its capacity refuses it (tests/test_load.py).
         await self._drain_outbox(_DRAIN_S)
@@ -600,13 +605,19 @@ class RouteSession:
             return  # it ended on its own meanwhile
         log.warning("session %s cancelled: %s", self.id, why)
         await self.close()  # first: the driver stops, so the session cannot also complete or fail meanwhile
-        self.phase = SessionPhase.CANCELLED
-        self.rt.metrics.sessions_ended.labels(outcome="cancelled").inc()
+        end = self._ended(SessionPhase.CANCELLED, self.telemetry.generated)
         await self.telemetry.cancel()
-        end = SessionEnd(session_id=self.id, phase=SessionPhase.CANCELLED,
-                         prompt_tokens=len(self.request.prompt_tokens), completion_tokens=self.telemetry.generated)
         await self.rt.publish(self.rt.subjects.tokens(self.id), end)  # for monitors; the client is gone
         await self._release_route()
+
+    def _ended(self, phase: SessionPhase, completion_tokens: int, *, finish_reason: FinishReason | None = None,
+               failure: FailureReason | None = None) -> SessionEnd:
+        """Enter a terminal phase, count it, and build the session's ``SessionEnd``; callers order the telemetry,
+        the freeing and the publishing as their case needs."""
+        self.phase = phase
+        self.rt.metrics.sessions_ended.labels(outcome=phase.value).inc()
+        return SessionEnd(session_id=self.id, phase=phase, finish_reason=finish_reason, failure=failure,
+                          prompt_tokens=len(self.request.prompt_tokens), completion_tokens=completion_tokens)
 
     async def _release_route(self) -> None:
         """Head, at the end: free the session on every other hop. The gateway does the same, but it may be gone,
@@ -618,12 +629,8 @@ class RouteSession:
     async def _fail(self, reason: FailureReason) -> None:
         assert self.telemetry is not None
         log.warning("session %s failed: %s", self.id, reason.message)
-        self.phase = SessionPhase.FAILED
-        self.rt.metrics.sessions_ended.labels(outcome="failed").inc()
+        end = self._ended(SessionPhase.FAILED, self.telemetry.generated, failure=reason)
         await self.telemetry.fail(reason)
-        end = SessionEnd(session_id=self.id, phase=SessionPhase.FAILED, failure=reason,
-                         prompt_tokens=len(self.request.prompt_tokens),
-                         completion_tokens=self.telemetry.generated)
         await self.rt.publish(self.rt.subjects.tokens(self.id), end)
         await self.close()
         await self._release_route()

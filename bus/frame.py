@@ -84,6 +84,7 @@ def _from_wire(payload: memoryview, dtype: WireDType) -> npt.NDArray[np.float32]
     return np.frombuffer(payload, dtype=_F16).astype(_F32)
 MAX_STAMPS = 64
 
+
 class FrameDecodeError(ValueError):
     """The bytes are not a valid frame; the message says exactly what is wrong."""
 

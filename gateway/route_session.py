@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 
 from nats.aio.client import Client as NATS
@@ -77,8 +77,8 @@ class LiveSession:
         self.tokens_seen = 0
         self._queue: asyncio.Queue[TokenEvent | GenerationTelemetry | SessionEnd] = asyncio.Queue()
         self._subs: list[Subscription] = []
-        self._reconnects: Callable[[], int] = lambda: 0
-        """How often the gateway's NATS connection has reconnected so far."""
+        self._nats_stats: dict[str, int] = {}
+        """The gateway connection's live counters (nats.py ``Client.stats``), read for ``reconnects``."""
         self._reconnects_before = 0
         self._closed = False
         self.created = time.monotonic()
@@ -106,8 +106,8 @@ class LiveSession:
                 log.warning("session %s: undecodable message on %s: %s", self.id, msg.subject, exc)
 
         self._subs = [await nc.subscribe(subjects.session_events(self.id), cb=on_message)]
-        self._reconnects = lambda: int(nc.stats.get("reconnects", 0))
-        self._reconnects_before = self._reconnects()
+        self._nats_stats = nc.stats
+        self._reconnects_before = nc.stats.get("reconnects", 0)
 
     @property
     def backlog(self) -> int:
@@ -165,7 +165,7 @@ class LiveSession:
     async def _fail_stalled(self, waited: float) -> SessionEnd:
         node = await self._m.find_unresponsive(self.route) if self.route else None
         phase = self.telemetry.phase if self.telemetry and not self.telemetry.phase.terminal else SessionPhase.PREFILL
-        if node is None and self._reconnects() > self._reconnects_before:
+        if node is None and self._nats_stats.get("reconnects", 0) > self._reconnects_before:
             # Every hop answers, and this gateway lost its NATS connection meanwhile: core NATS is at-most-once,
             # so the rest of the stream (possibly its end) was published while nobody here was subscribed.
             reason = FailureReason(node_id=None, phase=phase, kind="protocol",
