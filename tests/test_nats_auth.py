@@ -206,7 +206,8 @@ async def test_role_is_refused_outside_its_permissions(role: str, connect_as: An
 
 async def test_gateway_deny_filters_session_wildcard(connect_as: Any) -> None:
     """The gateway's per-session wildcard (swarmroute.*.<sid>) gets tokens and telemetry, never tracker traffic."""
-    admin = (await connect_as("admin")).nc
+    admin_client = await connect_as("admin")
+    admin = admin_client.nc
     gateway = await connect_as("gateway")
     got: list[str] = []
 
@@ -224,7 +225,8 @@ async def test_gateway_deny_filters_session_wildcard(connect_as: Any) -> None:
     while len(got) < 2 and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.05)
     await asyncio.sleep(0.3)
-    assert sorted(got) == ["swarmroute.telemetry.s1", "swarmroute.tokens.s1"]
+    # Seen once in CI: nothing at all arrived. The errors either client got say why, if NATS told them.
+    assert sorted(got) == ["swarmroute.telemetry.s1", "swarmroute.tokens.s1"], (gateway.errors, admin_client.errors)
 
 
 async def test_secrets_never_reach_logs_or_the_bus(auth_server: EmbeddedNats, passwords: dict[str, str],
