@@ -22,6 +22,7 @@ FRAME_CONTENT_TYPE = "application/x-swarmroute-frame"
 TOKEN_CONTENT_TYPE = "application/x-swarmroute-token"
 """A token frame (``bus.frame.encode_token``); the tokens endpoint also takes a JSON ``TokenEvent``."""
 HopErrorKind = Literal["unreachable", "timeout", "http_error"]
+SessionState = Literal["open", "gone", "unreachable", "unknown"]
 
 
 class HopError(RouteFailedError):
@@ -145,6 +146,20 @@ class NodeClient:
         await self._request(node, "POST", f"{endpoint}/v1/sessions/{session_id}/failure",
                             content=reason.model_dump_json().encode(), content_type="application/json",
                             timeout=timeout, extra=_auth(session_token))
+
+    async def session_state(self, node: str, endpoint: str, session_id: str, *, timeout: float = 1.0,
+                            session_token: str | None = None) -> SessionState:
+        """Whether a node still holds a session: ``open``, ``gone`` (it answers but does not hold it: restarted, or
+        freed it), ``unreachable`` (nothing listens: the process died) or ``unknown`` (no answer in time: busy, or a
+        network that drops packets; proves nothing)."""
+        try:
+            await self._request(node, "GET", f"{endpoint}/v1/sessions/{session_id}", timeout=timeout,
+                                extra=_auth(session_token))
+        except HopError as exc:
+            if exc.kind == "unreachable":
+                return "unreachable"
+            return "gone" if exc.peer_status == 404 else "unknown"
+        return "open"
 
     async def probe(self, node: str, endpoint: str, *, timeout: float = 1.0) -> bool:
         """True if the node answers its health check in time."""

@@ -81,6 +81,15 @@ class EmbeddedNats:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
 
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        """The server's exit status once it died (negative: the signal), else None."""
+        return self._proc.poll() if self._proc is not None else None
+
     def _argv(self) -> list[str]:
         cfg = self.config
         argv = [find_binary(), "-a", cfg.host, "-p", str(cfg.port), "-js", "--store_dir", str(cfg.store_dir)]
@@ -96,6 +105,7 @@ class EmbeddedNats:
         if self._proc is not None:
             return self
         self.config.store_dir.mkdir(parents=True, exist_ok=True)
+        self._ready.clear()
         self._proc = subprocess.Popen(self._argv(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.PIPE, start_new_session=True)
         threading.Thread(target=self._read_log, name="nats-server-log", daemon=True).start()

@@ -14,6 +14,7 @@ import contextlib
 import hmac
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from types import TracebackType
 
@@ -44,11 +45,14 @@ from gateway.serving import OpenAIServing
 from gateway.tracker_client import TrackerClient
 from schemas.errors import AuthenticationError, BadRequestError, NotFoundError, PayloadTooLargeError
 from schemas.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from schemas.session import FailureReason, SessionPhase
 from schemas.settings import Settings
 from schemas.telemetry import GenerationTelemetry
 
 log = logging.getLogger(__name__)
 _OPEN_PATHS = {"/health"}
+STREAM_END_GRACE_S = 2.0
+"""How long a stopping gateway gives its streams to write their final error chunk."""
 
 
 async def read_json(request: Request, model: type[BaseModel], limit: int) -> BaseModel:
@@ -239,8 +243,7 @@ class Gateway:
             with contextlib.suppress(Exception):
                 await self._service.stop()
         if self.serving is not None:
-            for session in list(self.serving.sessions.live.values()):
-                await session.close(cancelled=True)
+            await self._end_streams()
         if self.server is not None:
             await self.server.stop()
         if self.serving is not None:
@@ -250,6 +253,20 @@ class Gateway:
         if self._own_nc and self._nc is not None:
             with contextlib.suppress(Exception):
                 await self._nc.drain()
+
+    async def _end_streams(self) -> None:
+        """Every client still streaming gets an error chunk and ``[DONE]`` (not a bare ``[DONE]`` that reads like
+        a complete answer); then each session is freed on its hops."""
+        assert self.serving is not None
+        live = list(self.serving.sessions.live.values())
+        for session in live:
+            session.abort(FailureReason(phase=session.telemetry.phase if session.telemetry else SessionPhase.PREFILL,
+                                        kind="internal", message="the gateway is shutting down"))
+        deadline = time.monotonic() + STREAM_END_GRACE_S
+        while any(s.backlog for s in live) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        for session in live:
+            await session.close(cancelled=True)
 
     async def __aenter__(self) -> Gateway:
         return await self.start()

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -47,9 +48,52 @@ Event = TokenEvent | GenerationTelemetry | SessionEnd | None
 """What a session yields; ``None`` is a keep-alive tick while nothing happens."""
 
 KEEPALIVE_S = 5.0
+MAX_REROUTES = 3
+"""Dead nodes a session may be routed around while it opens."""
+LOST_GRACE_S = 0.5
+"""After a hop is found lost, how long the gateway still waits for an event that was already on its way (the end of a
+session whose last hop freed it just before it was probed) before it fails the session."""
 FINISHED_KEPT = 1000
 """Finished sessions whose last telemetry snapshot the gateway keeps (GET /v1/sessions/{id}/telemetry)."""
 T = TypeVar("T")
+
+
+class _Silence:
+    """How long a session has been quiet, and when to probe its hops or send a keep-alive meanwhile. Probes start
+    after ``probe_s`` of silence and back off (doubling, at most ``KEEPALIVE_S`` apart): a long prefill chunk on a
+    slow node is silence too, and must cost its hops little."""
+
+    def __init__(self, probe_s: float) -> None:
+        self._probe_s = probe_s
+        self.broken()
+
+    def broken(self) -> None:
+        now = time.monotonic()
+        self._since = self._said = now
+        self._every = self._probe_s
+        self._next_probe = now + self._probe_s if self._probe_s > 0 else math.inf
+
+    def lasted(self) -> float:
+        return time.monotonic() - self._since
+
+    def probe_due(self) -> bool:
+        return time.monotonic() >= self._next_probe
+
+    def probed(self) -> None:
+        self._every = min(self._every * 2, KEEPALIVE_S)
+        self._next_probe = time.monotonic() + self._every
+
+    def keepalive_due(self) -> bool:
+        now = time.monotonic()
+        if now - self._said < KEEPALIVE_S:
+            return False
+        self._said = now
+        return True
+
+    def wait(self, limit: float) -> float:
+        """How long to wait for the next event before something else is due."""
+        now = time.monotonic()
+        return min(self._said + KEEPALIVE_S, self._since + limit, self._next_probe) - now
 
 
 @dataclasses.dataclass
@@ -117,26 +161,52 @@ class LiveSession:
     async def events(self) -> AsyncIterator[Event]:
         """Token events and telemetry in arrival order, then exactly one SessionEnd."""
         settings = self._m.settings
-        silent_since = time.monotonic()
+        silence = _Silence(settings.liveness_probe_s)
         while self.end is None:
             limit = settings.token_timeout_s if self.tokens_seen else settings.first_token_timeout_s
-            wait = min(KEEPALIVE_S, limit - (time.monotonic() - silent_since))
-            if wait <= 0:
+            if silence.lasted() >= limit:
                 yield await self._fail_stalled(limit)
                 return
-            try:
-                event = self._queue.get_nowait()
-            except asyncio.QueueEmpty:
-                try:
-                    async with asyncio.timeout(wait):  # no task per event, unlike wait_for
-                        event = await self._queue.get()
-                except TimeoutError:
+            if silence.probe_due():
+                lost = await self._m.find_lost(self.route, self.id) if self.route else None
+                silence.probed()
+                if lost is not None:
+                    event = await self._next_event(LOST_GRACE_S)  # the route's last words may still be on the bus
+                    if event is None:
+                        yield await self._fail_lost(*lost)
+                        return
+                    silence.broken()
+                    processed = self._absorb(event)
+                    if processed is not None:
+                        yield processed
+                continue
+            event = await self._next_event(silence.wait(limit))
+            if event is None:
+                if silence.keepalive_due():
                     yield None
-                    continue
-            silent_since = time.monotonic()
+                continue
+            silence.broken()
             processed = self._absorb(event)
             if processed is not None:
                 yield processed
+
+    async def _next_event(self, wait: float) -> TokenEvent | GenerationTelemetry | SessionEnd | None:
+        try:
+            return self._queue.get_nowait()
+        except asyncio.QueueEmpty:
+            pass
+        try:
+            async with asyncio.timeout(max(0.0, wait)):  # no task per event, unlike wait_for
+                return await self._queue.get()
+        except TimeoutError:
+            return None
+
+    def abort(self, reason: FailureReason) -> None:
+        """End the session from outside (the gateway shutting down): its stream ends with this failure."""
+        if self.end is None:
+            self._queue.put_nowait(SessionEnd(session_id=self.id, phase=SessionPhase.FAILED, failure=reason,
+                                              prompt_tokens=len(self.prompt_tokens),
+                                              completion_tokens=self.tokens_seen))
 
     def _absorb(self, event: TokenEvent | GenerationTelemetry | SessionEnd) -> Event:
         if isinstance(event, GenerationTelemetry):
@@ -162,9 +232,20 @@ class LiveSession:
         self.end = SessionEnd(session_id=self.id, phase=SessionPhase.FAILED, failure=reason)
         return self.end
 
+    def _current_phase(self) -> SessionPhase:
+        return self.telemetry.phase if self.telemetry and not self.telemetry.phase.terminal else SessionPhase.PREFILL
+
+    async def _fail_lost(self, node: str, why: str) -> SessionEnd:
+        phase = self._current_phase()
+        reason = FailureReason(node_id=node, phase=phase, kind="unreachable", message=why)
+        self.end = SessionEnd(session_id=self.id, phase=SessionPhase.FAILED, failure=reason,
+                              prompt_tokens=len(self.prompt_tokens), completion_tokens=self.tokens_seen)
+        await self._m.publish_telemetry(self, SessionPhase.FAILED, failure=reason)
+        return self.end
+
     async def _fail_stalled(self, waited: float) -> SessionEnd:
         node = await self._m.find_unresponsive(self.route) if self.route else None
-        phase = self.telemetry.phase if self.telemetry and not self.telemetry.phase.terminal else SessionPhase.PREFILL
+        phase = self._current_phase()
         if node is None and self._nats_stats.get("reconnects", 0) > self._reconnects_before:
             # Every hop answers, and this gateway lost its NATS connection meanwhile: core NATS is at-most-once,
             # so the rest of the stream (possibly its end) was published while nobody here was subscribed.
@@ -230,11 +311,7 @@ class SessionManager:
         try:
             await session.subscribe(self.nc, self.subjects)
             await self.publish_telemetry(session, SessionPhase.ROUTING, seq=0)
-            session.route = await self._route(request.model, session.id)
-            # Kept locally so a stream's first chunk shows the route before any token; the head's snapshots
-            # (seq >= 1) supersede it.
-            session.telemetry = self.snapshot(session, SessionPhase.ROUTING, seq=0)
-            await self._open(session, request)
+            await self._route_and_open(session, request)
         except BaseException as exc:
             if isinstance(exc, SwarmrouteError) and session.route is not None:
                 reason = FailureReason(node_id=getattr(exc, "node", None), phase=SessionPhase.ROUTING,
@@ -244,7 +321,28 @@ class SessionManager:
             raise
         return session
 
-    async def _route(self, model: str, session_id: str) -> Route:
+    async def _route_and_open(self, session: LiveSession, request: GenerationRequest) -> None:
+        """Route, then open on every hop. A hop found dead while opening (nothing listens: the registry still shows
+        it until its entry expires) is excluded and the session routed again, so a client gets a working route or
+        the tracker's 503 naming the layers nobody serves, not a 502 for a node that is already gone."""
+        exclude: list[str] = []
+        while True:
+            session.route = await self._route(request.model, session.id, exclude)
+            # Kept locally so a stream's first chunk shows the route before any token; the head's snapshots
+            # (seq >= 1) supersede it.
+            session.telemetry = self.snapshot(session, SessionPhase.ROUTING, seq=0)
+            try:
+                await self._open(session, request)
+                return
+            except RouteFailedError as exc:
+                dead = exc.__cause__
+                if not (isinstance(dead, HopError) and dead.kind == "unreachable") or len(exclude) >= MAX_REROUTES:
+                    raise
+                log.info("session %s: node %s is gone; routing again without it", session.id, dead.node)
+                exclude.append(dead.node)
+                await self.close_on_hops(session.route, session.id)
+
+    async def _route(self, model: str, session_id: str, exclude: list[str] | None = None) -> Route:
         """Ask for a route; while every route is full, ask again for up to ``route_retry_s`` before the 429.
 
         A slot freed a moment ago reaches the tracker with the node's next heartbeat, after the client that freed
@@ -254,7 +352,7 @@ class SessionManager:
         wait = 0.02
         while True:
             try:
-                return await self.tracker.route(model, session_id)
+                return await self.tracker.route(model, session_id, exclude)
             except CapacityError:
                 if time.monotonic() + wait > deadline:
                     raise
@@ -322,6 +420,19 @@ class SessionManager:
         for hop in route.hops:
             if not await self.nodes.probe(hop.node_id, hop.endpoint):
                 return hop.node_id
+        return None
+
+    async def find_lost(self, route: Route, session_id: str) -> tuple[str, str] | None:
+        """The first hop whose process is gone or that no longer holds the session, and why; None while every hop
+        holds it or cannot say (a slow answer proves nothing)."""
+        token = capability.session_token_of(route)
+        states = await asyncio.gather(*(self.nodes.session_state(h.node_id, h.endpoint, session_id,
+                                                                 session_token=token) for h in route.hops))
+        for hop, state in zip(route.hops, states, strict=True):
+            if state == "unreachable":
+                return hop.node_id, f"nothing listens at {hop.endpoint} any more (its process died)"
+            if state == "gone":
+                return hop.node_id, "it answers but no longer holds the session (it restarted or freed it)"
         return None
 
     async def close_on_hops(self, route: Route, session_id: str) -> None:

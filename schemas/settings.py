@@ -60,6 +60,12 @@ class Settings(BaseSettings):
     token_timeout_s: float = Field(default=15.0, gt=0)
     """Longest the gateway waits between two tokens before it declares the route stalled."""
 
+    liveness_probe_s: float = Field(default=1.0, ge=0)
+    """While a session is silent (no token, no telemetry) for this long, the gateway asks every hop whether it still
+    holds the session, and again at growing intervals: a hop whose process died (connection refused) or that lost
+    the session (restarted) fails it at once, naming the node, instead of after ``token_timeout_s``. 0 turns it
+    off."""
+
     hop_spin_grace_s: float = Field(default=0.002, ge=0, le=1.0)
     """Between decode steps a node busy-polls (yielding its CPU to anything runnable) until the session's next
     frame or token comes, or this long after it was due: it saves an idle CPU's wake-up on every hop, for a CPU that
@@ -72,6 +78,10 @@ class Settings(BaseSettings):
     """How often a session's head asks whether its client (the gateway relaying its tokens) still listens on NATS.
     After three answers in a row of "no one there" (a killed gateway) the head cancels the session
     and frees it on every hop, instead of generating to ``max_tokens`` for nobody. 0 turns the check off."""
+
+    llama_amx: bool = False
+    """Let llama.cpp put weights in ggml's AMX buffer type on CPUs that have AMX. Off by default: on some of them
+    the first matrix multiply there crashes the node (docs/llamacpp-backend.md); CPU_REPACK stays on either way."""
 
     prefill_chunk: int = Field(default=256, ge=1, le=8192)
     """Prompt tokens per prefill frame."""

@@ -10,6 +10,7 @@ from typing import Any
 
 from actors.backend import Backend
 from actors.backends import load_backend
+from actors.selfcheck import prove_in_child
 from schemas.settings import Settings
 
 
@@ -84,11 +85,12 @@ def _llamacpp(args: argparse.Namespace, settings: Settings, start: int | None, e
         source = default_model_path(settings)
     prepared = prepare(settings.home, source, model_id=store_id, start=start, end=end)
     options: dict[str, Any] = dict(model_path=prepared.path, max_sessions=args.max_sessions, threads=threads,
-                                   native_dir=settings.home / "native")
+                                   native_dir=settings.home / "native", allow_amx=settings.llama_amx)
     if args.ctx:
         options["n_ctx"] = args.ctx
     if (prepared.start, prepared.end) == (0, prepared.manifest.n_layers):
         options["sha256"] = prepared.manifest.model_id  # the whole file: its sha256 is the content-derived id
+    prove_in_child("llamacpp", options)
     backend = load_backend("llamacpp", **options)
     aliases = (args.model_id,) if args.model_id else ()
     return backend, Identity(prepared.manifest.model_id, prepared.manifest.manifest_id, verified=True, aliases=aliases)

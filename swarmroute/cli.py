@@ -90,10 +90,16 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
 def cmd_node(args: argparse.Namespace) -> int:
     from actors.node import Node, NodeConfig
+    from actors.selfcheck import BackendCrashedError, warm_up
     from swarmroute.backends import build_backend
 
     settings = _settings(args)
-    backend, identity = build_backend(args, settings)
+    try:
+        backend, identity = build_backend(args, settings)  # a llama.cpp backend is proven in a child first
+    except BackendCrashedError as exc:
+        print(f"swarmroute node: {exc.message}", file=sys.stderr, flush=True)
+        return 3
+    warm_up(backend)
     model_id = identity.model_id
     node = Node(NodeConfig(node_id=args.node_id or f"node-{uuid.uuid4().hex[:8]}", model_id=model_id,
                            host=args.host or settings.bind_host, port=args.port, advertise_url=args.advertise_url,
@@ -183,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     _backend_options(up)
     up.add_argument("--nodes", type=int, default=None, help="nodes to split the layers over (default 2)")
     up.add_argument("--host", default=None, help="gateway address (default 127.0.0.1)")
-    up.add_argument("--port", type=int, default=8000, help="gateway port")
+    up.add_argument("--port", type=int, default=None, help="gateway port (default 8000, env SWARMROUTE_GATEWAY_PORT)")
     up.set_defaults(func=cmd_up)
 
     tracker = sub.add_parser("tracker", help="run a tracker against an existing NATS")

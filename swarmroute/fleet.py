@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,7 +34,8 @@ from schemas.errors import BadRequestError, SwarmrouteError
 from schemas.fleet import Fleet, GatewaySpec, NodeSpec, load_fleet, parse_listen
 from schemas.node import NodeAdvertisement
 from schemas.settings import Settings
-from swarmroute.launcher import on_stop_signal, split_layers, stop_children
+from swarmroute.launcher import keep_nats, split_layers
+from swarmroute.supervisor import ChildSpec, Supervisor, on_stop_signal
 
 MemberRole = Literal["tracker", "gateway", "node"]
 
@@ -352,7 +352,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _wait_healthy(settings: Settings, fleet: Fleet, children: list[subprocess.Popen[bytes]], timeout: float,
+async def _wait_healthy(settings: Settings, fleet: Fleet, supervisor: Supervisor, timeout: float,
                         ttl_s: float) -> FleetReport:
     """Poll the fleet's health on one NATS connection until every member is up and every model routable."""
     deadline = time.monotonic() + timeout
@@ -360,8 +360,8 @@ async def _wait_healthy(settings: Settings, fleet: Fleet, children: list[subproc
     report: FleetReport | None = None
     try:
         while time.monotonic() < deadline:
-            if any(c.poll() is not None for c in children):
-                raise RuntimeError("a fleet member exited during start-up (see its log above)")
+            if not supervisor.check():
+                raise RuntimeError(supervisor.failed or "a fleet member exited during start-up")
             report = await fleet_report(nc, settings.namespace, fleet, ttl_s=ttl_s)
             if report.healthy:
                 return report
@@ -386,29 +386,35 @@ def cmd_up(args: argparse.Namespace) -> int:
     nats = _start_embedded(fleet, home) if fleet.nats.embedded else None
     nats_url = nats.url if nats is not None else args.nats_url
     stop_requested = on_stop_signal()
-    children: list[subprocess.Popen[bytes]] = []
+    specs = []
+    for role, member in fleet.members():
+        argv = [sys.executable, "-m", "swarmroute", role, "--fleet", str(args.file), "--name", member.name,
+                "--log-level", args.log_level or "warning", "--home", str(home)]
+        specs.append(ChildSpec(member.name, argv + (["--nats", nats_url] if nats_url else []),
+                               essential=role != "node"))
+    supervisor = Supervisor(specs)
     try:
-        for role, member in fleet.members():
-            argv = [sys.executable, "-m", "swarmroute", role, "--fleet", str(args.file), "--name", member.name,
-                    "--log-level", args.log_level or "warning", "--home", str(home)]
-            children.append(subprocess.Popen(argv + (["--nats", nats_url] if nats_url else [])))
+        supervisor.start()
         ttl = float(fleet.settings.get("registry_ttl_s", Settings.model_fields["registry_ttl_s"].default))
         try:
-            report = asyncio.run(_wait_healthy(monitor_settings(fleet, nats_url=nats_url), fleet, children,
+            report = asyncio.run(_wait_healthy(monitor_settings(fleet, nats_url=nats_url), fleet, supervisor,
                                                args.timeout, ttl))
         except RuntimeError as exc:
             print(f"swarmroute fleet up: {exc}", file=sys.stderr, flush=True)
             return 1
-        print(render_report(report, f"fleet {fleet.name} is up ({len(children)} members); Ctrl-C stops it"),
+        supervisor.ready = True
+        print(render_report(report, f"fleet {fleet.name} is up ({len(specs)} members); Ctrl-C stops it"),
               flush=True)
         while not stop_requested.is_set():
-            if any(c.poll() is not None for c in children):
-                print("a fleet member exited; stopping the fleet", file=sys.stderr, flush=True)
+            if nats is not None and not nats.running:
+                keep_nats(nats)
+            if not supervisor.check():
+                print(f"swarmroute fleet up: {supervisor.failed}; stopping the fleet", file=sys.stderr, flush=True)
                 return 1
             time.sleep(0.3)
         return 0
     finally:
-        stop_children(children)
+        supervisor.stop()
         if nats is not None:
             nats.stop()
 

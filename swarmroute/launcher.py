@@ -1,22 +1,22 @@
 """``swarmroute up``: embedded NATS, a tracker, N nodes splitting the layers, and the gateway, as child processes.
 
-Each actor is its own process (as on a real fleet), so a node can be killed without taking the others with it.
-Ctrl-C (or SIGTERM, or any child dying) stops every child.
+Each actor is its own process (as on a real fleet), so a node can be killed without taking the others with it:
+``swarmroute.supervisor`` names a child that dies and restarts it; Ctrl-C (or SIGTERM) stops every child.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import signal
-import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
-from bus.server import EmbeddedNats, NatsServerConfig
+from actors.selfcheck import describe_exit
+from bus.server import EmbeddedNats, NatsServerConfig, wait_port_free
 from schemas.settings import Settings
+from swarmroute.supervisor import ChildSpec, Supervisor, on_stop_signal
 
 
 def split_layers(n_layers: int, n_nodes: int) -> list[tuple[int, int]]:
@@ -80,11 +80,11 @@ def _node_extra(args: argparse.Namespace, model_id: str, index: int, layers: tup
     return extra
 
 
-def _wait_ready(url: str, model_id: str, children: list[subprocess.Popen[bytes]], timeout: float) -> None:
+def _wait_ready(url: str, model_id: str, supervisor: Supervisor, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if any(c.poll() is not None for c in children):
-            raise RuntimeError("a child process exited during start-up (see its log above)")
+        if not supervisor.check():
+            raise RuntimeError(supervisor.failed or "a child process exited during start-up")
         try:
             with urllib.request.urlopen(f"{url}/v1/models", timeout=2) as r:
                 models = json.load(r)["data"]
@@ -96,40 +96,27 @@ def _wait_ready(url: str, model_id: str, children: list[subprocess.Popen[bytes]]
     raise RuntimeError(f"the swarm did not become ready within {timeout:g}s")
 
 
-def stop_children(children: list[subprocess.Popen[bytes]]) -> None:
-    for child in children:
-        if child.poll() is None:
-            child.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 10
-    for child in children:
-        try:
-            child.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
+def _specs(args: argparse.Namespace, settings: Settings, nats_url: str, model_id: str,
+           ranges: list[tuple[int, int]], host: str) -> list[ChildSpec]:
+    specs = [ChildSpec("tracker", _child_argv(args, settings, nats_url, "tracker", []), essential=True)]
+    specs += [ChildSpec(f"node-{i + 1}", _child_argv(args, settings, nats_url, "node",
+                                                     _node_extra(args, model_id, i, layers)))
+              for i, layers in enumerate(ranges)]
+    specs.append(ChildSpec("gateway", _child_argv(args, settings, nats_url, "gateway",
+                                                  ["--host", host, "--port", str(args.port)]), essential=True))
+    return specs
 
 
-class StopRequest:
-    """Set by SIGINT or SIGTERM, read by a supervisor loop that stops its children in order.
-
-    Not a ``threading.Event``: its ``set`` takes a lock, and a second signal landing while the handler of the first
-    holds it (Ctrl-C twice, or INT then TERM from a process manager) deadlocked the process for good."""
-
-    def __init__(self) -> None:
-        self._set = False
-
-    def set(self) -> None:
-        self._set = True
-
-    def is_set(self) -> bool:
-        return self._set
-
-
-def on_stop_signal() -> StopRequest:
-    stop = StopRequest()
-    signal.signal(signal.SIGINT, lambda signum, frame: stop.set())
-    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
-    return stop
+def keep_nats(nats: EmbeddedNats) -> None:
+    """The embedded NATS server died: say so and start it again on the same port (its JetStream state is on disk);
+    every actor reconnects by itself."""
+    print(f"swarmroute: the embedded NATS server {describe_exit(nats.returncode or 0)}; restarting it on "
+          f"{nats.url}; its last lines:\n" + "\n".join(f"    {line}" for line in nats.log_tail(10)),
+          file=sys.stderr, flush=True)
+    nats.stop()
+    nats.config.port = nats.port
+    wait_port_free(nats.host, nats.port)
+    nats.start()
 
 
 def run_up(args: argparse.Namespace, settings: Settings) -> int:
@@ -137,20 +124,22 @@ def run_up(args: argparse.Namespace, settings: Settings) -> int:
     model_id, n_layers = _model_layers(args, settings)
     ranges = split_layers(n_layers, n_nodes)
     host = args.host or settings.bind_host
+    if args.port is None:
+        args.port = settings.gateway_port
     settings.home.mkdir(parents=True, exist_ok=True)
     nats = EmbeddedNats(NatsServerConfig(store_dir=settings.home / "nats-up", host=settings.bind_host))
     nats.start()
-    children: list[subprocess.Popen[bytes]] = []
+    supervisor = Supervisor(_specs(args, settings, nats.url, model_id, ranges, host))
     stop_requested = on_stop_signal()
     try:
-        children.append(subprocess.Popen(_child_argv(args, settings, nats.url, "tracker", [])))
-        for i, layers in enumerate(ranges):
-            children.append(subprocess.Popen(_child_argv(args, settings, nats.url, "node",
-                                                         _node_extra(args, model_id, i, layers))))
-        children.append(subprocess.Popen(_child_argv(args, settings, nats.url, "gateway",
-                                                     ["--host", host, "--port", str(args.port)])))
+        supervisor.start()
         url = f"http://{host}:{args.port}"
-        _wait_ready(url, model_id, children, timeout=600)
+        try:
+            _wait_ready(url, model_id, supervisor, timeout=600)
+        except RuntimeError as exc:
+            print(f"swarmroute up: {exc}; stopping", file=sys.stderr, flush=True)
+            return 1
+        supervisor.ready = True
         route = " -> ".join(f"node-{i + 1}[{a},{b})" for i, (a, b) in enumerate(ranges))
         print(f"""
 swarmroute is up: {args.backend} backend, model {model_id!r}, route {route}
@@ -167,11 +156,13 @@ messages=[{{'role': 'user', 'content': 'Hello!'}}]).choices[0].message.content)"
   swarmroute watch --nats {nats.url}     (live sessions and telemetry)
 Ctrl-C stops everything.""", flush=True)
         while not stop_requested.is_set():
-            if any(c.poll() is not None for c in children):
-                print("a child process exited; stopping the swarm", file=sys.stderr, flush=True)
+            if not nats.running:
+                keep_nats(nats)
+            if not supervisor.check():
+                print(f"swarmroute up: {supervisor.failed}; stopping", file=sys.stderr, flush=True)
                 return 1
             time.sleep(0.3)
         return 0
     finally:
-        stop_children(children)
+        supervisor.stop()
         nats.stop()

@@ -9,6 +9,20 @@ import pytest
 GEMMA_PATH = Path.home() / ".cache" / "swarmroute" / "models" / "gemma-3-270m-q4_k_m.gguf"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def llama_cpp_without_amx() -> None:
+    """llama-cpp-python's own ``Llama``, the tests' reference, loads with the CPU buffer types swarmroute's backend
+    uses: without AMX, which crashes on some CPUs (actors/backends/cpu_buffers.py)."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return
+    from actors.backends.cpu_buffers import buffer_types
+
+    llama_cpp.llama_backend_init()
+    buffer_types().allow_amx(False)
+
+
 @pytest.fixture(scope="session")
 def gemma_path() -> Path:
     """The real bundled Gemma 3 270M Q4_K_M GGUF, assembled once (sha256-checked by the package) and reused."""

@@ -8,9 +8,7 @@ import os
 import re
 import signal
 import socket
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,95 +19,15 @@ import pytest
 from actors.backends.stub import StubBackend, StubConfig
 from schemas.settings import Settings
 from tests.support.swarm import start_swarm
+from tests.support.up import Up, alive, descendants, free_port
 
 MODEL = "stub-model"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _stat(pid: int) -> tuple[int, str, int] | None:
-    """(parent pid, state, start time) from /proc, or None once the process is gone."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    fields = raw[raw.rindex(")") + 2:].split()
-    return int(fields[1]), fields[0], int(fields[19])
-
-
-def descendants(root: int) -> dict[int, int]:
-    """Every live process below ``root``, with its start time (so a recycled pid is not mistaken for it)."""
-    parents: dict[int, list[int]] = {}
-    starts: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            info = _stat(int(entry))
-            if info is not None:
-                parents.setdefault(info[0], []).append(int(entry))
-                starts[int(entry)] = info[2]
-    found: dict[int, int] = {}
-    todo = [root]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            found[child] = starts[child]
-            todo.append(child)
-    return found
-
-
-def alive(pid: int, started: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    info = _stat(pid)
-    return info is not None and info[2] == started and info[1] != "Z"
-
-
-class Up:
-    """``python -m swarmroute up`` in its own process group, its output collected by a thread."""
-
-    def __init__(self, home: Path, port: int, *extra: str) -> None:
-        argv = [sys.executable, "-m", "swarmroute", "up", "--backend", "stub", "--port", str(port), "--home", str(home),
-                *extra]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
-        self.lines: list[str] = []
-        self.banner = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for raw in self.proc.stdout:
-            line = raw.decode(errors="replace").rstrip()
-            self.lines.append(line)
-            if line.startswith("Ctrl-C stops everything"):
-                self.banner.set()
-        self.banner.set()
-
-    @property
-    def output(self) -> str:
-        return "\n".join(self.lines)
-
-    def kill_all(self) -> None:
-        for pid in descendants(self.proc.pid):
-            with_suppress_kill(pid)
-        with_suppress_kill(self.proc.pid)
-        self.proc.wait(10)
-
-
-def with_suppress_kill(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture
 def up(tmp_path: Path) -> Iterator[Up]:
     port = free_port()
-    proc = Up(tmp_path / "home", port)
+    proc = Up("--backend", "stub", "--port", str(port), "--home", str(tmp_path / "home"))
     yield proc
     if proc.proc.poll() is None:
         proc.kill_all()

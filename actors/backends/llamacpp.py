@@ -33,6 +33,7 @@ import numpy as np
 
 from actors.backend import Hidden, StepInput, StepOutput
 from actors.backends.chat_template import ChatTemplate, select_template
+from actors.backends.cpu_buffers import buffer_types
 from actors.backends.ggml_capture import LayerCapture
 from actors.backends.gguf_check import GGUFFacts, ModelLoadError, inspect_gguf
 from actors.backends.llama_batch import Batch
@@ -91,9 +92,14 @@ class LlamaCppConfig:
     native_dir: Path | None = None
     """Where the layer-capture callback is compiled and cached; default ``<SWARMROUTE_HOME>/native``."""
 
+    allow_amx: bool = False
+    """Let ggml put weights in its AMX buffer type. Off: on some AMX CPUs the first matrix multiply there crashes
+    the process (``actors/backends/cpu_buffers.py``); the CPU_REPACK path stays on either way."""
+
     def __post_init__(self) -> None:
         self.model_path = Path(self.model_path)
         self.shard_dir = Path(self.shard_dir) if self.shard_dir is not None else None
+        self.native_dir = Path(self.native_dir) if self.native_dir is not None else None
         if self.n_ctx < 1 or self.max_sessions < 1 or self.n_batch < 1 or self.threads < 0:
             raise ValueError("n_ctx, max_sessions and n_batch must be positive and threads non-negative")
         if self.max_sessions > llama_cpp.llama_max_parallel_sequences():
@@ -199,6 +205,7 @@ class LlamaCppBackend:
     # --- loading ----------------------------------------------------------------------------------------------
 
     def _load(self) -> None:
+        self._cpu_buffers = buffer_types().allow_amx(self.config.allow_amx)
         params = llama_cpp.llama_model_default_params()
         self._model = llama_cpp.llama_model_load_from_file(str(self._path).encode(), params)
         if not self._model:
@@ -258,7 +265,8 @@ class LlamaCppBackend:
             kind="llamacpp", model_name=facts.name, architecture=facts.architecture, file_type=facts.file_type,
             n_layers=self._placement.n_layers_total, hidden_size=self._n_embd, hidden_shape=[self._n_embd],
             n_vocab=self._n_vocab, context_length=self._n_ctx, threads=self._threads,
-            version=f"llama.cpp {version} (llama-cpp-python {llama_cpp.__version__})",
+            version=f"llama.cpp {version} (llama-cpp-python {llama_cpp.__version__}; CPU buffers: "
+                    f"{', '.join(self._cpu_buffers) or 'plain'})",
             artifact_sha256=self.config.sha256 or _file_sha256(self._path), wire_dtype="f32")
 
     # --- Backend properties -------------------------------------------------------------------------------------

@@ -21,6 +21,11 @@ def probe(path: str) -> dict[str, object]:
     import llama_cpp
     from llama_cpp import Llama
 
+    from actors.backends.cpu_buffers import buffer_types
+
+    llama_cpp.llama_backend_init()
+    buffer_types().allow_amx(False)  # as the node loads it (actors/backends/cpu_buffers.py)
+
     log = io.StringIO()
     with contextlib.redirect_stderr(log):
         model = Llama(model_path=path, n_ctx=64, n_threads=1, n_batch=16, verbose=True)

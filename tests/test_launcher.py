@@ -1,0 +1,112 @@
+"""``swarmroute up`` as the README runs it, and what a user sees when one of its children dies mid-stream."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.support.up import Up, alive, descendants, free_port
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def launched() -> Iterator[list[Up]]:
+    """Every ``Up`` a test starts, killed (with its whole tree) if the test left it running."""
+    ups: list[Up] = []
+    yield ups
+    for up in ups:
+        if up.proc.poll() is None:
+            up.kill_all()
+
+
+def _ready(up: Up, timeout: float = 300) -> str:
+    assert up.banner.wait(timeout), up.output
+    assert up.proc.poll() is None, up.output
+    return up.gateway_url()
+
+
+def test_the_readme_first_command_serves_the_bundled_model(launched: list[Up], tmp_path: Path) -> None:
+    """``python -m swarmroute up`` exactly as the README writes it (default llama.cpp backend, 2 nodes): one streamed
+    chat and one completion through the official client carry text; SIGINT leaves no child behind. Only the home
+    and the port come from the environment, so the test does not touch the user's."""
+    port = free_port()
+    up = Up(env={"SWARMROUTE_HOME": str(tmp_path / "home"), "SWARMROUTE_GATEWAY_PORT": str(port)})
+    launched.append(up)
+    assert up.argv[-1] == "up"
+    url = _ready(up)
+    assert "llamacpp backend" in up.output and "node-1[0,9) -> node-2[9,18)" in up.output, up.output
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+    stream = client.chat.completions.create(model="gemma-3-270m", messages=[{"role": "user", "content": "Hello!"}],
+                                            max_tokens=16, temperature=0, stream=True)
+    pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert "".join(pieces).strip(), pieces
+    completion = client.completions.create(model="gemma-3-270m", prompt="The capital of France is", max_tokens=8,
+                                           temperature=0)
+    assert "France" in completion.choices[0].text or completion.choices[0].text.strip(), completion
+
+    children = descendants(up.proc.pid)
+    os.kill(up.proc.pid, signal.SIGINT)
+    assert up.proc.wait(60) == 0, up.output
+    deadline = time.monotonic() + 15
+    while any(alive(pid, started) for pid, started in children.items()):
+        assert time.monotonic() < deadline, [pid for pid, s in children.items() if alive(pid, s)]
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize(("backend", "signum"), [("stub", signal.SIGKILL), ("llamacpp", signal.SIGSEGV)])
+def test_a_head_dying_mid_stream_ends_the_stream_with_an_error_and_the_swarm_recovers(
+        launched: list[Up], tmp_path: Path, backend: str, signum: signal.Signals) -> None:
+    extra = ["--stub-delay", "0.05"] if backend == "stub" else []
+    up = Up("--backend", backend, "--port", str(free_port()), "--home", str(tmp_path / "home"), *extra)
+    launched.append(up)
+    url = _ready(up)
+    model = "stub-model" if backend == "stub" else "gemma-3-270m"
+    head = up.child("node", "node-1")
+
+    events: list[str] = []
+    body = {"model": model, "prompt": "Once upon a time", "max_tokens": 400, "stream": True, "ignore_eos": True,
+            "temperature": 0}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line[len("data: "):])
+            if len(events) == 4:  # a few tokens in: decoding
+                os.kill(head, signum)
+    assert events[-1] == "[DONE]", events[-3:]
+    error = json.loads(events[-2])["error"]
+    assert error["failure"]["node_id"] == "node-1", error
+    assert error["failure"]["phase"] == "decode", error
+    assert "node-1" in error["message"], error
+
+    name = signal.Signals(signum).name
+    deadline = time.monotonic() + 30
+    while f"node-1 (pid {head}) killed by signal {int(signum)} ({name})" not in up.output:
+        assert time.monotonic() < deadline, up.output
+        time.sleep(0.2)
+    assert "its last lines:" in up.output and "node-1 will be restarted in" in up.output, up.output
+
+    # The swarm goes on: once node-1 is back, a request is served again.
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            text = client.completions.create(model=model, prompt="Hello", max_tokens=4, temperature=0)
+            break
+        except (openai.APIStatusError, openai.APIConnectionError) as exc:
+            assert time.monotonic() < deadline, f"{exc}\n{up.output}"
+            time.sleep(0.5)
+    assert text.choices[0].finish_reason in ("length", "stop")
+    assert up.proc.poll() is None, up.output
+    assert up.child("node", "node-1") != head
