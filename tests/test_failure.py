@@ -152,3 +152,96 @@ async def test_retry_after_failure_is_a_new_session_on_a_new_route(fast_settings
         finally:
             for p in (head, tail, spare):
                 p.stop()
+
+
+@pytest.fixture
+def patient_settings(nats_server: object, tmp_path: object) -> Settings:
+    """Timeouts far beyond what the tests wait: only the gateway's liveness probes can end these sessions in time,
+    and the registry keeps a dead node's entry for the whole test."""
+    return make_settings(nats_server.url, tmp_path / "home", token_timeout_s=60.0,  # type: ignore[attr-defined,operator]
+                         first_token_timeout_s=60.0, hop_timeout_s=30.0, prefill_chunk=4, liveness_probe_s=0.3,
+                         registry_ttl_s=60.0, heartbeat_s=0.5)
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+async def test_a_dead_head_fails_the_stream_at_once_not_after_the_token_timeout(patient_settings: Settings,
+                                                                                phase: str) -> None:
+    """The head dies. In prefill nobody on the route can report it (the tail only waits for frames), so the
+    gateway's probes of the silent session must; in decode the tail finds it when its token bounces. Either way the
+    stream ends with an error naming the head and the phase, long before any timeout could have fired."""
+    head = NodeProcess(patient_settings, "head", stub_args("0:4", 0.05))
+    tail = NodeProcess(patient_settings, "tail", stub_args("4:8", 0.05))
+    async with Tracker(patient_settings) as tracker, Gateway(patient_settings, port=0) as gateway:
+        try:
+            await wait_model(tracker, MODEL, n_nodes=2)
+            client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+            stream = await client.completions.create(model=MODEL, prompt="p" * 200, max_tokens=200, stream=True,
+                                                     extra_body={"stream_options": {"include_telemetry": True},
+                                                                 "ignore_eos": True})
+            killed_at = 0.0
+            with pytest.raises(openai.APIError) as failure:
+                async for chunk in stream:
+                    snap = (chunk.model_extra or {}).get("swarmroute") or {}
+                    if not killed_at and snap.get("phase") == phase and (phase == "decode" or
+                                                                         snap["prefill"]["done"] >= 40):
+                        head.kill()
+                        killed_at = time.monotonic()
+            assert killed_at
+            waited = time.monotonic() - killed_at
+            body = failure.value.body if isinstance(failure.value.body, dict) else {}
+            assert body.get("failure", {}).get("node_id") == "head", body
+            assert body["failure"]["phase"] == phase and body["failure"]["kind"] == "unreachable", body
+            if phase == "prefill":  # nobody on the route talks to the head: the gateway's probe found it
+                assert "its process died" in failure.value.message
+            assert waited < patient_settings.token_timeout_s / 4, waited
+        finally:
+            head.stop()
+            tail.stop()
+
+
+async def test_a_node_dead_but_still_registered_is_routed_around_and_a_gap_is_a_503(
+        patient_settings: Settings) -> None:
+    """The registry still lists a killed node (its entry has not expired): opening a session on it finds nothing
+    listening, so the gateway routes again without it; with nobody else serving its layers the client gets the
+    tracker's 503 naming them, not a 502 about a node that is already gone."""
+    head = NodeProcess(patient_settings, "head", stub_args("0:4", 0.0))
+    tail = NodeProcess(patient_settings, "tail", stub_args("4:8", 0.0))
+    async with Tracker(patient_settings) as tracker, Gateway(patient_settings, port=0) as gateway:
+        try:
+            await wait_model(tracker, MODEL, n_nodes=2)
+            tail.kill()
+            assert any(a.node_id == "tail" for a in tracker.registry.live())  # type: ignore[union-attr]
+            client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+            with pytest.raises(openai.APIStatusError) as refused:
+                await client.completions.create(model=MODEL, prompt="hello", max_tokens=3)
+            assert refused.value.status_code == 503, refused.value
+            assert "[4, 8)" in refused.value.message or "4-8" in refused.value.message, refused.value.message
+        finally:
+            head.stop()
+            tail.stop()
+
+
+async def test_a_stopping_gateway_ends_its_streams_with_an_error(fast_settings: Settings) -> None:
+    """Not a bare ``[DONE]`` that reads like a complete answer: the client learns the gateway went away."""
+    head = NodeProcess(fast_settings, "head", stub_args("0:4", 0.02))
+    tail = NodeProcess(fast_settings, "tail", stub_args("4:8", 0.02))
+    async with Tracker(fast_settings) as tracker:
+        gateway = await Gateway(fast_settings, port=0).start()
+        try:
+            await wait_model(tracker, MODEL, n_nodes=2)
+            client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+            stream = await client.completions.create(model=MODEL, prompt="hello", max_tokens=400, stream=True,
+                                                     extra_body={"ignore_eos": True})
+            stopping: asyncio.Task[None] | None = None
+            with pytest.raises(openai.APIError, match="the gateway is shutting down"):
+                async for chunk in stream:
+                    if chunk.choices and chunk.choices[0].text and stopping is None:
+                        stopping = asyncio.create_task(gateway.stop())
+            assert stopping is not None
+            await stopping
+            assert head.endpoint is not None
+            await _wait_freed(head.endpoint)
+        finally:
+            await gateway.stop()
+            head.stop()
+            tail.stop()
