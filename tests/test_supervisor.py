@@ -76,7 +76,8 @@ def test_a_child_dying_during_start_up_is_fatal_and_named() -> None:
             assert time.monotonic() < deadline, out.getvalue()
             time.sleep(0.05)
         assert supervisor.failed == "node-2 exited during start-up"
-        assert "node-2 (pid " in out.getvalue() and "exited with status 3; its last lines:\n    no model" in out.getvalue()
+        report = out.getvalue()
+        assert "node-2 (pid " in report and "exited with status 3; its last lines:\n    no model" in report
     finally:
         supervisor.stop()
     assert not supervisor.children[1].running()

@@ -73,7 +73,7 @@ class BufferTypes:
         self._array = _ExtraBufts(address)(device)
         i = 0
         while self._array[i]:
-            self._original.append(int(self._array[i]))  # type: ignore[arg-type]
+            self._original.append(int(self._array[i]))
             i += 1
 
     def name(self, buft: int) -> str:
@@ -91,7 +91,7 @@ class BufferTypes:
             return []
         names, i = [], 0
         while self._array[i]:
-            names.append(self.name(int(self._array[i])))  # type: ignore[arg-type]
+            names.append(self.name(int(self._array[i])))
             i += 1
         return names
 
