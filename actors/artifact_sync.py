@@ -1,5 +1,5 @@
 """The artifact swarm's control plane on NATS: peer discovery, manifest exchange, progress events, and the
-``artifact fetch`` / ``artifact seed`` commands.
+loading of a fetch's manifest.
 
 Subjects (``bus.subjects.Subjects``):
 
@@ -12,20 +12,16 @@ Subjects (``bus.subjects.Subjects``):
 * ``artifact_progress(node_id)``: ``FetchProgress`` snapshots while fetching.
 
 Bytes move over BitTorrent between the announced loopback/private addresses (``artifacts.torrent``); this module
-only tells libtorrent whom to dial. A range is announced only after ``artifacts.verify`` passed it.
+only tells libtorrent whom to dial. A range is announced only after ``artifacts.verify`` passed it. The commands
+that drive it (``swarmroute artifact fetch|seed``) live in ``swarmroute.artifact_commands``.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
-import signal
-import sys
-import threading
 import time
 import zlib
 from collections.abc import Callable, Iterable
@@ -34,23 +30,19 @@ from pathlib import Path
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from artifacts.cli import artifact_group, guarded, home_of, parse_range
-from artifacts.cli import register as register_artifact_commands
-from artifacts.fetch import FetchCancelled, FetchOptions, FetchResult, fetch_range
+from artifacts.fetch import FetchOptions, FetchResult, fetch_range
 from artifacts.manifest import check_manifest, load_manifest
 from artifacts.progress import ProgressPrinter
 from artifacts.shard import ShardSource, write_shard
 from artifacts.store import Store
-from artifacts.torrent import SwarmConfig, TorrentSession, is_private_address
+from artifacts.torrent import TorrentSession, is_private_address
 from artifacts.verify import RangeVerdict, StoreReport, verify_store
 from bus.codec import DecodeError, decode, encode
-from bus.connection import connect_settings
 from bus.subjects import Subjects
 from schemas.artifact import ArtifactPeer, FetchProgress
 from schemas.errors import ArtifactError, NotFoundError, SwarmrouteError
 from schemas.manifest import ModelManifest
 from schemas.node import LayerRange
-from schemas.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -207,6 +199,22 @@ class ArtifactSync:
                     return manifest
         raise NotFoundError(f"no peer answered with a valid manifest for model {model_id[:16]}...")
 
+    async def manifest_for(self, model_id: str | None, *, manifest_file: Path | None = None,
+                           expect_id: str | None = None) -> ModelManifest:
+        """The manifest of a fetch: from a file, else the store, else the swarm (checked against ``expect_id``);
+        added to the store either way."""
+        if manifest_file is not None:
+            manifest = load_manifest(manifest_file, expect_id=expect_id)
+            self.store.add_manifest(manifest)
+            return manifest
+        if not model_id:
+            raise NotFoundError("give --model-id or --manifest")
+        with contextlib.suppress(NotFoundError):
+            return self.store.load(self.store.resolve(model_id))
+        manifest = await self.fetch_manifest(model_id, expect_id=expect_id)
+        self.store.add_manifest(manifest)
+        return manifest
+
     # -- fetching and seeding --------------------------------------------------------------------------------------
 
     def _progress_sink(self, loop: asyncio.AbstractEventLoop, printer: ProgressPrinter | None
@@ -284,143 +292,3 @@ def _verify_and_repair(store: Store, model_id: str) -> StoreReport:
                         store.shard_path(model_id, v.start, v.end), v.start, v.end)
             repaired = True
     return verify_store(store, model_id) if repaired else report
-
-
-# -- CLI -----------------------------------------------------------------------------------------------------------
-
-
-def _peer(text: str) -> tuple[str, int]:
-    host, _, port = text.rpartition(":")
-    if not host or not port.isdigit() or not is_private_address(host.strip("[]")):
-        raise argparse.ArgumentTypeError(f"peer {text!r} must be HOST:PORT with a loopback or private HOST")
-    return host.strip("[]"), int(port)
-
-
-def _settings(args: argparse.Namespace) -> Settings:
-    settings = Settings()
-    updates: dict[str, object] = {}
-    if args.nats_url:
-        updates["nats_url"] = args.nats_url
-    if args.home:
-        updates["home"] = Path(args.home)
-    return settings.model_copy(update=updates)
-
-
-async def _load_manifest(sync: ArtifactSync, args: argparse.Namespace) -> ModelManifest:
-    if args.manifest:
-        manifest = load_manifest(Path(args.manifest), expect_id=args.manifest_id)
-        sync.store.add_manifest(manifest)
-        return manifest
-    if not args.model_id:
-        raise NotFoundError("give --model-id or --manifest")
-    with contextlib.suppress(NotFoundError):
-        return sync.store.load(sync.store.resolve(args.model_id))
-    manifest = await sync.fetch_manifest(args.model_id, expect_id=args.manifest_id)
-    sync.store.add_manifest(manifest)
-    return manifest
-
-
-async def _serve_forever(stop: asyncio.Event) -> None:
-    await stop.wait()
-
-
-def _stop_event(cancel: threading.Event) -> asyncio.Event:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-
-    def on_signal() -> None:
-        stop.set()
-        cancel.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal)
-    return stop
-
-
-async def _run(args: argparse.Namespace) -> int:
-    settings = _settings(args)
-    store = Store(home_of(args))
-    session = TorrentSession(SwarmConfig(listen_host=args.listen_host, listen_port=args.listen_port,
-                                         download_limit=args.download_limit, upload_limit=args.upload_limit))
-    try:
-        # the connection retries forever by design (survives NATS restarts): bound only the first attempt
-        nc = await asyncio.wait_for(connect_settings(settings, name=f"artifact-{args.node_id}"), args.connect_timeout)
-    except (TimeoutError, OSError) as exc:
-        session.close()
-        raise ArtifactError(f"cannot reach NATS at {settings.nats_url}: {type(exc).__name__}") from exc
-    sync = ArtifactSync(nc, Subjects(settings.namespace), store, session, SyncConfig(node_id=args.node_id))
-    cancel = threading.Event()
-    stop = _stop_event(cancel)
-    try:
-        return await _command(sync, args, stop, cancel)
-    finally:
-        await sync.close()
-        await nc.drain()
-        session.close()
-
-
-async def _command(sync: ArtifactSync, args: argparse.Namespace, stop: asyncio.Event, cancel: threading.Event) -> int:
-    if args.artifact_command == "seed":
-        model_id = sync.store.resolve(args.model_id)
-        report = await sync.seed(model_id)
-        ranges = sorted({(a, b) for a, b, _ in report.servable})
-        print(json.dumps({"event": "seeding", "node_id": args.node_id, "address": list(sync.session.address),
-                          "ranges": ranges}), flush=True)
-        await _serve_forever(stop)
-        return 0
-    manifest = await _load_manifest(sync, args)
-    await sync.hold(manifest, static_peers=args.peer or [])
-    start, end = args.range if args.range else (0, manifest.n_layers)
-    printer = None if args.quiet else ProgressPrinter()
-    options = FetchOptions(timeout_s=args.timeout, cancel=cancel)
-    try:
-        result = await sync.fetch(manifest, start, end, printer=printer, options=options)
-    except FetchCancelled as exc:
-        print(json.dumps({"event": "cancelled", "message": exc.message}), flush=True)
-        return 3
-    print(json.dumps({"event": "fetched", "shard": str(result.shard), **result.progress.model_dump(mode="json")}),
-          flush=True)
-    if args.seed_after:
-        await _serve_forever(stop)
-    return 0
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Add ``artifact fetch|seed`` to the top-level ``subparsers`` (joining ``artifacts.cli``'s ``artifact``
-    group). Each command sets ``func(args) -> int``."""
-    commands = artifact_group(subparsers)
-    fetch = commands.add_parser("fetch", help="fetch the pieces a layer range needs from the swarm; write its shard")
-    fetch.add_argument("--model-id", help="model id (sha256 of the GGUF) to fetch; the manifest comes from peers")
-    fetch.add_argument("--manifest", help="a manifest JSON file instead of asking peers")
-    fetch.add_argument("--manifest-id", help="only accept a manifest with this id")
-    fetch.add_argument("--range", type=parse_range, help="layers START:END (default: the whole model)")
-    fetch.add_argument("--peer", type=_peer, action="append", help="extra torrent peer HOST:PORT (repeatable)")
-    fetch.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
-    fetch.add_argument("--seed-after", action="store_true", help="keep seeding after the fetch until stopped")
-    fetch.add_argument("--quiet", action="store_true", help="no progress bar")
-    seed = commands.add_parser("seed", help="verify the store and seed a model to the swarm until stopped")
-    seed.add_argument("model_id", help="model id (or unique prefix) in the store")
-    for p in (fetch, seed):
-        p.add_argument("--home", help="swarmroute home (default: $SWARMROUTE_HOME or ~/.cache/swarmroute)")
-        p.add_argument("--node-id", default="artifact-node", help="id in announcements and progress subjects")
-        p.add_argument("--nats-url", help="NATS server (default: $SWARMROUTE_NATS_URL)")
-        p.add_argument("--connect-timeout", type=float, default=10.0, help="seconds to reach NATS at start")
-        p.add_argument("--listen-host", default="127.0.0.1", help="torrent listen address (loopback/private)")
-        p.add_argument("--listen-port", type=int, default=0, help="torrent listen port (0: any free port)")
-        p.add_argument("--download-limit", type=int, default=0, help="bytes/s, 0 for unlimited")
-        p.add_argument("--upload-limit", type=int, default=0, help="bytes/s, 0 for unlimited")
-        p.set_defaults(func=guarded(lambda args: asyncio.run(_run(args))))
-
-
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    parser = argparse.ArgumentParser(prog="swarmroute")
-    subparsers = parser.add_subparsers(dest="command", required=True)
-    register_artifact_commands(subparsers)
-    register(subparsers)
-    args = parser.parse_args(argv)
-    return int(args.func(args))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

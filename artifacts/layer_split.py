@@ -36,6 +36,10 @@ class NodeSpec:
     memory_bytes: int
 
 
+KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q5_0", "q4_0")
+"""Cache types llama.cpp accepts for ``--cache-type-k/v``."""
+
+
 def parse_nodes(specs: Sequence[str]) -> list[NodeSpec]:
     """``24GB``, ``4x24GB``, ``512MiB``... GB and GiB both mean 2^30: accelerator vendors' "24 GB" is binary."""
     nodes: list[NodeSpec] = []

@@ -22,6 +22,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from schemas.errors import BadRequestError
+from schemas.node import LayerRange
 from schemas.settings import Settings
 
 S = TypeVar("S", bound="SecretRef")
@@ -34,7 +35,6 @@ BackendKind = Literal["llamacpp", "stub", "torch"]
 
 _NAME = r"^[A-Za-z0-9_-]+$"
 _LISTEN = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})$")
-_RANGE = re.compile(r"^(\d+):(\d+)$")
 _NATS_URL = re.compile(r"^(nats|tls|ws|wss)://[^\s,]+$")
 _SECRET_SETTINGS = {"nats_user", "nats_creds"} | {
     name for name, f in Settings.model_fields.items() if "SecretStr" in str(f.annotation)}
@@ -58,13 +58,13 @@ def parse_listen(value: str) -> tuple[str, int]:
 
 
 def parse_range(value: str) -> tuple[int, int]:
-    m = _RANGE.match(value)
-    if m is None:
-        raise ValueError(f"{value!r} is not START:END (half-open, e.g. 0:12) or auto")
-    start, end = int(m.group(1)), int(m.group(2))
-    if end <= start:
-        raise ValueError(f"layer range {value!r} is empty: END must be greater than START")
-    return start, end
+    try:
+        parsed = LayerRange.parse(value)
+    except ValueError as exc:
+        if ":" in value and all(x.strip().isdigit() for x in value.split(":", 1)):
+            raise  # well-formed but empty: LayerRange says so
+        raise ValueError(f"{value!r} is not START:END (half-open, e.g. 0:12) or auto") from exc
+    return parsed.start, parsed.end
 
 
 class SecretRef(_Spec):

@@ -27,6 +27,16 @@ class LayerRange(WireModel):
     def __str__(self) -> str:
         return f"[{self.start}, {self.end})"
 
+    @classmethod
+    def parse(cls, text: str) -> LayerRange:
+        """``START:END`` (half-open, e.g. ``0:12``); ``ValueError`` naming the expected form otherwise."""
+        start, sep, end = text.strip().partition(":")
+        if not sep or not start.strip().isdigit() or not end.strip().isdigit():
+            raise ValueError(f"{text!r} is not a layer range START:END (half-open, e.g. 0:12)")
+        if int(end) <= int(start):
+            raise ValueError(f"layer range {text!r} is empty: END must be greater than START")
+        return cls(start=int(start), end=int(end))
+
 
 class BackendInfo(WireModel):
     """Backend metadata shown in advertisements, telemetry and ``/v1/models``."""

@@ -14,17 +14,6 @@ from actors.selfcheck import prove_in_child
 from schemas.settings import Settings
 
 
-def parse_layers(text: str | None) -> tuple[int | None, int | None]:
-    """``a:b`` -> (a, b); empty or ``all`` -> the whole model."""
-    if not text or text == "all":
-        return None, None
-    try:
-        a, b = text.split(":")
-        return int(a), int(b)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--layers takes START:END (half-open), got {text!r}") from None
-
-
 def default_model_path(settings: Settings) -> Path:
     """The bundled Gemma 3 270M Q4_K_M, assembled once under the home directory and reused."""
     try:
@@ -47,12 +36,12 @@ class Identity:
 
 
 def build_backend(args: argparse.Namespace, settings: Settings) -> tuple[Backend, Identity]:
-    start, end = parse_layers(getattr(args, "layers", None))
+    start, end = getattr(args, "layers", None) or (None, None)
     kind = args.backend
     options: dict[str, Any] = {}
     if kind == "stub":
         options = dict(model=args.model or "stub-model", n_layers=args.n_layers, max_sessions=args.max_sessions,
-                       hidden_shape=tuple(int(d) for d in args.hidden_shape.split("x")),
+                       hidden_shape=tuple(args.hidden_shape),
                        context_length=args.ctx or 4096, delay_s=args.stub_delay)
         if start is not None:
             options.update(layer_start=start, layer_end=end)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from schemas.settings import Settings
+from swarmroute import argtypes, artifact_commands, fleet, plan_command
 
 log = logging.getLogger("swarmroute")
 T = TypeVar("T")
@@ -170,12 +171,16 @@ def _backend_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=["llamacpp", "stub", "torch"], default="llamacpp")
     p.add_argument("--model", help="GGUF path (llamacpp/torch; default: the bundled Gemma 3 270M) or stub model id")
     p.add_argument("--model-id", help="id to advertise (default: the model's name)")
-    p.add_argument("--max-sessions", type=int, default=4, help="concurrent sessions (KV slots) on this node")
-    p.add_argument("--ctx", type=int, default=None, help="context per session in tokens")
-    p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
-    p.add_argument("--n-layers", type=int, default=8, help="stub: layers of the toy model")
-    p.add_argument("--hidden-shape", default="64", help="stub: per-position hidden shape, e.g. 64 or 4x64")
-    p.add_argument("--stub-delay", type=float, default=0.0, help="stub: artificial seconds of compute per step")
+    p.add_argument("--max-sessions", type=argtypes.positive, default=4,
+                   help="concurrent sessions (KV slots) on this node")
+    p.add_argument("--ctx", type=argtypes.context, default=None, help="context per session in tokens (4096, 32K)")
+    p.add_argument("--threads", type=argtypes.positive, default=None,
+                   help="compute threads (default: all cores; with up, the cores divided among local nodes)")
+    p.add_argument("--n-layers", type=argtypes.positive, default=8, help="stub: layers of the toy model")
+    p.add_argument("--hidden-shape", type=argtypes.hidden_shape, default=(64,),
+                   help="stub: per-position hidden shape, e.g. 64 or 4x64")
+    p.add_argument("--stub-delay", type=argtypes.non_negative, default=0.0,
+                   help="stub: artificial seconds of compute per step")
     p.add_argument("--wire-dtype", choices=["f32", "bf16", "f16"], default="f32",
                    help="activation dtype on the wire: f32 bit-exact, bf16 or f16 half the bytes")
 
@@ -187,9 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="run NATS, tracker, nodes and the gateway on this machine")
     _common(up)
     _backend_options(up)
-    up.add_argument("--nodes", type=int, default=None, help="nodes to split the layers over (default 2)")
+    up.add_argument("--nodes", type=argtypes.positive, default=None, help="nodes to split the layers over (default 2)")
     up.add_argument("--host", default=None, help="gateway address (default 127.0.0.1)")
-    up.add_argument("--port", type=int, default=None, help="gateway port (default 8000, env SWARMROUTE_GATEWAY_PORT)")
+    up.add_argument("--port", type=argtypes.port, default=None,
+                    help="gateway port (default 8000, env SWARMROUTE_GATEWAY_PORT)")
     up.set_defaults(func=cmd_up)
 
     tracker = sub.add_parser("tracker", help="run a tracker against an existing NATS")
@@ -200,10 +206,11 @@ def build_parser() -> argparse.ArgumentParser:
     node = sub.add_parser("node", help="run one node against an existing NATS")
     _common(node)
     _backend_options(node)
-    node.add_argument("--layers", help="START:END layer range (default: all)")
+    node.add_argument("--layers", type=argtypes.layers_or_all, default=None,
+                      help="START:END layer range (default: all)")
     node.add_argument("--node-id")
     node.add_argument("--host", default=None)
-    node.add_argument("--port", type=int, default=0)
+    node.add_argument("--port", type=argtypes.port, default=0)
     node.add_argument("--advertise-url", help="URL peers use to reach this node, if not the listen address")
     _fleet_member(node)
     node.set_defaults(func=cmd_node)
@@ -211,14 +218,14 @@ def build_parser() -> argparse.ArgumentParser:
     gateway = sub.add_parser("gateway", help="run the OpenAI gateway against an existing NATS")
     _common(gateway)
     gateway.add_argument("--host", default=None)
-    gateway.add_argument("--port", type=int, default=8000)
+    gateway.add_argument("--port", type=argtypes.port, default=8000)
     _fleet_member(gateway)
     gateway.set_defaults(func=cmd_gateway)
 
     nats = sub.add_parser("nats", help="run the embedded NATS server (JetStream on)")
     _common(nats)
     nats.add_argument("--host", default="127.0.0.1")
-    nats.add_argument("--port", type=int, default=4222)
+    nats.add_argument("--port", type=argtypes.port, default=4222)
     nats.add_argument("--store-dir", type=Path)
     nats.add_argument("--config", type=Path, help="nats-server config file (clusters, auth)")
     nats.add_argument("--server-name")
@@ -227,21 +234,19 @@ def build_parser() -> argparse.ArgumentParser:
     watch = sub.add_parser("watch", help="show nodes and live sessions from NATS")
     _common(watch)
     watch.add_argument("--once", action="store_true", help="print one snapshot and exit")
-    watch.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
+    watch.add_argument("--duration", type=argtypes.non_negative, default=None, help="stop after this many seconds")
     watch.set_defaults(func=cmd_watch)
 
-    for module in ("artifacts.cli", "artifacts.plan", "actors.artifact_sync", "swarmroute.fleet"):
-        with contextlib.suppress(ImportError, AttributeError):
-            __import__(module, fromlist=["register"]).register(sub)
+    artifact_commands.register(sub)
+    plan_command.register(sub)
+    fleet.register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "fleet", None) is not None:
-        from swarmroute.fleet import resolve_member
-
-        args = resolve_member(args)
+        args = fleet.resolve_member(args, build_parser())
     _logging(getattr(args, "log_level", None) or "info")
     result: int = args.func(args)
     return result

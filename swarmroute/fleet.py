@@ -34,6 +34,7 @@ from schemas.errors import BadRequestError, SwarmrouteError
 from schemas.fleet import Fleet, GatewaySpec, NodeSpec, load_fleet, parse_listen
 from schemas.node import NodeAdvertisement
 from schemas.settings import Settings
+from swarmroute import argtypes
 from swarmroute.launcher import keep_nats, split_layers
 from swarmroute.supervisor import ChildSpec, Supervisor, on_stop_signal
 
@@ -177,16 +178,15 @@ def member_argv(fleet: Fleet, role: MemberRole, name: str,
     return [role]
 
 
-def resolve_member(args: argparse.Namespace) -> argparse.Namespace:
-    """``swarmroute <role> --fleet FILE --name X``: the member's own arguments, parsed, with its Settings attached."""
-    from swarmroute.cli import build_parser
-
+def resolve_member(args: argparse.Namespace, parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """``swarmroute <role> --fleet FILE --name X``: the member's own arguments, parsed by ``parser`` (the CLI's),
+    with its Settings attached."""
     if not args.name:
         raise SystemExit(f"swarmroute {args.command} --fleet needs --name (which member of the fleet this is)")
     role: MemberRole = args.command
     try:
         fleet = load_fleet(args.fleet)
-        parsed = build_parser().parse_args(member_argv(fleet, role, args.name))
+        parsed = parser.parse_args(member_argv(fleet, role, args.name))
         parsed.fleet_settings = member_settings(fleet, role, args.name, nats_url=args.nats_url, home=args.home,
                                                 log_level=args.log_level)
     except SwarmrouteError as exc:
@@ -443,7 +443,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
     up = verbs.add_parser("up", help="run every member of the fleet on this machine, as child processes")
     up.add_argument("file", type=Path)
-    up.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the fleet to be healthy")
+    up.add_argument("--timeout", type=argtypes.at_least(0.001, float), default=600.0,
+                    help="seconds to wait for the fleet to be healthy")
     common(up)
     up.set_defaults(func=_reporting_errors(cmd_up))
 

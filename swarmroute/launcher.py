@@ -76,7 +76,7 @@ def _node_extra(args: argparse.Namespace, model_id: str, index: int, layers: tup
     if args.threads:
         extra += ["--threads", str(args.threads)]
     if args.backend == "stub":
-        extra += ["--n-layers", str(args.n_layers), "--hidden-shape", args.hidden_shape]
+        extra += ["--n-layers", str(args.n_layers), "--hidden-shape", "x".join(map(str, args.hidden_shape))]
     return extra
 
 

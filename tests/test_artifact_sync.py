@@ -81,7 +81,7 @@ class Swarm:
         self.procs: list[Proc] = []
 
     def artifact(self, name: str, *args: str) -> Proc:
-        argv = [sys.executable, "-m", "actors.artifact_sync", "artifact", *args, "--node-id", name]
+        argv = [sys.executable, "-m", "swarmroute", "artifact", *args, "--node-id", name]
         proc = Proc(argv, self.env, self.tmp / f"{name}.log")
         self.procs.append(proc)
         return proc
@@ -214,7 +214,7 @@ async def test_flipped_byte_is_detected_and_never_advertised(swarm: Swarm, nats_
     assert seeding["ranges"] == [[0, 2], [3, 6]]
     await watch.until(lambda: watch.ranges_of("seed0"), 10)
     assert all(not any(a <= 2 < b for a, b in ranges) for ranges in watch.ranges_of("seed0"))
-    out = subprocess.run([sys.executable, "-m", "artifacts.cli", "artifact", "verify", "--home", str(tmp_path / "h0")],
+    out = subprocess.run([sys.executable, "-m", "swarmroute", "artifact", "verify", "--home", str(tmp_path / "h0")],
                          capture_output=True, text=True, cwd=REPO, env=swarm.env)
     assert out.returncode == 1 and "hash_mismatch: blk.2.attn_v.weight" in out.stdout
     await watch.close()

@@ -22,11 +22,17 @@ import pytest
 from artifacts.gguf_shape import glm52_indexer_types, shape_from_gguf
 from artifacts.layer_split import NodeSpec, Plan, PlanSettings, parse_nodes, parse_tokens, split
 from artifacts.model_shape import ModelShape
-from artifacts.plan import main, register
 from artifacts.shape_file import load_shape_file
 from bus.frame import encode, session_bytes
 from schemas.errors import BadRequestError, NoRouteError
 from schemas.frame import FrameHeader, FrameKind, HopStamp, WireDType
+from swarmroute.cli import main as cli_main
+from swarmroute.plan_command import register
+
+
+def main(argv: list[str]) -> int:
+    return cli_main(["plan", *argv])
+
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy" / "models"
 GIB = 2**30
@@ -176,7 +182,8 @@ def test_register_adds_the_plan_subcommand() -> None:
     register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["plan", "m.gguf", "--nodes", "4x24GB", "--node", "80GB", "--context", "1M"])
     assert args.command == "plan" and callable(args.func)
-    assert args.nodes == ["4x24GB"] and args.node == ["80GB"] and parse_tokens(args.context) == 2**20
+    assert [len(group) for group in args.nodes] == [4] and args.nodes[0][0].memory_bytes == 24 * GIB
+    assert args.node[0][0].memory_bytes == 80 * GIB and args.context == parse_tokens("1M") == 2**20
 
 
 def test_node_and_context_parsing() -> None:

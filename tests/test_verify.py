@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from artifacts.cli import main as artifact_cli
 from artifacts.gguf_layout import read_layout
 from artifacts.manifest import build_manifest
 from artifacts.shard import ShardSource, write_shard
 from artifacts.store import Store
 from artifacts.verify import require_verified_shard, verify_shard, verify_store
 from schemas.errors import ArtifactError
+from swarmroute.cli import main as artifact_cli
 from tests.support.gguf_factory import write_tiny_gguf
 
 

@@ -62,11 +62,13 @@ class Up:
     """``python -m swarmroute up`` in its own process group, its output collected by a thread. ``argv`` follows
     ``up``; ``env`` is added to the environment (``SWARMROUTE_*`` settings)."""
 
-    def __init__(self, *argv: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, *argv: str, env: dict[str, str] | None = None,
+                 env_replace: dict[str, str] | None = None) -> None:
+        """``env`` is added to this process's environment; ``env_replace`` replaces it."""
         self.argv = [sys.executable, "-m", "swarmroute", "up", *argv]
+        base = dict(os.environ) if env_replace is None else env_replace
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-                                     start_new_session=True)
+                                     env={**base, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True)
         self.lines: list[str] = []
         self.banner = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
@@ -97,6 +99,16 @@ class Up:
                 if "swarmroute" in argv and all(w in argv for w in words):
                     return pid
         raise AssertionError(f"no child with {words} below {self.proc.pid}:\n{self.output}")
+
+    def stop(self, timeout: float = 60) -> int:
+        """Ctrl-C, as a user stops it; SIGKILL for the whole tree if it does not stop in time."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                return self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill_all()
+        return self.proc.returncode
 
     def kill_all(self) -> None:
         for pid in descendants(self.proc.pid):

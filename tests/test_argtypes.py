@@ -1,0 +1,92 @@
+"""Every numeric, size and range option refuses a value of the wrong form with an argparse error showing the
+expected form, through the real ``swarmroute`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+
+import pytest
+
+from swarmroute import argtypes
+from swarmroute.cli import build_parser, main
+
+
+def _refused(argv: list[str]) -> str:
+    """The message argparse prints for ``swarmroute <argv>``; the exit status must be argparse's 2."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(argv)
+    assert exit_.value.code == 2, err.getvalue()
+    return err.getvalue()
+
+
+def test_plan_nodes_3_is_an_argparse_error_showing_nxsize() -> None:
+    """The report that started it: ``--nodes 3`` was read as one node of 3 bytes."""
+    message = _refused(["plan", "model.gguf", "--nodes", "3"])
+    assert "argument --nodes: '3' is not NxSIZE: give a count and a size, e.g. 3x24GB" in message
+    assert "usage: swarmroute plan" in message
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit):
+        main(["plan", "model.gguf", "--nodes", "3"])
+    assert "NxSIZE" in err.getvalue()
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["plan", "m.gguf", "--node", "3"], "'3' has no unit: give a size like 24GB"),
+    (["plan", "m.gguf", "--nodes", "3x"], "is not NxSIZE"),
+    (["plan", "m.gguf", "--nodes", "x24GB"], "is not NxSIZE"),
+    (["plan", "m.gguf", "--nodes", "2x24"], "is not NxSIZE"),
+    (["plan", "m.gguf", "--nodes", "2x24XB"], "is not like 24GB, 80GiB or 4x24GB"),
+    (["plan", "m.gguf", "--node", "24GB", "--context", "lots"], "is not like 131072, 128K or 1M"),
+    (["plan", "m.gguf", "--node", "24GB", "--sessions", "0"], "0 is out of range: expected >= 1"),
+    (["plan", "m.gguf", "--node", "24GB", "--reserve", "1.5"], "1.5 is out of range: expected >= 0 and <= 0.99"),
+    (["up", "--nodes", "0"], "0 is out of range: expected >= 1"),
+    (["up", "--nodes", "two"], "'two' is not an integer"),
+    (["up", "--port", "70000"], "70000 is out of range"),
+    (["up", "--max-sessions", "-1"], "-1 is out of range: expected >= 1"),
+    (["up", "--ctx", "200K"], "exceeds the 128K-token context cap"),
+    (["up", "--ctx", "abc"], "is not like 131072, 128K or 1M"),
+    (["up", "--threads", "0"], "0 is out of range: expected >= 1"),
+    (["up", "--backend", "stub", "--hidden-shape", "4x0"], "is not a hidden shape like 64 or 4x64"),
+    (["up", "--backend", "stub", "--stub-delay", "-0.5"], "-0.5 is out of range: expected >= 0"),
+    (["node", "--layers", "9:3"], "layer range '9:3' is empty: END must be greater than START"),
+    (["node", "--layers", "first"], "'first' is not a layer range START:END"),
+    (["node", "--port", "-2"], "is out of range"),
+    (["gateway", "--port", "http"], "'http' is not an integer"),
+    (["watch", "--duration", "-3"], "-3 is out of range: expected >= 0"),
+    (["fleet", "up", "f.yaml", "--timeout", "0"], "0 is out of range: expected >= 0.001"),
+    (["artifact", "verify", "--range", "3"], "'3' is not a layer range START:END"),
+    (["artifact", "fetch", "--peer", "8.8.8.8:6881"], "must be HOST:PORT with a loopback or private HOST"),
+    (["artifact", "fetch", "--peer", "127.0.0.1:0"], "must be HOST:PORT"),
+    (["artifact", "fetch", "--download-limit", "-5"], "-5 is out of range: expected >= 0"),
+    (["artifact", "build", "x.gguf", "--piece-size", "0"], "0 is out of range: expected >= 1"),
+])
+def test_bad_values_are_argparse_errors_naming_the_option_and_the_form(argv: list[str], expected: str) -> None:
+    message = _refused(argv)
+    option = next(a for a in reversed(argv) if a.startswith("--"))
+    assert f"argument {option}" in message, message
+    assert expected in message, message
+
+
+def test_good_values_parse_to_what_the_commands_use() -> None:
+    args = build_parser().parse_args(["up", "--nodes", "3", "--ctx", "32K", "--port", "0", "--backend", "stub",
+                                      "--hidden-shape", "4x64", "--stub-delay", "0.25", "--threads", "2"])
+    assert (args.nodes, args.ctx, args.port, args.hidden_shape, args.stub_delay, args.threads) == (
+        3, 32768, 0, (4, 64), 0.25, 2)
+    node = build_parser().parse_args(["node", "--layers", "0:9"])
+    assert node.layers == (0, 9)
+    assert build_parser().parse_args(["node", "--layers", "all"]).layers is None
+    plan = build_parser().parse_args(["plan", "m.gguf", "--nodes", "2x24GB", "--node", "512MiB"])
+    assert [n.memory_bytes for group in plan.nodes for n in group] == [24 * 2**30] * 2
+    assert plan.node[0][0].memory_bytes == 512 * 2**20
+    fetch = build_parser().parse_args(["artifact", "fetch", "--peer", "10.1.2.3:6881", "--range", "0:9"])
+    assert fetch.peer == [("10.1.2.3", 6881)] and fetch.range == (0, 9)
+
+
+def test_at_least_names_its_bounds_for_argparse() -> None:
+    parse = argtypes.at_least(2, maximum=5)
+    assert parse("3") == 3
+    with pytest.raises(argparse.ArgumentTypeError, match="expected >= 2 and <= 5"):
+        parse("9")
