@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import urllib.request
@@ -96,11 +97,23 @@ def _wait_ready(url: str, model_id: str, supervisor: Supervisor, timeout: float)
     raise RuntimeError(f"the swarm did not become ready within {timeout:g}s")
 
 
+LOCAL_NODE_ENV = {"OMP_WAIT_POLICY": "passive", "SWARMROUTE_HOP_SPIN_GRACE_S": "0"}
+"""Nodes sharing one machine. A single session computes on one node at a time, so each node may use every core,
+provided the idle ones leave them alone: OpenMP threads that spin after a graph (its default) or an event loop
+polling for the next frame take cores from the node that is computing (tests/bench/bench_up.py measures it). The
+operator's own environment wins (for OpenMP, either of its wait settings)."""
+
+
+def _local_node_env() -> dict[str, str]:
+    own = set(os.environ) | ({"OMP_WAIT_POLICY"} if "GOMP_SPINCOUNT" in os.environ else set())
+    return {k: v for k, v in LOCAL_NODE_ENV.items() if k not in own}
+
+
 def _specs(args: argparse.Namespace, settings: Settings, nats_url: str, model_id: str,
            ranges: list[tuple[int, int]], host: str) -> list[ChildSpec]:
     specs = [ChildSpec("tracker", _child_argv(args, settings, nats_url, "tracker", []), essential=True)]
     specs += [ChildSpec(f"node-{i + 1}", _child_argv(args, settings, nats_url, "node",
-                                                     _node_extra(args, model_id, i, layers)))
+                                                     _node_extra(args, model_id, i, layers)), env=_local_node_env())
               for i, layers in enumerate(ranges)]
     specs.append(ChildSpec("gateway", _child_argv(args, settings, nats_url, "gateway",
                                                   ["--host", host, "--port", str(args.port)]), essential=True))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import signal
 import subprocess
 import sys
@@ -76,6 +77,9 @@ class ChildSpec:
     essential: bool = False
     """Without it nothing can be served: giving up on it stops the swarm."""
 
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Added to the supervisor's environment for this child."""
+
 
 class _Child:
     def __init__(self, spec: ChildSpec, out: IO[str] | None) -> None:
@@ -89,7 +93,7 @@ class _Child:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(self.spec.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL)
+                                     stdin=subprocess.DEVNULL, env={**os.environ, **self.spec.env})
         threading.Thread(target=self._relay, args=(self.proc,), name=f"relay-{self.spec.name}", daemon=True).start()
 
     def _relay(self, proc: subprocess.Popen[bytes]) -> None:

@@ -37,15 +37,19 @@ from tests.bench.bench_llamacpp import free_port, run_in_process
 from tests.support.up import Up
 
 CORES = os.cpu_count() or 1
+OPENMP_DEFAULT = {"OMP_WAIT_POLICY": "", "GOMP_SPINCOUNT": "300000"}
+"""libgomp's own default wait (spin 300,000 times after a parallel region, then sleep), set explicitly so that
+``up`` leaves it alone."""
 CONFIGS: dict[str, tuple[list[str], dict[str, str]]] = {
     "default": ([], {}),
-    "alpha": (["--threads", str(CORES)], {"SWARMROUTE_HOP_SPIN_GRACE_S": "0.002", "OMP_WAIT_POLICY": ""}),
-    "threads 1": (["--threads", "1"], {"SWARMROUTE_HOP_SPIN_GRACE_S": "0.002", "OMP_WAIT_POLICY": ""}),
+    "alpha": (["--threads", str(CORES)], {"SWARMROUTE_HOP_SPIN_GRACE_S": "0.002", **OPENMP_DEFAULT}),
+    "threads 1": (["--threads", "1"], {"SWARMROUTE_HOP_SPIN_GRACE_S": "0.002", **OPENMP_DEFAULT}),
     "all cores, passive": (["--threads", str(CORES)], {"SWARMROUTE_HOP_SPIN_GRACE_S": "0",
-                                                       "OMP_WAIT_POLICY": "passive"}),
-    "threads 1, no polling": (["--threads", "1"], {"SWARMROUTE_HOP_SPIN_GRACE_S": "0", "OMP_WAIT_POLICY": ""}),
+                                                       "OMP_WAIT_POLICY": "passive", "GOMP_SPINCOUNT": ""}),
+    "all cores, no polling": (["--threads", str(CORES)], {"SWARMROUTE_HOP_SPIN_GRACE_S": "0", **OPENMP_DEFAULT}),
+    "threads 1, no polling": (["--threads", "1"], {"SWARMROUTE_HOP_SPIN_GRACE_S": "0", **OPENMP_DEFAULT}),
 }
-"""name -> (extra ``up`` arguments, environment). An empty value removes the variable (OpenMP's own default)."""
+"""name -> (extra ``up`` arguments, environment). An empty value removes the variable."""
 
 
 def _start(name: str, home: Path) -> tuple[Up, str]:
