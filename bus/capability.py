@@ -176,7 +176,8 @@ def peek(token: str) -> Capability:
 
 
 def verify(token: str, verifier: Verifier) -> Capability:
-    """Check the signature and return the claims; expiry and binding are the caller's checks (``actors.admission``)."""
+    """Check the signature and return the claims; expiry and binding are the caller's checks
+    (``actors.node.admission``)."""
     alg, payload, signature = _split(token)
     if alg != verifier.alg:
         raise CapabilityError(f"session capability signed with {alg!r}; this node accepts {verifier.alg!r} only")

@@ -25,7 +25,7 @@ from typing import Any, Literal
 from nats.aio.client import Client as NATS
 from nats.js.errors import KeyNotFoundError
 
-from actors.routes import uncovered_layers
+from actors.tracker.routes import uncovered_layers
 from bus import codec
 from bus.connection import connect_settings
 from bus.service import discover

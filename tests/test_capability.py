@@ -14,8 +14,8 @@ import numpy as np
 import openai
 import pytest
 
-from actors.admission import Admission
 from actors.backends.stub import StubBackend, StubConfig
+from actors.node.admission import Admission
 from bus import capability as caps
 from bus import frame as frames
 from bus.nodeclient import FRAME_CONTENT_TYPE

@@ -13,7 +13,7 @@ import pytest
 
 from actors.backend import StepInput, StepOutput
 from actors.backends.stub import StubBackend, StubConfig
-from actors.engine import EngineStopped, StepEngine
+from actors.node.engine import EngineStopped, StepEngine
 from schemas.session import SamplingParams
 
 PROMPT = [1, 72, 105, 33]

@@ -397,7 +397,7 @@ async def test_fuzzed_frames_on_a_secured_node_are_refused_before_parsing(nats_s
 def test_bogus_registry_entries_cannot_unroute_a_model() -> None:
     """Regression found by the NATS fuzzing above: one advertisement whose range lies beyond its model, or that
     claims another layer count for the same model, made every route for the real nodes a 503."""
-    from actors.routes import select_route
+    from actors.tracker.routes import select_route
     from schemas.node import BackendInfo, Capacity, LayerRange, NodeAdvertisement
 
     def advert(node_id: str, start: int, end: int, n_layers: int = 8) -> NodeAdvertisement:

@@ -1,4 +1,4 @@
-"""actors.generation: what the tail releases as text, token by token, and when and why generation ends.
+"""actors.node.generation: what the tail releases as text, token by token, and when and why generation ends.
 
 Tokens here are byte strings (a toy vocabulary built per test), so a test can split a UTF-8 character or a stop
 string across tokens at will; the expected output is always derived from the joined bytes in the same test.
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.generation import Generation, StopMatcher
+from actors.node.generation import Generation, StopMatcher
 
 EOS = -1
 

@@ -17,11 +17,11 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
-from actors.hop_api import HopApi
+from actors.node.hop_api import HopApi
 from bus import frame as frames
 from bus.httpserver import HttpServer
 from bus.nodeclient import FRAME_CONTENT_TYPE, TOKEN_CONTENT_TYPE
-from schemas.errors import CapabilityError, SessionNotFoundError
+from schemas.errors import BadRequestError, CapabilityError, SessionNotFoundError
 from schemas.frame import FrameHeader, FrameKind, HopStamp, SampledToken, WireDType
 from schemas.session import TokenEvent
 
@@ -40,6 +40,8 @@ class RecordingSession:
         return header.start_position + header.n_positions
 
     def on_token(self, event: TokenEvent | SampledToken) -> None:
+        if not self.is_head:  # as a HopSession answers (tests/test_hop_session.py): the error shape is tested here
+            raise BadRequestError("tokens go to the session's head")
         self.tokens.append(event)
 
 

@@ -15,7 +15,7 @@ from prometheus_client.samples import Sample
 from pydantic import SecretStr
 
 from actors.backends.stub import StubBackend, StubConfig
-from actors.metrics import count_artifact_fetched, count_artifact_served
+from actors.node.metrics import count_artifact_fetched, count_artifact_served
 from gateway.app import Gateway
 from schemas.session import Prompt
 from schemas.settings import Settings

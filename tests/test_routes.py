@@ -1,4 +1,4 @@
-"""actors.routes: the cheapest exact chain of live, verified, free nodes; precise errors when there is none."""
+"""actors.tracker.routes: the cheapest exact chain of live, verified, free nodes; precise errors when there is none."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from actors.routes import select_route, uncovered_layers
+from actors.tracker.routes import select_route, uncovered_layers
 from schemas.errors import CapacityError, ModelNotFoundError, NoRouteError
 from schemas.node import BackendInfo, Capacity, LayerRange, NodeAdvertisement
 

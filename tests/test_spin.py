@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from actors.spin import ArrivalSpinner, LoopPoller
+from actors.node.spin import ArrivalSpinner, LoopPoller
 
 
 def steady(spinner: ArrivalSpinner, period_s: float) -> None:

@@ -214,7 +214,7 @@ def check_cost_us() -> float:
     """The per-request check alone: one constant-time compare of the session token (what a frame pays)."""
     import timeit
 
-    from actors.admission import Admission
+    from actors.node.admission import Admission
 
     token = "t" * 32
     n = 200_000

@@ -31,17 +31,19 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route as HttpRoute
 
-from actors.admission import Admission
 from actors.backend import Backend
-from actors.engine import StepEngine
-from actors.hop_api import HopApi, summarize
-from actors.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from actors.metrics import NodeMetrics
+from actors.node.admission import Admission
+from actors.node.engine import StepEngine
+from actors.node.head_session import HeadSession
+from actors.node.hop_api import HopApi, summarize
+from actors.node.hop_session import HopSession
+from actors.node.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from actors.node.metrics import NodeMetrics
+from actors.node.runtime import NodeRuntime
+from actors.node.session import NodeSession
+from actors.node.spin import LoopPoller
 from actors.registry import open_registry
-from actors.route_session import RouteSession
-from actors.runtime import NodeRuntime
 from actors.services import node_service
-from actors.spin import LoopPoller
 from bus import codec
 from bus.capability import HEADER_CAPABILITY, HEADER_SESSION_TOKEN, verifier_from_settings
 from bus.connection import connect_settings, keep_cancellation
@@ -107,7 +109,7 @@ class Node:
         self.settings = settings
         self.subjects = Subjects(settings.namespace)
         self.engine = StepEngine(backend)
-        self.sessions: dict[str, RouteSession] = {}
+        self.sessions: dict[str, NodeSession] = {}
         hop_api = HopApi(self._app(), self._session_for, max_frame_bytes=settings.max_frame_bytes,
                          max_body_bytes=settings.max_body_bytes)
         self.server = HttpServer(hop_api, config.host, config.port, hot=hop_api)
@@ -302,7 +304,7 @@ class Node:
 
     # ---- sessions ----------------------------------------------------------------------------------------------
 
-    async def _session_closed(self, session: RouteSession) -> None:
+    async def _session_closed(self, session: NodeSession) -> None:
         if self.sessions.get(session.id) is session:
             del self.sessions[session.id]
         with contextlib.suppress(Exception):
@@ -332,9 +334,8 @@ class Node:
         await self.engine.call(lambda: self.backend.open_session(
             request.session_id, prompt_tokens=request.prompt_tokens, sampling=request.sampling))
         assert self.runtime is not None
-        session = RouteSession(self.runtime, request, is_head=request.hop_index == 0,
-                               is_tail=request.hop_index == len(hops) - 1, hidden_shape=self.hidden_shape,
-                               on_closed=self._session_closed)
+        role = HeadSession if request.hop_index == 0 else HopSession
+        session = role(self.runtime, request, hidden_shape=self.hidden_shape, on_closed=self._session_closed)
         session.session_token = grant.session_token if grant else None
         self.admission.record(grant)
         self.sessions[request.session_id] = session
@@ -344,16 +345,16 @@ class Node:
         return SessionOpened(session_id=request.session_id, node_id=self.config.node_id,
                              prompt_tokens=len(request.prompt_tokens))
 
-    def _get(self, session_id: str) -> RouteSession:
+    def _get(self, session_id: str) -> NodeSession:
         session = self.sessions.get(session_id)
         if session is None:
             raise SessionNotFoundError(f"session {session_id} is not open on node {self.config.node_id}")
         return session
 
-    def _member(self, request: Request) -> RouteSession:
+    def _member(self, request: Request) -> NodeSession:
         return self._session_for(request.path_params["sid"], request.headers.get(HEADER_SESSION_TOKEN))
 
-    def _session_for(self, session_id: str, session_token: str | None) -> RouteSession:
+    def _session_for(self, session_id: str, session_token: str | None) -> NodeSession:
         """The session a request is about, if the request proves membership (session token, when admission is on)."""
         session = self._get(session_id)
         Admission.check_session_token(session.session_token, session_token)

@@ -16,21 +16,32 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from actors.route_session import RouteSession
+from actors.backend import Hidden
 from bus import frame as frames
 from bus.capability import HEADER_SESSION_TOKEN
 from bus.hotpath import Answer
 from bus.nodeclient import FRAME_CONTENT_TYPE, TOKEN_CONTENT_TYPE
 from schemas.errors import BadRequestError, CapacityError, FrameError, PayloadTooLargeError, SwarmrouteError
-from schemas.frame import SampledToken
+from schemas.frame import FrameHeader, SampledToken
 from schemas.session import TokenEvent
 
-Lookup = Callable[[str, str | None], RouteSession]
+
+class HopTarget(Protocol):
+    """What the per-token endpoints need of an open session (``actors.node.session.NodeSession``)."""
+
+    raw_id: bytes
+
+    def on_frame(self, header: FrameHeader, hidden: Hidden, nbytes: int) -> int | Awaitable[int]: ...
+
+    def on_token(self, event: TokenEvent | SampledToken) -> None: ...
+
+
+Lookup = Callable[[str, str | None], HopTarget]
 """(session id, session token header) -> the open session; raises SessionNotFoundError / CapabilityError."""
 
 _PREFIX = "/v1/sessions/"
@@ -103,8 +114,6 @@ class HopApi:
                 raise BadRequestError(f"token event is for session {event.session_id}, not {sid}")
         else:
             raise BadRequestError(f"tokens are sent as {TOKEN_CONTENT_TYPE} or application/json")
-        if not session.is_head:
-            raise BadRequestError("tokens go to the session's head")
         session.on_token(event)
 
     # ---- ASGI, for requests the fast lane left to uvicorn ---------------------------------------------------------

@@ -52,8 +52,11 @@ class Generation:
     """Counts tokens against max_tokens, turns token bytes into text, and decides when and why generation ends."""
 
     def __init__(self, *, max_tokens: int, stops: list[str], ignore_eos: bool,
-                 token_bytes: Callable[[int], bytes], is_eog: Callable[[int], bool]) -> None:
+                 token_bytes: Callable[[int], bytes], is_eog: Callable[[int], bool],
+                 context_length: int | None = None) -> None:
         self.max_tokens = max_tokens
+        self.context_length = context_length
+        """Positions the session may hold; generation ends before a step would pass it."""
         self.ignore_eos = ignore_eos
         self.count = 0
         self.finish_reason: FinishReason | None = None
@@ -65,6 +68,14 @@ class Generation:
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
+
+    def ends_for_certain(self, token: int, count: int, *, position: int) -> bool:
+        """Whether the ``count``-th generated token, leaving the session at ``position`` positions, ends the
+        generation whatever its text: end of generation, ``max_tokens``, or a context with no room for the step
+        that would feed it. Pure, so the engine's thread may ask it (stop strings need the text: ``accept``)."""
+        return (count >= self.max_tokens
+                or (self.context_length is not None and position > self.context_length)
+                or (not self.ignore_eos and self._is_eog(token)))
 
     def accept(self, token: int) -> tuple[str, FinishReason | None]:
         """Record one sampled token; returns the text it releases and the finish reason if generation ends."""

@@ -8,9 +8,9 @@ from collections.abc import Awaitable, Callable
 
 from pydantic import BaseModel
 
-from actors.engine import StepEngine
-from actors.metrics import NodeMetrics
-from actors.spin import LoopPoller
+from actors.node.engine import StepEngine
+from actors.node.metrics import NodeMetrics
+from actors.node.spin import LoopPoller
 from bus.nodeclient import NodeClient
 from bus.subjects import Subjects
 from schemas.frame import WireDType
@@ -36,8 +36,8 @@ class NodeRuntime:
     settings: Settings
     wire_dtype: WireDType = WireDType.F32
     metrics: NodeMetrics = dataclasses.field(default_factory=NodeMetrics)
-    """Prometheus series of this node (actors.metrics)."""
+    """Prometheus series of this node (actors.node.metrics)."""
     poller: LoopPoller = dataclasses.field(default_factory=LoopPoller)
-    """Keeps the node's loop polling while a decoding session waits for its next message (actors.spin)."""
+    """Keeps the node's loop polling while a decoding session waits for its next message (actors.node.spin)."""
     client_present: ClientProbe = _always_there
     """Asks a head session's client whether it still listens (``Settings.client_probe_s``)."""

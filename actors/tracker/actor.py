@@ -17,8 +17,8 @@ from nats.aio.client import Client as NATS
 from nats.micro.service import Service
 
 from actors.registry import RegistryView, open_registry
-from actors.routes import has_full_chain, routable, select_route, uncovered_layers
 from actors.services import tracker_service
+from actors.tracker.routes import has_full_chain, routable, select_route, uncovered_layers
 from bus import capability, codec
 from bus.connection import connect_settings
 from bus.subjects import Subjects

@@ -1,0 +1,359 @@
+"""A Route Session on its head node: it drives prefill and decode and owns the session's fate.
+
+The head runs its own layers on the prompt in chunks, then, for every token the tail posts back (``on_token``),
+the next decode step; it publishes each token and the session's telemetry on NATS for the gateway. It owns the
+session's fate: it detects a failure anywhere downstream (a hop's report, its own outbox's connection errors, or
+silence past the token timeout, then a probe of every hop to name the dead one), and it alone publishes the
+terminal telemetry and the ``SessionEnd`` (complete, failed or cancelled), then frees the session on every other
+hop. The gateway only follows, except for what the head cannot report: its own death (``gateway.live_session``).
+
+With head and tail on one node the engine chains the steps on its worker (each sampled token is the next input);
+the stop rules stay ``Generation``'s (``Generation.ends_for_certain``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from actors.backend import StepInput, StepOutput
+from actors.node.engine import StepChain, StepTiming
+from actors.node.runtime import NodeRuntime
+from actors.node.session import NodeSession, SessionFailed, StepFuture
+from actors.node.telemetry import TelemetryPublisher
+from schemas.errors import SwarmrouteError
+from schemas.frame import FrameKind, SampledToken
+from schemas.session import (
+    FailureReason,
+    FinishReason,
+    HopTiming,
+    SessionEnd,
+    SessionOpen,
+    SessionPhase,
+    TokenEvent,
+)
+
+log = logging.getLogger(__name__)
+CLIENT_MISSES = 3
+"""Probes in a row that must find no subscriber before a head cancels a session (``_watch_client``)."""
+DRAIN_S = 1.0
+"""Longest a completing session waits for the answers to its last requests before it closes."""
+
+
+class HeadSession(NodeSession):
+    def __init__(self, rt: NodeRuntime, request: SessionOpen, *, hidden_shape: tuple[int, ...],
+                 on_closed: Callable[[NodeSession], Awaitable[None]]) -> None:
+        super().__init__(rt, request, hidden_shape=hidden_shape, on_closed=on_closed)
+        self._events: asyncio.Queue[TokenEvent | SampledToken | FailureReason] = asyncio.Queue()
+        self._driver: asyncio.Task[None] | None = None
+        self._watcher: asyncio.Task[None] | None = None
+        """Asks every ``client_probe_s`` whether the session's client still listens (``_watch_client``)."""
+        self._chain: StepChain | None = None
+        self._arrivals: dict[int, float] = {}
+        """When each token (by seq) reached ``on_token``, for the step wall time in telemetry."""
+        self._prefetched: tuple[int, StepFuture, bool] | None = None
+        """Multi-node routes: the step ``on_token`` queued for token ``seq`` (its future, and whether its frame has
+        already been forwarded), for the driver to pick up."""
+        self.telemetry = TelemetryPublisher(
+            self.route, lambda snap: self.rt.publish(self.rt.subjects.telemetry(self.id), snap),
+            interval_s=self.rt.settings.telemetry_interval_s)
+
+    # ---- lifecycle -------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        super().start()
+        self._driver = asyncio.create_task(self._drive(), name=f"drive-{self.id[:8]}")
+        if self.rt.settings.client_probe_s > 0:
+            self._watcher = asyncio.create_task(self._watch_client(), name=f"client-{self.id[:8]}")
+
+    def _tasks(self) -> list[asyncio.Task[None]]:
+        return [*super()._tasks(), *(t for t in (self._driver, self._watcher) if t is not None)]
+
+    def _stopping(self) -> None:
+        if self._chain is not None:
+            self._chain.stop()
+        if self._prefetched is not None:
+            self._prefetched[1].cancel()
+
+    async def _report(self, reason: FailureReason) -> None:
+        self._events.put_nowait(reason)
+
+    def on_failure_report(self, reason: FailureReason) -> None:
+        """Head: a downstream node reported a failure."""
+        self._events.put_nowait(reason)
+
+    def on_token(self, event: TokenEvent | SampledToken) -> None:
+        """Head: the tail posted a sampled token. The next step is queued at once, ahead of the driver task waking
+        up to publish the token: that wake-up is off the per-token path."""
+        arrived = time.perf_counter()
+        self._spinner.arrived(arrived)
+        self.touch()
+        self._arrivals[event.seq] = arrived
+        if event.finish_reason is None and not self.closed and self._prefetched is None:
+            self.phase = SessionPhase.DECODE  # the first token ends the prefill, on every count
+            item = self._decode_step(event.token)
+            step = self.rt.engine.enqueue(item, handoff=True)
+            forwarded = step.done() and not step.cancelled() and step.exception() is None
+            if forwarded:
+                # It ran inline: the frame leaves now, before the driver task even wakes (failures go its way).
+                self._advance(item.n_positions, step.result()[1])
+                self._forward(step.result(), event)
+            self._prefetched = (event.seq, step, forwarded)
+        self._events.put_nowait(event)
+
+    # ---- the driver -------------------------------------------------------------------------------------------
+
+    async def _drive(self) -> None:
+        try:
+            await self.telemetry.set_phase(SessionPhase.PREFILL)
+            await self._prefill()
+            await self._decode()
+        except SessionFailed as failed:
+            await self._fail(failed.reason)
+        except asyncio.CancelledError:
+            raise
+        except SwarmrouteError as exc:
+            await self._fail(FailureReason(node_id=self.rt.node_id, phase=self.phase, kind="backend_error",
+                                           message=exc.message))
+        except Exception as exc:
+            log.exception("session %s failed on its head", self.id)
+            await self._fail(FailureReason(node_id=self.rt.node_id, phase=self.phase, kind="internal",
+                                           message=f"{type(exc).__name__}: {exc}"))
+
+    async def _prefill(self) -> None:
+        tokens = self.request.prompt_tokens
+        chunk = self.request.prefill_chunk
+        for start in range(0, len(tokens), chunk):
+            part = tokens[start:start + chunk]
+            last = start + len(part) >= len(tokens)
+            out, timing = await self._compute(StepInput(self.id, start, tokens=part, sample=last and self.is_tail))
+            self.touch()
+            if self.is_tail:
+                if last:
+                    assert out.token is not None
+                    self._events.put_nowait(self._sampled(out.token, (self._stamp(timing),)))
+            else:
+                assert out.hidden is not None
+                self._queue_frame(FrameKind.PREFILL, start, out.hidden, last, 0, (self._stamp(timing),))
+            await self.telemetry.prefill_progress(start + len(part), len(tokens))
+
+    async def _decode(self) -> None:
+        if self.is_tail:
+            await self._decode_local()
+            return
+        step_started: float | None = None
+        while True:
+            event = await self._next_event()
+            # Timed from the token's arrival: on_token may already have run the next step inline since.
+            now = self._arrivals.pop(event.seq, None) or time.perf_counter()
+            wall_ms = (now - step_started) * 1e3 if step_started is not None else None
+            self.phase = SessionPhase.DECODE
+            if event.finish_reason is not None:
+                await self._announce(event, wall_ms)
+                await self._complete(event)
+                return
+            queued, forwarded = self._take_prefetched(event)
+            step_started = now  # the next step started (or was queued) as this token arrived
+            if forwarded:
+                await self._announce(event, wall_ms)
+                continue
+            if queued is not None and queued.done():
+                # It ran inline but was not forwarded (it failed, or was cancelled): _compute raises that first.
+                self._forward(await self._compute(self._decode_step(event.token), queued), event)
+                await self._announce(event, wall_ms)
+                continue
+            # Start the next forward pass first (on_token has usually queued it already): publishing the token and
+            # telemetry then overlaps it instead of delaying it.
+            step = asyncio.ensure_future(self._compute(self._decode_step(event.token), queued))
+            try:
+                await self._announce(event, wall_ms)
+            except BaseException:
+                step.cancel()
+                raise
+            self._forward(await step, event)
+
+    def _forward(self, result: tuple[StepOutput, StepTiming], event: TokenEvent | SampledToken) -> None:
+        out, timing = result
+        assert out.hidden is not None
+        self._queue_frame(FrameKind.DECODE, self.position - 1, out.hidden, True, event.seq + 1,
+                          (self._stamp(timing),))
+        self._spinner.idle()
+
+    def _decode_step(self, token: int) -> StepInput:
+        return StepInput(self.id, self.position, tokens=[token], sample=self.is_tail)
+
+    def _take_prefetched(self, event: TokenEvent) -> tuple[StepFuture | None, bool]:
+        """The step ``on_token`` queued for this token and whether it is forwarded; (None, False) if none."""
+        prefetched, self._prefetched = self._prefetched, None
+        if prefetched is None:
+            return None, False
+        seq, future, forwarded = prefetched
+        if seq != event.seq:
+            future.cancel()
+            return None, False
+        return future, forwarded
+
+    async def _decode_local(self) -> None:
+        """Head and tail on this node: the engine chains the steps itself (each sampled token is the next input),
+        so the loop only turns outputs into token events; it stops the chain when generation ends."""
+        event = await self._next_event()
+        last = time.perf_counter()
+        wall_ms: float | None = None
+        while True:
+            self.phase = SessionPhase.DECODE
+            if event.finish_reason is None and self._chain is None:
+                self._chain = self.rt.engine.chain(self._decode_step(event.token), self._follow_local)
+            await self._announce(event, wall_ms)
+            if event.finish_reason is not None:
+                if self._chain is not None:
+                    self._chain.stop()  # a stop string ended it: the step already queued is dropped
+                await self._complete(event)
+                return
+            out, timing = await self._next_local(event.token)
+            now = time.perf_counter()
+            wall_ms, last = (now - last) * 1e3, now
+            assert out.token is not None
+            event = self._event_of(self._sampled(out.token, (self._stamp(timing),)))
+
+    def _follow_local(self, item: StepInput, out: StepOutput) -> StepInput | None:
+        """On the engine's thread: the next chained step, unless this output ends the generation for certain
+        (``Generation.ends_for_certain``). Stop strings are the loop's to find; it then stops the chain."""
+        token = out.token
+        if token is None:
+            return None
+        assert self.generation is not None
+        generated = item.start_position + 2 - len(self.request.prompt_tokens)
+        if self.generation.ends_for_certain(token, generated, position=item.start_position + 2):
+            return None
+        return StepInput(self.id, item.start_position + 1, tokens=[token], sample=True)
+
+    async def _next_local(self, token: int) -> tuple[StepOutput, StepTiming]:
+        while True:
+            if self._chain is None:
+                self._chain = self.rt.engine.chain(self._decode_step(token), self._follow_local)
+            timeout = self._token_timeout()
+            try:
+                async with asyncio.timeout(timeout):  # no task per token, unlike wait_for
+                    result = await self._chain.next()
+            except TimeoutError:
+                raise self._failed_here("timeout", f"no token from node {self.rt.node_id} for {timeout:g}s") from None
+            except SwarmrouteError:
+                raise
+            except Exception as exc:
+                raise self._backend_failed(exc) from exc
+            if result is not None:
+                out, timing = result
+                self._advance(1, timing)
+                return out, timing
+            # The chain ended although the generation goes on (its rules differ from ``Generation``'s): restart it.
+            self._chain = None
+
+    async def _announce(self, event: TokenEvent, wall_ms: float | None) -> None:
+        """Publish a token to the gateway, with its telemetry and metrics."""
+        await self.rt.publish(self.rt.subjects.tokens(self.id), event)
+        await self.telemetry.token(event.hop_timings, wall_ms)
+        self.rt.metrics.token(self.telemetry.generated, self.telemetry.ttft_ms, wall_ms, event.hop_timings,
+                              len(self.route.hops))
+
+    def _token_timeout(self) -> float:
+        first = self.telemetry.generated == 0
+        return self.rt.settings.first_token_timeout_s if first else self.rt.settings.token_timeout_s
+
+    async def _next_event(self) -> TokenEvent:
+        timeout = self._token_timeout()
+        try:
+            async with asyncio.timeout(timeout):  # no task per token, unlike wait_for
+                item = await self._events.get()
+        except TimeoutError:
+            raise SessionFailed(await self._diagnose_stall(timeout)) from None
+        if isinstance(item, FailureReason):
+            raise SessionFailed(item)
+        return self._event_of(item) if isinstance(item, SampledToken) else item
+
+    async def _diagnose_stall(self, waited: float) -> FailureReason:
+        """No token in time: name the first hop that does not answer, else the route as a whole."""
+        for hop in self.route.hops[1:]:
+            if not await self.rt.client.probe(hop.node_id, hop.endpoint):
+                return FailureReason(node_id=hop.node_id, phase=self.phase, kind="timeout",
+                                     message=f"node {hop.node_id} stopped answering; no token for {waited:g}s")
+        return FailureReason(node_id=None, phase=self.phase, kind="timeout",
+                             message=f"no token from the route for {waited:g}s although every hop answers")
+
+    async def _complete(self, event: TokenEvent) -> None:
+        assert event.finish_reason is not None
+        end = self._ended(SessionPhase.COMPLETE, event.seq + 1, finish_reason=event.finish_reason)
+        await self.telemetry.complete(event.finish_reason)
+        # Every hop frees the session before the client can learn it ended: a client that opens its next session
+        # at once must find the slots free, or a swarm within its capacity refuses it (tests/test_load.py).
+        if self.outbox is not None:
+            await self.outbox.drain(DRAIN_S)
+        await self.close()
+        await self._release_route()
+        await self.rt.publish(self.rt.subjects.tokens(self.id), end)
+
+    async def _watch_client(self) -> None:
+        """Cancel the session once its client is gone: NATS reports no subscriber for ``CLIENT_MISSES`` probes in
+        a row. A killed gateway tells nobody; without this its sessions would generate to ``max_tokens`` and hold
+        a KV slot on every hop meanwhile. A probe without an answer (a NATS outage, a slow gateway) proves nothing
+        and resets nothing: only "no responders" counts, several times, so a gateway reconnecting is not taken for
+        a dead one.
+
+        The loop checks ``closed`` itself: a cancellation can be lost inside nats.py's request (see
+        ``bus.connection.keep_cancellation``), and a watcher that went on probing after ``close()`` had cancelled
+        it kept ``close()`` waiting for it for good."""
+        misses = 0
+        while not self.closed:
+            await asyncio.sleep(self.rt.settings.client_probe_s)
+            present = await self.rt.client_present(self.id)
+            if self.closed:
+                return
+            misses = misses + 1 if present is False else 0 if present else misses
+            if misses >= CLIENT_MISSES:
+                await self._cancel(f"its client stopped listening (no subscriber for {CLIENT_MISSES} probes "
+                                   f"{self.rt.settings.client_probe_s:g}s apart)")
+                return
+
+    async def _cancel(self, why: str) -> None:
+        if self.closed:
+            return  # it ended on its own meanwhile
+        log.warning("session %s cancelled: %s", self.id, why)
+        await self.close()  # first: the driver stops, so the session cannot also complete or fail meanwhile
+        end = self._ended(SessionPhase.CANCELLED, self.telemetry.generated)
+        await self.telemetry.cancel()
+        await self.rt.publish(self.rt.subjects.tokens(self.id), end)  # for monitors; the client is gone
+        await self._release_route()
+
+    def _ended(self, phase: SessionPhase, completion_tokens: int, *, finish_reason: FinishReason | None = None,
+               failure: FailureReason | None = None) -> SessionEnd:
+        """Enter a terminal phase, count it, and build the session's ``SessionEnd``; callers order the telemetry,
+        the freeing and the publishing as their case needs."""
+        self.phase = phase
+        self.rt.metrics.sessions_ended.labels(outcome=phase.value).inc()
+        return SessionEnd(session_id=self.id, phase=phase, finish_reason=finish_reason, failure=failure,
+                          prompt_tokens=len(self.request.prompt_tokens), completion_tokens=completion_tokens)
+
+    async def _release_route(self) -> None:
+        """Head, at the end: free the session on every other hop. The gateway does the same, but it may be gone,
+        and then the tail (and any middle hop) would hold its KV until the idle TTL. Idempotent on the nodes."""
+        await asyncio.gather(*(self.rt.client.close_session(h.node_id, h.endpoint, self.id, timeout=1.0,
+                                                            session_token=self.session_token)
+                               for h in self.route.hops[1:]), return_exceptions=True)
+
+    async def _fail(self, reason: FailureReason) -> None:
+        log.warning("session %s failed: %s", self.id, reason.message)
+        end = self._ended(SessionPhase.FAILED, self.telemetry.generated, failure=reason)
+        await self.telemetry.fail(reason)
+        await self.rt.publish(self.rt.subjects.tokens(self.id), end)
+        await self.close()
+        await self._release_route()
+
+    def _event_of(self, sampled: SampledToken) -> TokenEvent:
+        """The gateway's view of a sampled token. Built on the head, after the step it feeds has been started: a
+        validated model costs tens of microseconds right after a forward pass."""
+        hops = self.route.hops
+        timings = [HopTiming(node_id=hops[s.hop_index].node_id, compute_ms=s.compute_us / 1000,
+                             queue_ms=s.queue_us / 1000) for s in sampled.stamps if s.hop_index < len(hops)]
+        return TokenEvent(session_id=self.id, seq=sampled.seq, token=sampled.token, text=sampled.text,
+                          finish_reason=sampled.finish_reason, hop_timings=timings)

@@ -1,0 +1,197 @@
+"""What every role of a Route Session on one node shares: its place in the route, its KV position, computing a step,
+and sending frames on through its outbox. The roles are ``HopSession`` (every hop but the head: receive, compute,
+forward) and ``HeadSession`` (the head: it drives prefill and decode and owns the session's fate).
+
+The ring: the head embeds and runs its layers, then sends the hidden state to the next hop; each hop appends the
+positions to its own KV and forwards; the tail samples and posts the token straight back to the head, which starts
+the next step. The gateway only listens (NATS), so it is never on the per-token path. A node answers a frame only
+after it has computed it, so an upstream hop learns at once if its successor died mid-compute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from typing import Literal
+
+from actors.backend import Hidden, StepInput, StepOutput
+from actors.node.engine import StepTiming
+from actors.node.generation import Generation
+from actors.node.outbox import Outbox
+from actors.node.runtime import NodeRuntime
+from actors.node.spin import ArrivalSpinner
+from bus import frame as frames
+from bus.nodeclient import HopError
+from schemas.errors import BadRequestError, FrameError, SwarmrouteError
+from schemas.frame import FrameHeader, FrameKind, HopStamp, SampledToken
+from schemas.route import Hop
+from schemas.session import FailureReason, SessionOpen, SessionPhase, TokenEvent
+
+StepFuture = asyncio.Future[tuple[StepOutput, StepTiming]]
+
+
+class SessionFailed(Exception):
+    def __init__(self, reason: FailureReason) -> None:
+        super().__init__(reason.message)
+        self.reason = reason
+
+
+class NodeSession:
+    """One Route Session as one node sees it. ``close()`` is idempotent and safe from the session's own tasks."""
+
+    def __init__(self, rt: NodeRuntime, request: SessionOpen, *, hidden_shape: tuple[int, ...],
+                 on_closed: Callable[[NodeSession], Awaitable[None]]) -> None:
+        self.rt = rt
+        self.request = request
+        self.id = request.session_id
+        self.raw_id = frames.session_bytes(self.id)
+        self.route = request.route
+        self.hop_index = request.hop_index
+        self.is_head = self.hop_index == 0
+        self.is_tail = self.hop_index == len(self.route.hops) - 1
+        self.hidden_shape = hidden_shape
+        self.position = 0
+        self.phase = SessionPhase.PREFILL
+        self.closed = False
+        self.last_activity = time.monotonic()
+        self.frames_received = 0
+        self.bytes_received = 0
+        self.positions_received = 0
+        self.session_token: str | None = None
+        """Bound at open when the node checks capabilities; sent on every request to this session's other hops."""
+        self._on_closed = on_closed
+        self._next: Hop | None = None if self.is_tail else self.route.hops[self.hop_index + 1]
+        self.outbox = self._make_outbox()
+        """Frames to the next hop, or (on a tail that is not the head) tokens to the head; never both."""
+        self.generation: Generation | None = None
+        if self.is_tail:
+            backend = rt.engine.backend
+            self.generation = Generation(max_tokens=request.max_tokens, stops=request.stop,
+                                         ignore_eos=request.ignore_eos, token_bytes=backend.token_bytes,
+                                         is_eog=backend.is_end_of_generation,
+                                         context_length=backend.info.context_length)
+        self._spinner = ArrivalSpinner(rt.poller, rt.settings.hop_spin_grace_s)
+        """Polls the loop until this session's next decode frame or token (multi-node routes)."""
+
+    def _make_outbox(self) -> Outbox | None:
+        peer, kind = (self._next, "frame") if self._next is not None else (self.route.head, "token")
+        if self.is_head and self.is_tail:
+            return None
+        return Outbox(self.id[:8], self._outbox_failed,
+                      lambda seconds: self.rt.metrics.hop(peer.node_id, kind, seconds))
+
+    # ---- lifecycle -------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.outbox is not None:
+            self.outbox.start()
+
+    def _tasks(self) -> list[asyncio.Task[None]]:
+        """The role's own tasks, cancelled at close."""
+        return [self.outbox.task] if self.outbox is not None and self.outbox.task is not None else []
+
+    def _stopping(self) -> None:
+        """The role's synchronous clean-up at close, before any task is cancelled."""
+
+    async def close(self) -> None:
+        """Free the KV and stop every task."""
+        if self.closed:
+            return
+        self.closed = True
+        self._stopping()
+        self._spinner.reset()
+        current = asyncio.current_task()
+        others = [t for t in self._tasks() if t is not current]
+        for task in others:
+            task.cancel()
+        await self._on_closed(self)
+        await asyncio.gather(*others, return_exceptions=True)  # no task outlives its session
+        if self.outbox is not None:
+            self.outbox.close()
+
+    def touch(self) -> None:
+        self.last_activity = time.monotonic()
+
+    # ---- what the HTTP front hands in (actors.node.hop_api) --------------------------------------------------
+
+    def on_frame(self, header: FrameHeader, hidden: Hidden, nbytes: int) -> int | Awaitable[int]:
+        raise FrameError("the head takes tokens, not frames")
+
+    def on_token(self, event: TokenEvent | SampledToken) -> None:
+        raise BadRequestError("tokens go to the session's head")
+
+    def on_failure_report(self, reason: FailureReason) -> None:
+        raise BadRequestError("failures are reported to the session's head")
+
+    # ---- computing ---------------------------------------------------------------------------------------------
+
+    async def _compute(self, item: StepInput, queued: StepFuture | None = None) -> tuple[StepOutput, StepTiming]:
+        """Run ``item`` (or await ``queued``, the same step already queued) and advance the session's position."""
+        step = queued if queued is not None else self.rt.engine.enqueue(item, handoff=True)
+        await settled(step)
+        return self._step_result(item, step)
+
+    def _step_result(self, item: StepInput, step: StepFuture) -> tuple[StepOutput, StepTiming]:
+        """A finished step's output, with the session advanced past it; a backend failure as ``SessionFailed``."""
+        try:
+            out, timing = step.result()
+        except SwarmrouteError:
+            raise
+        except Exception as exc:
+            raise self._backend_failed(exc) from exc
+        self._advance(item.n_positions, timing)
+        return out, timing
+
+    def _backend_failed(self, exc: Exception) -> SessionFailed:
+        return self._failed_here("backend_error", f"backend failed on node {self.rt.node_id}: {exc!r}")
+
+    def _failed_here(self, kind: Literal["timeout", "backend_error"], message: str) -> SessionFailed:
+        return SessionFailed(FailureReason(node_id=self.rt.node_id, phase=self.phase, kind=kind, message=message))
+
+    def _advance(self, n_positions: int, timing: StepTiming) -> None:
+        self.position += n_positions
+        # Metrics wait for the next loop turn: right after a forward pass the caches are cold and every line of
+        # Python costs several times its usual price; the frame or token goes out first.
+        asyncio.get_running_loop().call_soon(self.rt.metrics.step, "decode" if self.phase is SessionPhase.DECODE
+                                             else "prefill", timing.compute_ms, timing.queue_ms)
+
+    def _stamp(self, timing: StepTiming) -> HopStamp:
+        return HopStamp(self.hop_index, int(timing.compute_ms * 1000), int(timing.queue_ms * 1000))
+
+    def _sampled(self, token: int, stamps: tuple[HopStamp, ...]) -> SampledToken:
+        """The tail's record of one sampled token: its text and, if it ends the generation, why."""
+        assert self.generation is not None
+        text, finish = self.generation.accept(token)
+        return SampledToken(session_id=self.raw_id, seq=self.generation.count - 1, token=token, text=text,
+                            finish_reason=finish, stamps=stamps)
+
+    # ---- sending on --------------------------------------------------------------------------------------------
+
+    def _queue_frame(self, kind: FrameKind, start: int, hidden: Hidden, sample: bool, step: int,
+                     stamps: tuple[HopStamp, ...]) -> None:
+        header = FrameHeader(session_id=self.raw_id, kind=kind, dtype=self.rt.wire_dtype, start_position=start,
+                             n_positions=int(hidden.shape[0]), position_shape=self.hidden_shape, step=step,
+                             sample=sample, stamps=stamps)
+        data = frames.encode(header, hidden)
+        nxt = self._next
+        assert nxt is not None and self.outbox is not None
+        timeout = self.rt.settings.hop_timeout_s
+        self.outbox.send(lambda: self.rt.client.send_frame(nxt.node_id, nxt.endpoint, self.id, data, timeout=timeout,
+                                                           session_token=self.session_token),
+                         causal=kind is FrameKind.DECODE)
+
+    async def _outbox_failed(self, exc: HopError) -> None:
+        await self._report(FailureReason(node_id=exc.node, phase=self.phase, kind=exc.kind, message=str(exc)))
+
+    async def _report(self, reason: FailureReason) -> None:
+        """A hop this session sends to failed (or this node's backend did)."""
+        raise NotImplementedError
+
+
+async def settled(step: StepFuture) -> None:
+    """Wait for a step to finish, however it ends: ``_step_result`` then reads its result or failure. Cancelling the
+    waiter still cancels the step."""
+    with contextlib.suppress(Exception):
+        await step
