@@ -21,12 +21,13 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from artifacts.arch_support import check_cut
 from artifacts.shard import (
     ShardSource,
-    manifest_layouts,
+    manifest_cut_request,
+    manifest_plan,
     needed_byte_ranges,
     needed_tensors,
-    plan_shard,
     write_shard,
 )
 from artifacts.store import Store
@@ -56,6 +57,9 @@ class FetchOptions:
 
     cancel: threading.Event | None = None
     """Set it to stop the fetch (resume data is saved first); ``fetch_range`` then raises ``FetchCancelled``."""
+
+    allow_unproven: bool = False
+    """Cut an architecture ``artifacts.arch_support`` has not proven (the user accepts the risk)."""
 
 
 class FetchCancelled(ArtifactError):
@@ -142,7 +146,7 @@ def _trusted_resume(resume: Path, data: Path) -> bytes | None:
 
 
 def _tensor_problems(manifest: ModelManifest, data: Path, start: int, end: int) -> list[str]:
-    plan = plan_shard(manifest_layouts(manifest), manifest.n_layers, start, end)
+    plan = manifest_plan(manifest, start, end)
     report = check_data_file(manifest, data, only=[t.name for t in needed_tensors(manifest, start, end)])
     problems = [str(p) for p in report.tensors.values() if p is not None]
     if plan.keep_tokenizer and report.header is not None:
@@ -155,6 +159,8 @@ def fetch_range(store: Store, manifest: ModelManifest, start: int, end: int, *, 
                 options: FetchOptions | None = None) -> FetchResult:
     """Fetch what ``[start, end)`` needs into ``store`` and return the verified shard (already there: no download)."""
     opts = options or FetchOptions()
+    # Refused before a byte is downloaded: a range that cannot be served exactly is never fetched.
+    check_cut(manifest_cut_request(manifest, start, end), allow_unproven=opts.allow_unproven)
     store.add_manifest(manifest)
     model_dir = store.model_dir(manifest.model_id)
     resume_path = store.resume_path(manifest.model_id)
@@ -181,7 +187,7 @@ def fetch_range(store: Store, manifest: ModelManifest, start: int, end: int, *, 
         job.recheck()
     job.save_resume(resume_path)
     rep.report("writing")
-    write_shard(ShardSource.from_manifest(manifest, data), shard, start, end)
+    write_shard(ShardSource.from_manifest(manifest, data), shard, start, end, allow_unproven=opts.allow_unproven)
     verdict = verify_shard(manifest, shard, start, end)
     if not verdict.ok:
         rep.report("failed", verdict.describe())

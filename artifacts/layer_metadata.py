@@ -35,6 +35,9 @@ _PERIODIC_KEYS = ("moe_every_n_layers", "interleave_moe_layer_step", "full_atten
                   "rescale_every_n_layers", "attention.rope_pattern")
 """Scalar rules keyed on ``il % k``: still right after renumbering only when the range starts at a multiple of k."""
 
+_NOT_PER_LAYER = ("rope.dimension_sections", "ple.head_vocab_sizes")
+"""Fixed-length arrays that are not indexed by layer, even when a model happens to have that many layers."""
+
 SWARMROUTE_KEYS = ("swarmroute.layer_start", "swarmroute.layer_end", "swarmroute.n_layers_total",
                    "swarmroute.manifest_id")
 
@@ -49,6 +52,8 @@ class RangeSpec:
     end: int
     keep_tokenizer: bool
     manifest_id: str = ""
+    pins: tuple[KV, ...] = ()
+    """Keys set explicitly so the shard derives what the whole model derives (``artifacts.arch_support``)."""
 
     @property
     def is_head(self) -> bool:
@@ -75,7 +80,8 @@ def swa_pattern(arch: str, n_layers: int, scalar: int | None) -> list[bool] | No
 
 def _is_per_layer(kv: KV, spec: RangeSpec) -> bool:
     return (kv.key.startswith(f"{spec.architecture}.") and kv.type == GGUFValueType.ARRAY
-            and isinstance(kv.value, list) and len(kv.value) == spec.n_layers)
+            and isinstance(kv.value, list) and len(kv.value) == spec.n_layers
+            and kv.key.removeprefix(f"{spec.architecture}.") not in _NOT_PER_LAYER)
 
 
 def _rewrite(kv: KV, spec: RangeSpec) -> KV:
@@ -130,9 +136,10 @@ def shard_fields(fields: list[KV], spec: RangeSpec) -> list[KV]:
     """The metadata of the shard for ``spec``, from the full model's ``fields`` (order kept, new keys appended)."""
     dropped = ("general.architecture", "general.alignment", *SWARMROUTE_KEYS)
     swa = _swa_field(fields, spec)
+    pinned = {kv.key for kv in spec.pins}
     out: list[KV] = []
     for kv in fields:
-        if kv.key in dropped or kv.key.startswith("split."):
+        if kv.key in dropped or kv.key in pinned or kv.key.startswith("split."):
             continue
         if kv.key.startswith("tokenizer.") and not spec.keep_tokenizer:
             continue
@@ -145,4 +152,4 @@ def shard_fields(fields: list[KV], spec: RangeSpec) -> list[KV]:
         out.append(swa)
     if not spec.keep_tokenizer:
         out += _no_vocab(spec)
-    return out + _provenance(spec)
+    return out + list(spec.pins) + _provenance(spec)

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from artifacts.gguf_layout import TensorLayout, read_layout, renumber
-from artifacts.shard import SyntheticTensor, manifest_layouts, needed_tensors, plan_shard
+from artifacts.shard import SyntheticTensor, manifest_plan, needed_tensors
 from artifacts.store import Store
 from schemas.errors import ArtifactError, SwarmrouteError
 from schemas.manifest import ModelManifest, TensorEntry
@@ -157,7 +157,7 @@ def check_data_file(manifest: ModelManifest, path: Path, only: Iterable[str] | N
 
 
 def data_range_verdict(manifest: ModelManifest, report: DataFileReport, start: int, end: int) -> RangeVerdict:
-    plan = plan_shard(manifest_layouts(manifest), manifest.n_layers, start, end)
+    plan = manifest_plan(manifest, start, end)
     names = [t.name for t in needed_tensors(manifest, start, end)]
     problems = report.problems_for(names, header=plan.keep_tokenizer)
     if report.exists and report.size < report.expected_size and not problems:
@@ -228,7 +228,7 @@ def verify_shard(manifest: ModelManifest, path: Path, start: int, end: int) -> R
             "swarmroute.n_layers_total": manifest.n_layers, "swarmroute.manifest_id": manifest.manifest_id}
     problems = [Problem("metadata", k, f"{layout.value(k)!r} != {v!r}") for k, v in meta.items()
                 if layout.value(k) != v]
-    plan = plan_shard(manifest_layouts(manifest), manifest.n_layers, start, end)
+    plan = manifest_plan(manifest, start, end)
     expected: list[TensorEntry | SyntheticTensor] = [manifest.tensor(n) for n in plan.copied]
     expected += list(plan.synthetic)
     problems += _shard_tensor_problems(manifest, path, expected, start, layout.tensors)

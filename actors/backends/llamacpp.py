@@ -79,6 +79,9 @@ class LlamaCppConfig:
     shard_dir: Path | None = None
     """Where cut shards go; default ``<model dir>/<model stem>.shards``."""
 
+    allow_unproven: bool = False
+    """Cut an architecture ``artifacts.arch_support`` has not proven bit-exact (the user accepts the risk)."""
+
     flash_attn: bool = False
     """llama.cpp flash attention; off by default like llama-cpp-python's ``Llama``."""
 
@@ -165,7 +168,7 @@ def _cut_shard(config: LlamaCppConfig, start: int, end: int) -> Path:
     path = directory / shard_file_name(start, end)
     if not path.exists():
         log.info("cutting layers [%d, %d) of %s into %s", start, end, config.model_path, path)
-        write_shard(config.model_path, path, start, end)
+        write_shard(config.model_path, path, start, end, allow_unproven=config.allow_unproven)
     return path
 
 
