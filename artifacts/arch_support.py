@@ -107,17 +107,21 @@ def _attention_scale_27b(type_layers: int) -> Reconcile:
 
 def _deepseek2_lite(whole: View, shard: View) -> list[KV]:
     """deepseek2 treats 26/27-layer models (and 48 layers with a 128256-token vocabulary) as "lite": it then ignores
-    ``attention.q_lora_rank`` (n_lora_q = 0, a plain attn_q) and otherwise requires it."""
+    ``attention.q_lora_rank`` (n_lora_q = 0, a plain attn_q) and otherwise requires it (a missing key fails the
+    load)."""
 
     def lite(v: View) -> bool:
         return v.n_trunk in (26, 27) or (v.n_trunk == 48 and v.n_vocab == 128256)
 
-    def q_lora(v: View) -> int:
-        return 0 if lite(v) else int(v.value("attention.q_lora_rank", 0))
+    def q_lora(v: View) -> int | None:
+        if lite(v):
+            return 0
+        rank = v.value("attention.q_lora_rank")
+        return None if rank is None else int(rank)
 
     want = q_lora(whole)
-    if q_lora(shard) == want:
-        return []
+    if want is None or q_lora(shard) == want:
+        return []  # a non-lite model without the key does not load whole either
     if lite(shard):
         raise Unfixable(f"a {shard.n_trunk}-layer deepseek2 shard counts as a 'lite' model in llama.cpp and ignores "
                         f"attention.q_lora_rank (the whole model uses {want}); choose another range")
@@ -163,9 +167,9 @@ _DEEPSEEK2_GATING = LayerCountRule(
 _GRAPH_ONLY_TYPE = "model type keyed on n_layer only names the model"
 
 SUPPORT: dict[str, ArchSupport] = {a.arch: a for a in (
-    ArchSupport("llama", "proven", "Llama 2/3.x, Mistral 7B, Mistral Nemo, Codestral, SmolLM2...",
+    ArchSupport("llama", "proven", "Llama 2/3.x, Mistral 7B / Nemo (MistralForCausalLM), Mixtral",
                 cut_rules="any boundary", limits=_GRAPH_ONLY_TYPE),
-    ArchSupport("mistral3", "proven", "Mistral Small 3.x, Ministral 3, Magistral Small",
+    ArchSupport("mistral3", "proven", "Mistral Small 3.x, Ministral 3",
                 cut_rules="any boundary", limits="attention temperature scaling depends on the position only"),
     ArchSupport("qwen2", "proven", "Qwen 2, Qwen 2.5, QwQ, DeepSeek-R1 Qwen distills", cut_rules="any boundary"),
     ArchSupport("qwen3", "proven", "Qwen 3 dense", cut_rules="any boundary"),
@@ -179,9 +183,10 @@ SUPPORT: dict[str, ArchSupport] = {a.arch: a for a in (
     ArchSupport("gpt-oss", "proven", "gpt-oss 20B/120B", output_required=True, always_swa=True,
                 cut_rules="any boundary; a shard must hold at least one sliding layer (so never one odd layer "
                 "alone)"),
-    ArchSupport("deepseek2", "proven", "DeepSeek V2/V2.5/V3/R1, Kimi K2, GLM-4.7-Flash, Mistral Large 3",
+    ArchSupport("deepseek2", "proven",
+                "DeepSeek V2/V3/R1, Kimi K2 (DeepseekV3 layout), GLM-4.7-Flash, Mistral's MoE format",
                 rules=(_DEEPSEEK2_LITE, _DEEPSEEK2_GATING),
-                cut_rules="any boundary between trunk layers, incl. dense|MoE; MTP layers stay with the last trunk "
+                cut_rules="any boundary between trunk layers (dense/MoE too); MTP layers stay with the last trunk "
                 "layer (a range of MTP layers only is refused)"),
     ArchSupport("gemma2", "refused", "Gemma 2", rules=(_GEMMA2_27B,), always_swa=True,
                 reason="models/gemma2.cpp scales every input by sqrt(n_embd) (ggml_scale on build_inp_embd, "

@@ -36,12 +36,15 @@ class Dims:
     n_dense_lead: int = 1
     n_nextn: int = 1
     q_lora_rank: int = 32
+    """0 builds a "lite" deepseek2 (plain attn_q, no q LoRA)."""
     kv_lora_rank: int = 32
     qk_rope_dim: int = 16
     qk_nope_dim: int = 32
     v_head_dim: int = 32
     vocab_pad_to: int = 0
     """Pad the vocabulary to this many tokens (llama.cpp keys some settings on the vocabulary size)."""
+    llama_moe: bool = False
+    """llama with routed experts in every layer (Mixtral's layout: experts of ``n_ff``)."""
     expert_gating_func: int | None = 2
     """deepseek2/glm4moe ``expert_gating_func`` (1 softmax, 2 sigmoid); None leaves the key out."""
 
@@ -131,17 +134,24 @@ def _output(b: ModelBuilder, d: Dims, *, tied: bool) -> None:
 
 
 def llama(d: Dims, name: str) -> ModelBuilder:
-    """models/llama.cpp (Llama 3.x; Mistral 7B / Nemo GGUFs use this architecture too): GQA, llama 3 rope_freqs."""
+    """models/llama.cpp (Llama 3.x; Mistral 7B / Nemo / Mixtral GGUFs use this architecture too): GQA, llama 3
+    rope_freqs; with ``llama_moe`` every layer routes to experts as Mixtral does."""
     b = _start("llama", d, name)
     b.u32("rope.dimension_count", d.n_embd // d.n_head)
     b.u32("vocab_size", b.n_vocab)
+    if d.llama_moe:
+        b.u32("expert_count", d.n_expert)
+        b.u32("expert_used_count", d.n_expert_used)
     b.tensor("token_embd.weight", d.n_embd, b.n_vocab, kind="embedding")
     b.tensor("rope_freqs.weight", d.n_embd // d.n_head // 2, kind="positive")
     hd = dataclasses.replace(d, head_dim=d.n_embd // d.n_head)
     for il in range(d.n_layers):
         _attention(b, hd, il)
         b.block(il, "ffn_norm.weight", d.n_embd, kind="norm")
-        _dense_ffn(b, d, il)
+        if d.llama_moe:
+            _experts(b, dataclasses.replace(d, n_ff_exp=d.n_ff), il)
+        else:
+            _dense_ffn(b, d, il)
     _output(b, d, tied=False)
     return b
 
@@ -309,7 +319,8 @@ def deepseek2(d: Dims, name: str) -> ModelBuilder:
     b.u32("vocab_size", b.n_vocab)
     b.u32("leading_dense_block_count", d.n_dense_lead)
     b.u32("nextn_predict_layers", d.n_nextn)
-    b.u32("attention.q_lora_rank", d.q_lora_rank)
+    if d.q_lora_rank:
+        b.u32("attention.q_lora_rank", d.q_lora_rank)
     b.u32("attention.kv_lora_rank", d.kv_lora_rank)
     b.u32("attention.key_length", d.kv_lora_rank + d.qk_rope_dim)
     b.u32("attention.value_length", d.kv_lora_rank)
@@ -332,10 +343,14 @@ def deepseek2(d: Dims, name: str) -> ModelBuilder:
     k_mla = d.qk_nope_dim + d.qk_rope_dim
     for il in range(d.n_layers):
         b.block(il, "attn_norm.weight", d.n_embd, kind="norm")
-        b.block(il, "attn_q_a_norm.weight", d.q_lora_rank, kind="norm")
+        if d.q_lora_rank:
+            b.block(il, "attn_q_a_norm.weight", d.q_lora_rank, kind="norm")
         b.block(il, "attn_kv_a_norm.weight", d.kv_lora_rank, kind="norm")
-        b.block(il, "attn_q_a.weight", d.n_embd, d.q_lora_rank)
-        b.block(il, "attn_q_b.weight", d.q_lora_rank, d.n_head * k_mla)
+        if d.q_lora_rank:
+            b.block(il, "attn_q_a.weight", d.n_embd, d.q_lora_rank)
+            b.block(il, "attn_q_b.weight", d.q_lora_rank, d.n_head * k_mla)
+        else:  # "lite" models (DeepSeek-V2-Lite): a plain query projection
+            b.block(il, "attn_q.weight", d.n_embd, d.n_head * k_mla)
         b.block(il, "attn_kv_a_mqa.weight", d.n_embd, d.kv_lora_rank + d.qk_rope_dim)
         b.block(il, "attn_k_b.weight", d.qk_nope_dim, d.kv_lora_rank, d.n_head)
         b.block(il, "attn_v_b.weight", d.kv_lora_rank, d.v_head_dim, d.n_head)

@@ -52,7 +52,7 @@ def build_vocabulary(pad_to: int = 0) -> Vocabulary:
     scores = [0.0] * n_special + [float(len(t)) - i * 1e-4 for i, t in enumerate(tokens[n_special:])]
     while len(tokens) < pad_to:
         tokens.append(f"<unused{len(tokens)}>")
-        types.append(TokenType.UNUSED)
+        types.append(TokenType.NORMAL)  # UNUSED counts as special: llama.cpp scans every special token per prompt
         scores.append(-1e9)
     return Vocabulary(tokens, scores, [int(t) for t in types])
 
