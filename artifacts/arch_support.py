@@ -90,15 +90,19 @@ def _attention_scale_27b(type_layers: int) -> Reconcile:
     (``type_layers`` trunk layers), 1/sqrt(head_dim) otherwise. No key overrides it."""
 
     def scale(v: View) -> float:
-        n_embd, n_head = int(v.value("embedding_length")), v.value("attention.head_count")
+        n_embd, n_head = v.value("embedding_length"), v.value("attention.head_count")
+        if n_embd is None or n_head is None:
+            raise Unfixable("embedding_length or attention.head_count is missing")
         head0 = int(n_head[0] if isinstance(n_head, list) else n_head)
-        head_dim = int(v.value("attention.key_length", n_embd // head0))
-        return 1.0 / math.sqrt(n_embd // head0 if v.n_trunk == type_layers else head_dim)
+        head_dim = int(v.value("attention.key_length", int(n_embd) // head0))
+        return 1.0 / math.sqrt(int(n_embd) // head0 if v.n_trunk == type_layers else head_dim)
 
     def reconcile(whole: View, shard: View) -> list[KV]:
+        if type_layers not in (whole.n_trunk, shard.n_trunk):
+            return []  # neither is taken for the 27B: both use 1/sqrt(head_dim)
         if scale(whole) != scale(shard):
             raise Unfixable(f"llama.cpp takes a {type_layers}-layer {whole.arch} for the 27B and sets "
-                            f"f_attention_scale = 1/sqrt(n_embd/n_head) = {scale(whole):.6g} for the whole model but "
+                            f"f_attention_scale = {scale(whole):.6g} for the {whole.n_trunk}-layer model but "
                             f"{scale(shard):.6g} for a {shard.n_trunk}-layer shard; no metadata key overrides it")
         return []
 
