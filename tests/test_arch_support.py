@@ -28,7 +28,7 @@ def request(arch: str, n_layers: int, start: int, end: int, *, n_vocab: int = 50
     return CutRequest(arch, n_layers, n_vocab, meta(arch, block_count=n_layers, **values), start, end, where="m.gguf")
 
 
-# --- the table ----------------------------------------------------------------------------------------------------------
+# --- the table --------------------------------------------------------------------------------------------------------
 
 
 def test_the_table_is_the_matrix() -> None:
@@ -54,7 +54,7 @@ def test_the_whole_range_is_never_a_cut() -> None:
     assert check_cut(request("glm4", 4, 0, 4)) == ()
 
 
-# --- unproven and refused architectures -----------------------------------------------------------------------------
+# --- unproven and refused architectures -------------------------------------------------------------------------------
 
 
 def test_an_unproven_architecture_is_refused_unless_the_user_accepts_the_risk() -> None:
@@ -122,7 +122,7 @@ def test_a_sliding_window_model_needs_a_sliding_layer_in_every_shard() -> None:
         check_cut(request("gpt-oss", 8, 3, 4))  # gpt-oss always slides
 
 
-# --- through the shard writer and the fetch -----------------------------------------------------------------------------
+# --- through the shard writer and the fetch ---------------------------------------------------------------------------
 
 
 def tiny(tmp_path: Path, arch: str, **dims: Any) -> Path:
