@@ -134,13 +134,14 @@ def _wait_for_pieces(job: TorrentJob, rep: _Reporter, peers: PeerSource, resume:
             next_resume = time.monotonic() + opts.resume_every_s
 
 
-def _trusted_resume(resume: Path, data: Path) -> bytes | None:
-    """Resume data only if nothing was written to the file after it was saved (a clean stop). After a crash it is
-    stale: libtorrent would re-download what arrived since; without it libtorrent hashes the file and finds every
+def _trusted_resume(resume: Path, data: list[Path]) -> bytes | None:
+    """Resume data only if nothing was written to the files after it was saved (a clean stop). After a crash it is
+    stale: libtorrent would re-download what arrived since; without it libtorrent hashes the files and finds every
     piece that is on disk."""
     if not resume.is_file():
         return None
-    if data.is_file() and data.stat().st_mtime_ns > resume.stat().st_mtime_ns:
+    saved = resume.stat().st_mtime_ns
+    if any(p.is_file() and p.stat().st_mtime_ns > saved for p in data):
         return None
     return resume.read_bytes()
 
@@ -164,7 +165,7 @@ def fetch_range(store: Store, manifest: ModelManifest, start: int, end: int, *, 
     store.add_manifest(manifest)
     model_dir = store.model_dir(manifest.model_id)
     resume_path = store.resume_path(manifest.model_id)
-    resume = _trusted_resume(resume_path, store.data_path(manifest))
+    resume = _trusted_resume(resume_path, [p for p, _ in store.data_files(manifest)])
     pieces = wanted_pieces(manifest, needed_byte_ranges(manifest, start, end))
     job = session.add(manifest, model_dir, pieces, resume=resume)
     rep = _Reporter(job, manifest, start, end, progress, node_id)

@@ -37,8 +37,10 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFEndian, GGUFValueType, GGUFWriter
 
 from artifacts.arch_support import CutRequest, check_cut, metadata_map, output_required
-from artifacts.gguf_layout import KV, TensorLayout, read_layout, renumber, role_of
+from artifacts.gguf_layout import KV, TensorLayout, read_layout, read_part, renumber, role_of
+from artifacts.gguf_split import ConcatReader
 from artifacts.layer_metadata import RangeSpec, shard_fields
+from artifacts.manifest import data_files
 from schemas.errors import ArtifactError, BadRequestError
 from schemas.manifest import KVEntry, ModelManifest, TensorEntry
 
@@ -152,6 +154,9 @@ def needed_byte_ranges(manifest: ModelManifest, start: int, end: int) -> list[tu
     spans = [(t.offset, t.end) for t in needed_tensors(manifest, start, end) if t.size]
     if plan.keep_tokenizer:
         spans.append((0, manifest.header_size))
+    if plan.is_whole:
+        # The whole model may be served from the parts themselves: llama.cpp then reads every part's header.
+        spans += [(p.offset, p.offset + p.header_size) for p in manifest.parts]
     merged: list[tuple[int, int]] = []
     for lo, hi in sorted(spans):
         if merged and lo <= merged[-1][1]:
@@ -189,6 +194,8 @@ class ShardSource:
     header_sha256: str | None = None
     n_vocab: int = 0
     """Tokens in the vocabulary (llama.cpp keys a few settings on it)."""
+    files: tuple[tuple[Path, int], ...] = ()
+    """(path, size) of each part when the model is a split set (tensor offsets index their concatenation)."""
 
     @classmethod
     def from_gguf(cls, path: Path, *, manifest_id: str = "") -> ShardSource:
@@ -198,14 +205,19 @@ class ShardSource:
         tokens = layout.value("tokenizer.ggml.tokens")
         n_vocab = len(tokens) if isinstance(tokens, list) else int(layout.value(f"{layout.architecture}.vocab_size", 0))
         return cls(path, layout.architecture, layout.n_layers, layout.alignment, tuple(layout.tensors), meta, tok,
-                   manifest_id, layout.header_size, n_vocab=n_vocab)
+                   manifest_id, layout.header_size, n_vocab=n_vocab,
+                   files=tuple(layout.data_files) if layout.parts else ())
 
     @classmethod
     def from_manifest(cls, manifest: ModelManifest, data_path: Path) -> ShardSource:
         meta = tuple(kv_from_entry(e) for e in manifest.metadata)
         return cls(data_path, manifest.architecture, manifest.n_layers, manifest.alignment,
                    tuple(manifest_layouts(manifest)), meta, None, manifest.manifest_id, manifest.header_size,
-                   manifest.header_sha256, n_vocab=manifest.n_vocab)
+                   manifest.header_sha256, n_vocab=manifest.n_vocab,
+                   files=tuple(data_files(manifest, data_path)) if manifest.parts else ())
+
+    def open_data(self) -> BinaryIO | ConcatReader:
+        return ConcatReader(self.files) if self.files else self.data_path.open("rb")
 
     def cut_request(self, start: int, end: int) -> CutRequest:
         return CutRequest(self.architecture, self.n_layers, self.n_vocab, metadata_map(self.metadata), start, end,
@@ -220,7 +232,8 @@ class ShardSource:
             if digest != self.header_sha256:
                 raise ArtifactError(f"{self.data_path}: header (tokenizer) bytes do not match the manifest's "
                                     "header_sha256: not downloaded yet, or corrupt")
-        return [kv for kv in read_layout(self.data_path).fields if kv.key.startswith("tokenizer.")]
+        # read_part: a split set's tokenizer is in its first part, which may be all this node downloaded.
+        return [kv for kv in read_part(self.data_path).fields if kv.key.startswith("tokenizer.")]
 
 
 _NUMPY_TYPES = {
@@ -252,7 +265,7 @@ def _add_fields(writer: GGUFWriter, fields: list[KV]) -> None:
         writer.add_key_value(kv.key, kv.value, kv.type, kv.sub_type)
 
 
-def _copy_range(src: BinaryIO, dst: BinaryIO, t: TensorLayout) -> None:
+def _copy_range(src: BinaryIO | ConcatReader, dst: BinaryIO, t: TensorLayout) -> None:
     src.seek(t.offset)
     left = t.size
     while left:
@@ -329,7 +342,7 @@ def write_shard(source: Path | ShardSource, dst: Path, start: int, end: int, *,
         writer.write_ti_data_to_file()
         assert writer.fout is not None
         out = writer.fout[0]
-        with src.data_path.open("rb") as data:
+        with src.open_data() as data:
             for t in items:
                 _pad(out, writer.data_alignment)
                 if isinstance(t, SyntheticTensor):

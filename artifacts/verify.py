@@ -14,6 +14,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from artifacts.gguf_layout import TensorLayout, read_layout, renumber
+from artifacts.gguf_split import ConcatReader
+from artifacts.manifest import data_files
 from artifacts.shard import SyntheticTensor, manifest_plan, needed_tensors
 from artifacts.store import Store
 from schemas.errors import ArtifactError, SwarmrouteError
@@ -142,18 +144,36 @@ def _data_problem(f: object, manifest: ModelManifest, name: str, offset: int, si
     return _piece_problem(f, manifest, name, offset, size)
 
 
+def _part_headers(f: ConcatReader, manifest: ModelManifest) -> Problem | None:
+    """The headers of a split set's later parts (llama.cpp reads them when it loads the set whole). A header with
+    data that does not match is a part of another set."""
+    for part in manifest.parts[1:]:
+        problem = _region_problem(f, f"header of {part.name}", part.offset, part.header_size, part.header_sha256)
+        if problem is not None and problem.kind == "hash_mismatch":
+            return Problem("hash_mismatch", part.name, "not this set's part: its header differs from the manifest's")
+        if problem is not None:
+            return problem
+    return None
+
+
 def check_data_file(manifest: ModelManifest, path: Path, only: Iterable[str] | None = None) -> DataFileReport:
-    """Hash the header and every tensor (or only the named ones) of the torrent data file."""
-    if not path.is_file():
+    """Hash the header and every tensor (or only the named ones) of the torrent data file (for a split set: of
+    the concatenation of its parts, ``path`` being the first; absent parts read as not downloaded)."""
+    files = data_files(manifest, path)
+    present = [p for p, _ in files if p.is_file()]
+    if not present:
         return DataFileReport(path, False, 0, manifest.file_size, Problem("missing_file", path.name), {})
     wanted = set(only) if only is not None else None
     results: dict[str, Problem | None] = {}
-    with path.open("rb") as f:
+    with ConcatReader(files) if manifest.parts else path.open("rb") as f:
         header = _data_problem(f, manifest, "header", 0, manifest.header_size, manifest.header_sha256)
+        if header is None and isinstance(f, ConcatReader):
+            header = _part_headers(f, manifest)
         for t in manifest.tensors:
             if wanted is None or t.name in wanted:
                 results[t.name] = _data_problem(f, manifest, t.name, t.offset, t.size, t.sha256)
-    return DataFileReport(path, True, path.stat().st_size, manifest.file_size, header, results)
+    size = sum(p.stat().st_size for p in present)
+    return DataFileReport(path, True, size, manifest.file_size, header, results)
 
 
 def data_range_verdict(manifest: ModelManifest, report: DataFileReport, start: int, end: int) -> RangeVerdict:

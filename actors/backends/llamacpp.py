@@ -172,9 +172,17 @@ def _cut_shard(config: LlamaCppConfig, start: int, end: int) -> Path:
     return path
 
 
-def _file_sha256(path: Path) -> str:
-    with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+def _file_sha256(facts: GGUFFacts) -> str:
+    """sha256 of the model's bytes: the file, or the concatenation of a split set's parts (its manifest's id)."""
+    if not facts.layout.parts:
+        with facts.path.open("rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    digest = hashlib.sha256()
+    for path, _ in facts.layout.data_files:
+        with path.open("rb") as f:
+            while chunk := f.read(8 << 20):
+                digest.update(chunk)
+    return digest.hexdigest()
 
 
 class LlamaCppBackend:
@@ -262,7 +270,7 @@ class LlamaCppBackend:
             n_layers=self._placement.n_layers_total, hidden_size=self._n_embd, hidden_shape=[self._n_embd],
             n_vocab=self._n_vocab, context_length=self._n_ctx, threads=self._threads,
             version=f"llama.cpp {version} (llama-cpp-python {llama_cpp.__version__})",
-            artifact_sha256=self.config.sha256 or _file_sha256(self._path), wire_dtype="f32")
+            artifact_sha256=self.config.sha256 or _file_sha256(facts), wire_dtype="f32")
 
     # --- Backend properties -------------------------------------------------------------------------------------
 

@@ -89,12 +89,26 @@ class ModelBuilder:
 
     # --- writing ------------------------------------------------------------------------------------------------
 
-    def write(self, path: Path, *, quant: str = "F16", seed: int = 0) -> Path:
+    def write(self, path: Path, *, quant: str = "F16", seed: int = 0, split_max_tensors: int = 0) -> Path:
+        """Write the model to ``path``; with ``split_max_tensors`` as a split set of parts holding at most that many
+        tensors each (gguf-py's writer: ``<stem>-0000i-of-0000n.gguf`` next to ``path``), returning the first."""
         if quant not in QUANT_TYPES:
             raise ValueError(f"quantization {quant!r} is not one of {sorted(QUANT_TYPES)}")
         path.parent.mkdir(parents=True, exist_ok=True)
+        if split_max_tensors:
+            writer = GGUFWriter(path, self.arch, split_max_tensors=split_max_tensors)
+            self._fill(writer, quant, seed)
+            first = writer.format_shard_names(path)[0]
+            writer.close()
+            return first
         tmp = path.with_name(f".{path.name}.tmp")
         writer = GGUFWriter(tmp, self.arch)
+        self._fill(writer, quant, seed)
+        writer.close()
+        tmp.replace(path)
+        return path
+
+    def _fill(self, writer: GGUFWriter, quant: str, seed: int) -> None:
         writer.add_name(self.name)
         writer.add_file_type(int(_FILE_TYPES[quant]))
         for key, value, vtype, sub in self.metadata:
@@ -106,9 +120,6 @@ class ModelBuilder:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
-        writer.close()
-        tmp.replace(path)
-        return path
 
 
 def _rng(seed: int, name: str) -> np.random.Generator:
