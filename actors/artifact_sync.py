@@ -47,7 +47,7 @@ from bus.codec import DecodeError, decode, encode
 from bus.connection import connect_settings
 from bus.subjects import Subjects
 from schemas.artifact import ArtifactPeer, FetchProgress
-from schemas.errors import ArtifactError, NotFoundError, SwarmrouteError
+from schemas.errors import ArtifactError, BadRequestError, NotFoundError, SwarmrouteError
 from schemas.manifest import ModelManifest
 from schemas.node import LayerRange
 from schemas.settings import Settings
@@ -280,8 +280,13 @@ def _verify_and_repair(store: Store, model_id: str) -> StoreReport:
         if not v.ok and any(a <= v.start and v.end <= b for a, b in good_data):
             log.warning("rewriting shard [%d, %d) from verified data: %s", v.start, v.end, v.describe())
             manifest = report.manifest
-            write_shard(ShardSource.from_manifest(manifest, store.data_path(manifest)),
-                        store.shard_path(model_id, v.start, v.end), v.start, v.end)
+            try:
+                # The shard was cut before: an unproven architecture was accepted then; a refused one is not.
+                write_shard(ShardSource.from_manifest(manifest, store.data_path(manifest)),
+                            store.shard_path(model_id, v.start, v.end), v.start, v.end, allow_unproven=True)
+            except BadRequestError as exc:
+                log.warning("not rewriting shard [%d, %d): %s", v.start, v.end, exc.message)
+                continue
             repaired = True
     return verify_store(store, model_id) if repaired else report
 
@@ -372,7 +377,7 @@ async def _command(sync: ArtifactSync, args: argparse.Namespace, stop: asyncio.E
     await sync.hold(manifest, static_peers=args.peer or [])
     start, end = args.range if args.range else (0, manifest.n_layers)
     printer = None if args.quiet else ProgressPrinter()
-    options = FetchOptions(timeout_s=args.timeout, cancel=cancel)
+    options = FetchOptions(timeout_s=args.timeout, cancel=cancel, allow_unproven=args.allow_unproven_architecture)
     try:
         result = await sync.fetch(manifest, start, end, printer=printer, options=options)
     except FetchCancelled as exc:
@@ -398,6 +403,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     fetch.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
     fetch.add_argument("--seed-after", action="store_true", help="keep seeding after the fetch until stopped")
     fetch.add_argument("--quiet", action="store_true", help="no progress bar")
+    fetch.add_argument("--allow-unproven-architecture", action="store_true",
+                       help="cut an architecture the matrix has not proven bit-exact (docs/models/architectures.md)")
     seed = commands.add_parser("seed", help="verify the store and seed a model to the swarm until stopped")
     seed.add_argument("model_id", help="model id (or unique prefix) in the store")
     for p in (fetch, seed):

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from artifacts.arch_support import KNOWN_HAZARDS, SUPPORT, CutRequest, check_cut, proven_architectures
+from artifacts.cli import main as artifact_cli
 from artifacts.fetch import fetch_range
 from artifacts.gguf_layout import read_layout
 from artifacts.manifest import build_manifest
@@ -138,7 +139,7 @@ def test_write_shard_names_the_file_and_writes_the_pins(tmp_path: Path) -> None:
     assert not (tmp_path / "g.gguf").exists()
 
 
-def test_an_unproven_architecture_is_cut_with_the_override(tmp_path: Path) -> None:
+def unproven_model(tmp_path: Path) -> Path:
     b = ModelBuilder("olmo", "t-olmo")
     b.u32("block_count", 2)
     b.u32("embedding_length", 32)
@@ -146,7 +147,11 @@ def test_an_unproven_architecture_is_cut_with_the_override(tmp_path: Path) -> No
     for il in range(2):
         b.block(il, "attn_q.weight", 32, 32)
     b.tensor("output_norm.weight", 32, kind="norm")
-    src = b.write(tmp_path / "olmo.gguf")
+    return b.write(tmp_path / "olmo.gguf")
+
+
+def test_an_unproven_architecture_is_cut_with_the_override(tmp_path: Path) -> None:
+    src = unproven_model(tmp_path)
     with pytest.raises(BadRequestError, match="'olmo' is not proven"):
         write_shard(src, tmp_path / "o.gguf", 1, 2)
     out = write_shard(src, tmp_path / "o.gguf", 1, 2, allow_unproven=True)
@@ -162,6 +167,15 @@ def test_shards_of_an_architecture_that_requires_output_get_a_zero_one(tmp_path:
     assert "output.weight" in tail.copied and not [t for t in tail.synthetic if t.name == "output.weight"]
     llama = build_manifest(tiny(tmp_path, "llama", n_layers=4))
     assert not [t for t in manifest_plan(llama, 0, 2).synthetic if t.name == "output.weight"]
+
+
+def test_the_artifact_shard_command_takes_the_override(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src, out = unproven_model(tmp_path), tmp_path / "o.gguf"
+    argv = ["artifact", "shard", "--source", str(src), "--range", "1:2", "--out", str(out)]
+    assert artifact_cli(argv) == 2
+    assert "'olmo' is not proven" in capsys.readouterr().err and not out.exists()
+    assert artifact_cli([*argv, "--allow-unproven-architecture"]) == 0
+    assert read_layout(out).value("swarmroute.layer_end") == 2
 
 
 class _NoSession:

@@ -52,7 +52,7 @@ def concat_sha256(first: Path) -> str:
     return digest.hexdigest()
 
 
-# --- reading a set ------------------------------------------------------------------------------------------------------
+# --- reading a set ----------------------------------------------------------------------------------------------------
 
 
 def test_a_set_reads_as_the_model_it_splits(single: Path, split: Path) -> None:
@@ -106,7 +106,7 @@ def test_a_truncated_part_is_named(split: Path) -> None:
         read_layout(split)
 
 
-# --- manifest, store, shards, verification ------------------------------------------------------------------------------
+# --- manifest, store, shards, verification ----------------------------------------------------------------------------
 
 
 def test_the_manifest_covers_the_concatenation(single: Path, split: Path, tmp_path: Path) -> None:
@@ -183,7 +183,7 @@ def test_a_middle_range_of_a_set_is_fetched_and_verified(split: Path, tmp_path: 
     assert report.tensors["blk.3.attn_q.weight"] is None
 
 
-# --- llama.cpp ----------------------------------------------------------------------------------------------------------
+# --- llama.cpp --------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.slow
