@@ -106,10 +106,12 @@ def test_chain_equals_the_whole_model(c: MatrixCase, quant: str, split: str, mod
     hops = open_chain(build(c, quant, models), shard_dir(models, c, quant), c.splits[split])
     try:
         chain = greedy(hops, tokens)
+        shape = hops[0].info.hidden_shape
+        hop_shape = f"(n_embd,) {hops[0].info.wire_dtype}" if shape == [c.dims.n_embd] else f"{tuple(shape)}"
     finally:
         for h in hops:
             h.close()
-    RESULTS.record_chain(c.name, quant, split, whole.max_diff(chain), chain.picks == whole.picks)
+    RESULTS.record_chain(c.name, quant, split, whole.max_diff(chain), chain.picks == whole.picks, hop_shape)
     assert chain.picks == whole.picks
     assert whole.max_diff(chain) == 0.0
 

@@ -26,9 +26,12 @@ class Results:
     kv: dict[str, tuple[int, list[int]]] = dataclasses.field(default_factory=dict)
     refusals: dict[tuple[str, str], str] = dataclasses.field(default_factory=dict)
     unguarded: dict[str, float | None] = dataclasses.field(default_factory=dict)
+    hop_shapes: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Case -> what its non-tail hops hand on per position, as the backends report it."""
 
-    def record_chain(self, name: str, quant: str, split: str, diff: float, same: bool) -> None:
+    def record_chain(self, name: str, quant: str, split: str, diff: float, same: bool, hop_shape: str) -> None:
         self.chains[(name, quant, split)] = (diff, same)
+        self.hop_shapes[name] = hop_shape
 
     def record_route(self, name: str, quant: str, split: str, diff: float, same: bool) -> None:
         self.routes[(name, quant, split)] = (diff, same)
@@ -78,7 +81,8 @@ def _proven_row(arch: str, support: ArchSupport, r: Results) -> str:
     main = next(c for c in cases if c.name == arch)
     whole, hops = r.kv[arch]
     kv = f"{whole} = {' + '.join(str(h) for h in hops)} ({KV_FORMULA.get(arch, KV_DEFAULT)})"
-    cells = [f"`{arch}`", support.families, proven, f"{max(d for d, _ in runs)}", kv, "(n_embd,) f32",
+    shapes = sorted({r.hop_shapes[c.name] for c in cases})
+    cells = [f"`{arch}`", support.families, proven, f"{max(d for d, _ in runs)}", kv, ", ".join(shapes),
              f"{support.cut_rules}; unaligned test: {main.unaligned}", support.limits or "-"]
     return "| " + " | ".join(cells) + " |"
 
