@@ -12,13 +12,16 @@ import dataclasses
 import hashlib
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
-from artifacts.gguf_layout import TensorLayout, read_layout, renumber
+from artifacts.arch_support import check_cut
+from artifacts.gguf_layout import GGUFLayout, TensorLayout, read_layout, renumber
 from artifacts.gguf_split import ConcatReader
+from artifacts.layer_metadata import RangeSpec, shard_fields
 from artifacts.manifest import data_files
-from artifacts.shard import SyntheticTensor, manifest_plan, needed_tensors
+from artifacts.shard import SyntheticTensor, kv_from_entry, manifest_cut_request, manifest_plan, needed_tensors
 from artifacts.store import Store
-from schemas.errors import ArtifactError, SwarmrouteError
+from schemas.errors import ArtifactError, BadRequestError, SwarmrouteError
 from schemas.manifest import ModelManifest, TensorEntry
 
 _CHUNK = 8 << 20
@@ -236,6 +239,36 @@ def _zero_problem(f: object, name: str, t: TensorLayout) -> Problem | None:
     return None
 
 
+def _plain(value: Any) -> Any:
+    """Metadata values as comparable Python values (string arrays are bytes when read from a file)."""
+    if isinstance(value, list):
+        return [v.decode("utf-8", errors="replace") if isinstance(v, bytes) else v for v in value]
+    return value
+
+
+_WRITER_KEYS = ("general.architecture", "general.alignment")
+"""Keys the GGUF writer sets itself."""
+
+
+def _metadata_problems(manifest: ModelManifest, layout: GGUFLayout, start: int, end: int) -> list[Problem]:
+    """Every key the shard writer derives (layer count, per-layer arrays, sliding pattern, pins of the cut guard)
+    must be what it would write today: a shard cut by an older writer, or of an architecture now refused, is not
+    served. The tokenizer is left to the tensor and header checks."""
+    try:
+        pins = check_cut(manifest_cut_request(manifest, start, end), allow_unproven=True)
+    except BadRequestError as exc:
+        return [Problem("metadata", manifest.architecture, exc.message)]
+    plan = manifest_plan(manifest, start, end)
+    spec = RangeSpec(manifest.architecture, manifest.n_layers, start, end, plan.keep_tokenizer, manifest.manifest_id,
+                     pins)
+    expected = {kv.key: _plain(kv.value) for kv in shard_fields([kv_from_entry(e) for e in manifest.metadata], spec)
+                if not kv.key.startswith("tokenizer.") and kv.key not in _WRITER_KEYS}
+    got = {kv.key: _plain(kv.value) for kv in layout.fields
+           if not kv.key.startswith("tokenizer.") and kv.key not in _WRITER_KEYS}
+    problems = [Problem("metadata", k, f"{got.get(k)!r} != {v!r}") for k, v in expected.items() if got.get(k) != v]
+    return problems + [Problem("metadata", k, "not written by this shard writer") for k in got if k not in expected]
+
+
 def verify_shard(manifest: ModelManifest, path: Path, start: int, end: int) -> RangeVerdict:
     """Check a shard file: provenance metadata, tensor set and every tensor's bytes against the manifest."""
     if not path.is_file():
@@ -248,6 +281,8 @@ def verify_shard(manifest: ModelManifest, path: Path, start: int, end: int) -> R
             "swarmroute.n_layers_total": manifest.n_layers, "swarmroute.manifest_id": manifest.manifest_id}
     problems = [Problem("metadata", k, f"{layout.value(k)!r} != {v!r}") for k, v in meta.items()
                 if layout.value(k) != v]
+    if not problems:
+        problems = _metadata_problems(manifest, layout, start, end)
     plan = manifest_plan(manifest, start, end)
     expected: list[TensorEntry | SyntheticTensor] = [manifest.tensor(n) for n in plan.copied]
     expected += list(plan.synthetic)

@@ -4,6 +4,7 @@ llama.cpp is not needed here: ``tests/test_arch_matrix.py`` proves what the tabl
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from artifacts.shard import ShardSource, manifest_plan, write_shard
 from artifacts.store import Store
 from artifacts.synthetic import BUILDERS, Dims, ModelBuilder
 from artifacts.synthetic.matrix import MATRIX, case
+from artifacts.verify import verify_shard
 from schemas.errors import BadRequestError
 
 
@@ -176,6 +178,27 @@ def test_the_artifact_shard_command_takes_the_override(tmp_path: Path, capsys: p
     assert "'olmo' is not proven" in capsys.readouterr().err and not out.exists()
     assert artifact_cli([*argv, "--allow-unproven-architecture"]) == 0
     assert read_layout(out).value("swarmroute.layer_end") == 2
+
+
+def test_a_shard_cut_without_todays_rules_does_not_verify(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shard an older writer cut (no pin, or an architecture now refused) is never served."""
+    lite = tiny(tmp_path, "deepseek2", n_layers=28, n_nextn=1, q_lora_rank=0)
+    glm = tiny(tmp_path, "glm4", n_layers=4)
+    manifests = {p: build_manifest(p) for p in (lite, glm)}
+
+    def cut(path: Path, a: int, b: int) -> Path:
+        source = ShardSource.from_gguf(path, manifest_id=manifests[path].manifest_id)
+        return write_shard(source, tmp_path / f"{path.stem}-{a}-{b}.gguf", a, b, allow_unproven=True)
+
+    assert verify_shard(manifests[lite], cut(lite, 0, 14), 0, 14).ok
+    with monkeypatch.context() as m:
+        m.setitem(SUPPORT, "deepseek2", dataclasses.replace(SUPPORT["deepseek2"], rules=()))
+        m.delitem(SUPPORT, "glm4")
+        stale, refused = cut(lite, 0, 14), cut(glm, 2, 4)
+    problems = verify_shard(manifests[lite], stale, 0, 14).problems
+    assert [(p.kind, p.what) for p in problems] == [("metadata", "deepseek2.attention.q_lora_rank")]
+    (problem,) = verify_shard(manifests[glm], refused, 2, 4).problems
+    assert problem.kind == "metadata" and "GGML_ABORT" in problem.detail
 
 
 class _NoSession:
