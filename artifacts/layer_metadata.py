@@ -10,7 +10,9 @@ llama.cpp decides per-layer behaviour from the *local* layer index of the file i
   llama.cpp 0c1e57098, ``load_swa_pattern`` calls in src/models/*.cpp);
 * leading dense blocks and trailing next-token-prediction layers are counted inside the range;
 * periodic rules we cannot express per layer (``moe_every_n_layers``...) require the range to start on a period;
-* ``{arch}.embedding_scale`` is 1.0 off the head, where llama.cpp receives already-scaled embeddings.
+* ``{arch}.embedding_scale`` is 1.0 off the head, where llama.cpp receives already-scaled embeddings;
+* keys the cut guard pins (``RangeSpec.pins``, from ``artifacts.arch_support``) replace the model's value, so a
+  setting llama.cpp would derive from the shard's layer count comes out as the whole model's.
 """
 
 from __future__ import annotations
