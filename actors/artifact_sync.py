@@ -377,7 +377,7 @@ async def _command(sync: ArtifactSync, args: argparse.Namespace, stop: asyncio.E
     await sync.hold(manifest, static_peers=args.peer or [])
     start, end = args.range if args.range else (0, manifest.n_layers)
     printer = None if args.quiet else ProgressPrinter()
-    options = FetchOptions(timeout_s=args.timeout, cancel=cancel, allow_unproven=args.allow_unproven_architecture)
+    options = FetchOptions(timeout_s=args.timeout, cancel=cancel)
     try:
         result = await sync.fetch(manifest, start, end, printer=printer, options=options)
     except FetchCancelled as exc:
@@ -403,8 +403,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     fetch.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
     fetch.add_argument("--seed-after", action="store_true", help="keep seeding after the fetch until stopped")
     fetch.add_argument("--quiet", action="store_true", help="no progress bar")
-    fetch.add_argument("--allow-unproven-architecture", action="store_true",
-                       help="cut an architecture the matrix has not proven bit-exact (docs/models/architectures.md)")
     seed = commands.add_parser("seed", help="verify the store and seed a model to the swarm until stopped")
     seed.add_argument("model_id", help="model id (or unique prefix) in the store")
     for p in (fetch, seed):

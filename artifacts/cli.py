@@ -116,14 +116,13 @@ def _cmd_shard(args: argparse.Namespace) -> int:
     a, b = args.range
     if args.source:
         out = Path(args.out or f"shard-{a}-{b}.gguf")
-        write_shard(Path(args.source), out, a, b, allow_unproven=args.allow_unproven_architecture)
+        write_shard(Path(args.source), out, a, b)
         print(out)
         return 0
     store = Store(home_of(args))
     manifest = store.load(store.resolve(args.model_id))
     out = Path(args.out) if args.out else store.shard_path(manifest.model_id, a, b)
-    write_shard(ShardSource.from_manifest(manifest, store.data_path(manifest)), out, a, b,
-                allow_unproven=args.allow_unproven_architecture)
+    write_shard(ShardSource.from_manifest(manifest, store.data_path(manifest)), out, a, b)
     verdict = verify_shard(manifest, out, a, b)
     print(verdict.describe())
     return 0 if verdict.ok else 1
@@ -180,8 +179,6 @@ def register(subparsers: argparse._SubParsersAction) -> argparse._SubParsersActi
     shard.add_argument("--range", type=parse_range, required=True, help="layers START:END")
     shard.add_argument("--source", help="write from this complete GGUF instead of the store")
     shard.add_argument("--out", help="output path (default: the store's shard path)")
-    shard.add_argument("--allow-unproven-architecture", action="store_true",
-                       help="cut an architecture the matrix has not proven bit-exact (docs/models/architectures.md)")
     shard.set_defaults(func=guarded(_cmd_shard))
 
     for p in (build, verify, shard):

@@ -82,9 +82,7 @@ def _llamacpp(args: argparse.Namespace, settings: Settings, start: int | None, e
     store_id = args.model if args.model and source is None else None
     if source is None and store_id is None:
         source = default_model_path(settings)
-    # --allow-unproven-architecture (when the CLI defines it): cut an architecture the matrix has not proven.
-    prepared = prepare(settings.home, source, model_id=store_id, start=start, end=end,
-                       allow_unproven=bool(getattr(args, "allow_unproven_architecture", False)))
+    prepared = prepare(settings.home, source, model_id=store_id, start=start, end=end)
     options: dict[str, Any] = dict(model_path=prepared.path, max_sessions=args.max_sessions, threads=threads,
                                    native_dir=settings.home / "native")
     if args.ctx:

@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 
 from artifacts.arch_support import KNOWN_HAZARDS, SUPPORT, CutRequest, check_cut, proven_architectures
-from artifacts.cli import main as artifact_cli
 from artifacts.fetch import fetch_range
 from artifacts.gguf_layout import read_layout
 from artifacts.manifest import build_manifest
@@ -169,15 +168,6 @@ def test_shards_of_an_architecture_that_requires_output_get_a_zero_one(tmp_path:
     assert "output.weight" in tail.copied and not [t for t in tail.synthetic if t.name == "output.weight"]
     llama = build_manifest(tiny(tmp_path, "llama", n_layers=4))
     assert not [t for t in manifest_plan(llama, 0, 2).synthetic if t.name == "output.weight"]
-
-
-def test_the_artifact_shard_command_takes_the_override(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    src, out = unproven_model(tmp_path), tmp_path / "o.gguf"
-    argv = ["artifact", "shard", "--source", str(src), "--range", "1:2", "--out", str(out)]
-    assert artifact_cli(argv) == 2
-    assert "'olmo' is not proven" in capsys.readouterr().err and not out.exists()
-    assert artifact_cli([*argv, "--allow-unproven-architecture"]) == 0
-    assert read_layout(out).value("swarmroute.layer_end") == 2
 
 
 def test_a_shard_cut_without_todays_rules_does_not_verify(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -37,6 +37,7 @@ from actors.backends.ggml_capture import LayerCapture
 from actors.backends.gguf_check import GGUFFacts, ModelLoadError, inspect_gguf
 from actors.backends.llama_batch import Batch
 from actors.backends.sampling import Sampler
+from artifacts.gguf_split import part_name, split_prefix
 from schemas.errors import BackendError, BadRequestError, CapacityError, ContextLengthError, SessionNotFoundError
 from schemas.node import BackendInfo, LayerRange
 from schemas.session import CONTEXT_CAP, Prompt, SamplingParams
@@ -172,14 +173,17 @@ def _cut_shard(config: LlamaCppConfig, start: int, end: int) -> Path:
     return path
 
 
-def _file_sha256(facts: GGUFFacts) -> str:
-    """sha256 of the model's bytes: the file, or the concatenation of a split set's parts (its manifest's id)."""
-    if not facts.layout.parts:
-        with facts.path.open("rb") as f:
-            return hashlib.file_digest(f, "sha256").hexdigest()
-    digest = hashlib.sha256()
-    for path, _ in facts.layout.data_files:
+def _file_sha256(path: Path) -> str:
+    """sha256 of the model's bytes: the file, or for the first part of a split set the concatenation of its parts
+    (what its manifest's id is)."""
+    parsed = split_prefix(path)
+    if parsed is None or parsed[1] != 1 or parsed[2] < 2:
         with path.open("rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    prefix, _, count = parsed
+    digest = hashlib.sha256()
+    for i in range(1, count + 1):
+        with path.with_name(part_name(prefix, i, count)).open("rb") as f:
             while chunk := f.read(8 << 20):
                 digest.update(chunk)
     return digest.hexdigest()
@@ -270,7 +274,7 @@ class LlamaCppBackend:
             n_layers=self._placement.n_layers_total, hidden_size=self._n_embd, hidden_shape=[self._n_embd],
             n_vocab=self._n_vocab, context_length=self._n_ctx, threads=self._threads,
             version=f"llama.cpp {version} (llama-cpp-python {llama_cpp.__version__})",
-            artifact_sha256=self.config.sha256 or _file_sha256(facts), wire_dtype="f32")
+            artifact_sha256=self.config.sha256 or _file_sha256(self._path), wire_dtype="f32")
 
     # --- Backend properties -------------------------------------------------------------------------------------
 
