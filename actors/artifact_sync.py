@@ -40,7 +40,7 @@ from artifacts.verify import RangeVerdict, StoreReport, verify_store
 from bus.codec import DecodeError, decode, encode
 from bus.subjects import Subjects
 from schemas.artifact import ArtifactPeer, FetchProgress
-from schemas.errors import ArtifactError, NotFoundError, SwarmrouteError
+from schemas.errors import ArtifactError, BadRequestError, NotFoundError, SwarmrouteError
 from schemas.manifest import ModelManifest
 from schemas.node import LayerRange
 
@@ -288,7 +288,12 @@ def _verify_and_repair(store: Store, model_id: str) -> StoreReport:
         if not v.ok and any(a <= v.start and v.end <= b for a, b in good_data):
             log.warning("rewriting shard [%d, %d) from verified data: %s", v.start, v.end, v.describe())
             manifest = report.manifest
-            write_shard(ShardSource.from_manifest(manifest, store.data_path(manifest)),
-                        store.shard_path(model_id, v.start, v.end), v.start, v.end)
+            try:
+                # The shard was cut before: an unproven architecture was accepted then; a refused one is not.
+                write_shard(ShardSource.from_manifest(manifest, store.data_path(manifest)),
+                            store.shard_path(model_id, v.start, v.end), v.start, v.end, allow_unproven=True)
+            except BadRequestError as exc:
+                log.warning("not rewriting shard [%d, %d): %s", v.start, v.end, exc.message)
+                continue
             repaired = True
     return verify_store(store, model_id) if repaired else report

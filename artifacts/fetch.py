@@ -21,12 +21,13 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from artifacts.arch_support import check_cut
 from artifacts.shard import (
     ShardSource,
-    manifest_layouts,
+    manifest_cut_request,
+    manifest_plan,
     needed_byte_ranges,
     needed_tensors,
-    plan_shard,
     write_shard,
 )
 from artifacts.store import Store
@@ -56,6 +57,9 @@ class FetchOptions:
 
     cancel: threading.Event | None = None
     """Set it to stop the fetch (resume data is saved first); ``fetch_range`` then raises ``FetchCancelled``."""
+
+    allow_unproven: bool = False
+    """Cut an architecture ``artifacts.arch_support`` has not proven (the user accepts the risk)."""
 
 
 class FetchCancelled(ArtifactError):
@@ -130,19 +134,20 @@ def _wait_for_pieces(job: TorrentJob, rep: _Reporter, peers: PeerSource, resume:
             next_resume = time.monotonic() + opts.resume_every_s
 
 
-def _trusted_resume(resume: Path, data: Path) -> bytes | None:
-    """Resume data only if nothing was written to the file after it was saved (a clean stop). After a crash it is
-    stale: libtorrent would re-download what arrived since; without it libtorrent hashes the file and finds every
+def _trusted_resume(resume: Path, data: list[Path]) -> bytes | None:
+    """Resume data only if nothing was written to the files after it was saved (a clean stop). After a crash it is
+    stale: libtorrent would re-download what arrived since; without it libtorrent hashes the files and finds every
     piece that is on disk."""
     if not resume.is_file():
         return None
-    if data.is_file() and data.stat().st_mtime_ns > resume.stat().st_mtime_ns:
+    saved = resume.stat().st_mtime_ns
+    if any(p.is_file() and p.stat().st_mtime_ns > saved for p in data):
         return None
     return resume.read_bytes()
 
 
 def _tensor_problems(manifest: ModelManifest, data: Path, start: int, end: int) -> list[str]:
-    plan = plan_shard(manifest_layouts(manifest), manifest.n_layers, start, end)
+    plan = manifest_plan(manifest, start, end)
     report = check_data_file(manifest, data, only=[t.name for t in needed_tensors(manifest, start, end)])
     problems = [str(p) for p in report.tensors.values() if p is not None]
     if plan.keep_tokenizer and report.header is not None:
@@ -155,10 +160,12 @@ def fetch_range(store: Store, manifest: ModelManifest, start: int, end: int, *, 
                 options: FetchOptions | None = None) -> FetchResult:
     """Fetch what ``[start, end)`` needs into ``store`` and return the verified shard (already there: no download)."""
     opts = options or FetchOptions()
+    # Refused before a byte is downloaded: a range that cannot be served exactly is never fetched.
+    check_cut(manifest_cut_request(manifest, start, end), allow_unproven=opts.allow_unproven)
     store.add_manifest(manifest)
     model_dir = store.model_dir(manifest.model_id)
     resume_path = store.resume_path(manifest.model_id)
-    resume = _trusted_resume(resume_path, store.data_path(manifest))
+    resume = _trusted_resume(resume_path, [p for p, _ in store.data_files(manifest)])
     pieces = wanted_pieces(manifest, needed_byte_ranges(manifest, start, end))
     job = session.add(manifest, model_dir, pieces, resume=resume)
     rep = _Reporter(job, manifest, start, end, progress, node_id)
@@ -181,7 +188,7 @@ def fetch_range(store: Store, manifest: ModelManifest, start: int, end: int, *, 
         job.recheck()
     job.save_resume(resume_path)
     rep.report("writing")
-    write_shard(ShardSource.from_manifest(manifest, data), shard, start, end)
+    write_shard(ShardSource.from_manifest(manifest, data), shard, start, end, allow_unproven=opts.allow_unproven)
     verdict = verify_shard(manifest, shard, start, end)
     if not verdict.ok:
         rep.report("failed", verdict.describe())

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
 
+from artifacts.gguf_split import ConcatReader, PartLayout, check_part, missing_parts, part_paths, split_count
 from schemas.errors import BadRequestError
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
@@ -48,8 +49,22 @@ class GGUFLayout:
     fields: list[KV]
     tensors: list[TensorLayout]
     header_size: int
-    """Bytes before the tensor data section (metadata, tensor infos, padding)."""
+    """Bytes before the tensor data section (metadata, tensor infos, padding); the first part's for a split set."""
     alignment: int
+    parts: tuple[PartLayout, ...] = ()
+    """The files of a split set (``artifacts.gguf_split``), first part first; empty for a single file. Tensor
+    offsets are then positions in the concatenation of the parts."""
+
+    @property
+    def data_files(self) -> list[tuple[Path, int]]:
+        """(path, size) of every file holding the model, in order."""
+        if self.parts:
+            return [(p.path, p.size) for p in self.parts]
+        return [(self.path, self.path.stat().st_size)]
+
+    @property
+    def total_size(self) -> int:
+        return sum(size for _, size in self.data_files)
 
     def field(self, key: str) -> KV | None:
         return next((kv for kv in self.fields if kv.key == key), None)
@@ -172,22 +187,65 @@ def _parse(path: Path, buf: mmap.mmap) -> GGUFLayout:
     tensors = [TensorLayout(name, qtype, shape, header_size + rel, _tensor_size(qtype, shape))
                for name, shape, qtype, rel in infos]
     arch = next((str(kv.value) for kv in fields if kv.key == "general.architecture"), None)
-    if arch is None:
-        raise ValueError("no general.architecture")
-    return GGUFLayout(path=path, architecture=arch, fields=fields, tensors=tensors, header_size=header_size,
+    if arch is None and not any(kv.key == "split.no" and int(kv.value) > 0 for kv in fields):
+        raise ValueError("no general.architecture")  # parts after the first of a split set carry none
+    return GGUFLayout(path=path, architecture=arch or "", fields=fields, tensors=tensors, header_size=header_size,
                       alignment=alignment)
 
 
-def read_layout(path: Path) -> GGUFLayout:
-    """Parse the header of ``path``. Tensor data is not read: a partially downloaded file works once its header is."""
+def read_part(path: Path) -> GGUFLayout:
+    """Parse the header of one file, a whole model or one part of a split set (offsets relative to it)."""
     try:
         with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            layout = _parse(path, buf)
+            return _parse(path, buf)
     except (ValueError, OSError, struct.error) as exc:
         raise BadRequestError(f"{path} is not a readable GGUF file: {exc}") from exc
-    if any(kv.key == "split.count" and int(kv.value) > 1 for kv in layout.fields):
-        raise BadRequestError(f"{path} is one part of a split GGUF; merge it first (llama-gguf-split --merge)")
-    return layout
+
+
+def read_layout(path: Path) -> GGUFLayout:
+    """Parse the header of the model at ``path``: a single GGUF, or the first part of a split set (then every part
+    is read and checked, see ``artifacts.gguf_split``). Tensor data is not read: a partially downloaded file works
+    once its header is."""
+    layout = read_part(path)
+    count = split_count(layout.fields)
+    return _combine(layout, count) if count > 1 else layout
+
+
+def _combine(first: GGUFLayout, count: int) -> GGUFLayout:
+    paths = part_paths(first.path, count)
+    missing = missing_parts(paths)
+    if missing:
+        raise BadRequestError(f"split set {first.path.name} ({count} parts) is incomplete: missing "
+                              f"{', '.join(p.name for p in missing)} in {first.path.parent}")
+    total = int(first.value("split.tensors.count", -1))
+    parts: list[PartLayout] = []
+    tensors: list[TensorLayout] = []
+    base = 0
+    for i, path in enumerate(paths):
+        part = first if i == 0 else read_part(path)
+        check_part(path, i, count, total, first.alignment, part.fields, first.architecture)
+        size = path.stat().st_size
+        for t in part.tensors:
+            if t.offset + t.size > size:
+                raise BadRequestError(f"{path} is truncated: {t.name} runs to byte {t.offset + t.size:,}, the file "
+                                      f"has {size:,}")
+            tensors.append(dataclasses.replace(t, offset=base + t.offset))
+        parts.append(PartLayout(path, size, part.header_size, base))
+        base += size
+    names = [t.name for t in tensors]
+    if len(set(names)) != len(names):
+        twice = next(n for n in names if names.count(n) > 1)
+        raise BadRequestError(f"split set {first.path.name}: tensor {twice} is in two parts (parts of two sets?)")
+    if len(tensors) != total:
+        raise BadRequestError(f"split set {first.path.name}: its parts hold {len(tensors)} tensors, "
+                              f"split.tensors.count says {total}")
+    fields = [kv for kv in first.fields if not kv.key.startswith("split.")]
+    return dataclasses.replace(first, fields=fields, tensors=tensors, parts=tuple(parts))
+
+
+def open_data(layout: GGUFLayout) -> ConcatReader:
+    """The model's bytes as one stream, whatever number of files hold them (tensor offsets index it)."""
+    return ConcatReader(layout.data_files)
 
 
 def layer_of(name: str) -> int | None:

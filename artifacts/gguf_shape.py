@@ -26,6 +26,10 @@ SWA_DEFAULT_PERIOD = {"gemma2": 2, "gemma3": 6, "gemma3n": 5, "cohere2": 4, "gpt
 """Architectures whose loader calls ``load_swa_pattern(ml, N)``: every N-th layer is global when the GGUF has no
 explicit ``sliding_window_pattern``."""
 
+SWA_IGNORED = frozenset({"phi3"})
+"""Architectures whose loader drops ``attention.sliding_window`` (models/phi3.cpp: "Phi SWA is currently disabled"):
+every layer keeps its whole context."""
+
 RECURRENT_DEFAULT_INTERVAL = {"qwen3next": 4, "qwen35": 4, "qwen35moe": 4}
 """Hybrid linear-attention models: every N-th layer is full attention, the rest are gated delta-net layers."""
 
@@ -132,7 +136,7 @@ def _layer(h: _Header, il: int, weight_bytes: int) -> LayerShape:
 
 
 def _is_swa(h: _Header, il: int) -> bool:
-    if not h.get("attention.sliding_window"):
+    if not h.get("attention.sliding_window") or h.arch in SWA_IGNORED:
         return False
     pattern = h.get("attention.sliding_window_pattern")
     if isinstance(pattern, Sequence) and not isinstance(pattern, str | bytes):
@@ -227,7 +231,7 @@ def indexer_share_groups(full: Sequence[bool], carry_bytes: int = 0) -> list[Lay
 
 def _swa_groups(h: _Header, n_layers: int) -> list[LayerGroup]:
     """Soft groups ending at each global layer: a shard cut elsewhere must carry an explicit per-layer pattern."""
-    if h.arch == "deepseek4" or not h.get("attention.sliding_window"):
+    if h.arch == "deepseek4" or h.arch in SWA_IGNORED or not h.get("attention.sliding_window"):
         return []
     globals_ = [il for il in range(n_layers) if not _is_swa(h, il)]
     if not globals_ or len(globals_) == n_layers:

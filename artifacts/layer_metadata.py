@@ -10,7 +10,9 @@ llama.cpp decides per-layer behaviour from the *local* layer index of the file i
   llama.cpp 0c1e57098, ``load_swa_pattern`` calls in src/models/*.cpp);
 * leading dense blocks and trailing next-token-prediction layers are counted inside the range;
 * periodic rules we cannot express per layer (``moe_every_n_layers``...) require the range to start on a period;
-* ``{arch}.embedding_scale`` is 1.0 off the head, where llama.cpp receives already-scaled embeddings.
+* ``{arch}.embedding_scale`` is 1.0 off the head, where llama.cpp receives already-scaled embeddings;
+* keys the cut guard pins (``RangeSpec.pins``, from ``artifacts.arch_support``) replace the model's value, so a
+  setting llama.cpp would derive from the shard's layer count comes out as the whole model's.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ _PERIODIC_KEYS = ("moe_every_n_layers", "interleave_moe_layer_step", "full_atten
                   "rescale_every_n_layers", "attention.rope_pattern")
 """Scalar rules keyed on ``il % k``: still right after renumbering only when the range starts at a multiple of k."""
 
+_NOT_PER_LAYER = ("rope.dimension_sections", "ple.head_vocab_sizes")
+"""Fixed-length arrays that are not indexed by layer, even when a model happens to have that many layers."""
+
 SWARMROUTE_KEYS = ("swarmroute.layer_start", "swarmroute.layer_end", "swarmroute.n_layers_total",
                    "swarmroute.manifest_id")
 
@@ -49,6 +54,8 @@ class RangeSpec:
     end: int
     keep_tokenizer: bool
     manifest_id: str = ""
+    pins: tuple[KV, ...] = ()
+    """Keys set explicitly so the shard derives what the whole model derives (``artifacts.arch_support``)."""
 
     @property
     def is_head(self) -> bool:
@@ -75,7 +82,8 @@ def swa_pattern(arch: str, n_layers: int, scalar: int | None) -> list[bool] | No
 
 def _is_per_layer(kv: KV, spec: RangeSpec) -> bool:
     return (kv.key.startswith(f"{spec.architecture}.") and kv.type == GGUFValueType.ARRAY
-            and isinstance(kv.value, list) and len(kv.value) == spec.n_layers)
+            and isinstance(kv.value, list) and len(kv.value) == spec.n_layers
+            and kv.key.removeprefix(f"{spec.architecture}.") not in _NOT_PER_LAYER)
 
 
 def _rewrite(kv: KV, spec: RangeSpec) -> KV:
@@ -130,9 +138,10 @@ def shard_fields(fields: list[KV], spec: RangeSpec) -> list[KV]:
     """The metadata of the shard for ``spec``, from the full model's ``fields`` (order kept, new keys appended)."""
     dropped = ("general.architecture", "general.alignment", *SWARMROUTE_KEYS)
     swa = _swa_field(fields, spec)
+    pinned = {kv.key for kv in spec.pins}
     out: list[KV] = []
     for kv in fields:
-        if kv.key in dropped or kv.key.startswith("split."):
+        if kv.key in dropped or kv.key in pinned or kv.key.startswith("split."):
             continue
         if kv.key.startswith("tokenizer.") and not spec.keep_tokenizer:
             continue
@@ -145,4 +154,4 @@ def shard_fields(fields: list[KV], spec: RangeSpec) -> list[KV]:
         out.append(swa)
     if not spec.keep_tokenizer:
         out += _no_vocab(spec)
-    return out + _provenance(spec)
+    return out + list(spec.pins) + _provenance(spec)

@@ -8,17 +8,22 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from gguf import GGUFValueType, LlamaFileType
 
 from artifacts.bencode import bencode
-from artifacts.gguf_layout import KV, GGUFLayout, TensorLayout, layer_of, read_layout, role_of
+from artifacts.gguf_layout import KV, GGUFLayout, TensorLayout, layer_of, open_data, read_layout, role_of
+from artifacts.gguf_split import part_name
 from schemas.errors import ArtifactError, BadRequestError
-from schemas.manifest import KVEntry, ModelManifest, TensorEntry, TensorGroups, TorrentLayout
+from schemas.manifest import KVEntry, ModelManifest, PartEntry, TensorEntry, TensorGroups, TorrentFile, TorrentLayout
 
 DATA_FILE_NAME = "model.gguf"
+SPLIT_DIR_NAME = "model"
+"""A split set's torrent directory; its parts are ``model-0000i-of-0000n.gguf`` there (the names llama.cpp looks
+for when it loads the first part), whatever the files were called on import."""
 MIN_PIECE = 64 << 10
 MAX_PIECE = 16 << 20
 TARGET_PIECES = 1024
@@ -35,8 +40,13 @@ def choose_piece_size(file_size: int) -> int:
 
 def info_dict(torrent: TorrentLayout, file_size: int) -> dict[str, Any]:
     """The v1 info dictionary; ``private`` keeps clients off DHT and peer exchange for this torrent."""
-    return {"length": file_size, "name": torrent.file_name, "piece length": torrent.piece_size,
-            "pieces": b"".join(bytes.fromhex(h) for h in torrent.piece_sha1), "private": 1}
+    info: dict[str, Any] = {"name": torrent.file_name, "piece length": torrent.piece_size,
+                            "pieces": b"".join(bytes.fromhex(h) for h in torrent.piece_sha1), "private": 1}
+    if torrent.files:
+        info["files"] = [{"length": f.length, "path": [f.path]} for f in torrent.files]
+    else:
+        info["length"] = file_size
+    return info
 
 
 def torrent_bytes(manifest: ModelManifest) -> bytes:
@@ -47,10 +57,13 @@ def torrent_bytes(manifest: ModelManifest) -> bytes:
 class _Hasher:
     """Feeds consecutive chunks of the file to every hash that covers them."""
 
-    def __init__(self, tensors: list[TensorLayout], header_size: int, piece_size: int) -> None:
+    def __init__(self, tensors: list[TensorLayout], header_size: int, piece_size: int,
+                 regions: Sequence[tuple[int, int]] = ()) -> None:
         self.file = hashlib.sha256()
         self.header = hashlib.sha256()
         self.header_size = header_size
+        self.regions = [(lo, hi, hashlib.sha256()) for lo, hi in regions]
+        """Extra byte ranges hashed on their own (the parts of a split set, and their headers)."""
         self.piece_size = piece_size
         self.pieces: list[str] = []
         self.piece = hashlib.sha1()
@@ -66,6 +79,9 @@ class _Hasher:
         self.file.update(chunk)
         if lo < self.header_size:
             self.header.update(chunk[: min(hi, self.header_size) - lo])
+        for a, b, h in self.regions:
+            if a < hi and lo < b:
+                h.update(chunk[max(a, lo) - lo : min(b, hi) - lo])
         self._feed_pieces(chunk)
         self._feed_tensors(chunk, lo, hi)
         self.pos = hi
@@ -153,23 +169,42 @@ def _n_vocab(layout: GGUFLayout) -> int:
     return int(layout.value(f"{layout.architecture}.vocab_size", 0))
 
 
+def _part_regions(layout: GGUFLayout) -> list[tuple[int, int]]:
+    """For a split set: each part, then each part's header, as ranges of the concatenated stream."""
+    parts = [(p.base, p.end) for p in layout.parts]
+    return parts + [(p.base, p.base + p.header_size) for p in layout.parts]
+
+
 def hash_file(layout: GGUFLayout, path: Path, piece_size: int, file_size: int) -> _Hasher:
-    hasher = _Hasher(layout.tensors, layout.header_size, piece_size)
-    buf = bytearray(piece_size * max(1, (8 << 20) // piece_size))
-    view = memoryview(buf)
-    with path.open("rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            hasher.feed(view[:n])
+    hasher = _Hasher(layout.tensors, layout.header_size, piece_size, _part_regions(layout))
+    chunk = piece_size * max(1, (8 << 20) // piece_size)
+    if layout.parts:
+        with open_data(layout) as f:
+            while data := f.read(chunk):
+                hasher.feed(memoryview(data))
+    else:  # one file: read into one reused buffer, no copy per chunk
+        buf = bytearray(chunk)
+        view = memoryview(buf)
+        with path.open("rb", buffering=0) as raw:
+            while n := raw.readinto(buf):
+                hasher.feed(view[:n])
     hasher.finish()
     if hasher.pos != file_size:
         raise ArtifactError(f"{path} changed size while it was hashed")
     return hasher
 
 
+def _parts(layout: GGUFLayout, h: _Hasher) -> list[PartEntry]:
+    n = len(layout.parts)
+    digests = [d.hexdigest() for _, _, d in h.regions]
+    return [PartEntry(name=part_name(SPLIT_DIR_NAME, i + 1, n), offset=p.base, size=p.size, header_size=p.header_size,
+                      header_sha256=digests[n + i], sha256=digests[i]) for i, p in enumerate(layout.parts)]
+
+
 def build_manifest(path: Path, *, piece_size: int | None = None) -> ModelManifest:
     """Describe ``path`` completely; ``piece_size`` (a power of two >= 16 KiB) defaults to ``choose_piece_size``."""
     layout = read_layout(path)
-    size = path.stat().st_size
+    size = layout.total_size
     piece = piece_size or choose_piece_size(size)
     if piece < 16 << 10 or piece & (piece - 1):
         raise BadRequestError(f"piece size {piece} must be a power of two of at least 16 KiB")
@@ -183,7 +218,10 @@ def build_manifest(path: Path, *, piece_size: int | None = None) -> ModelManifes
                            size=t.size, sha256=h.tensor_hashes[t.name]) for t in layout.tensors]
     # A fixed file name keeps the torrent (and manifest) a function of the bytes alone: two nodes that built
     # manifests of the same file under different names still join the same swarm.
-    torrent = TorrentLayout(file_name=DATA_FILE_NAME, piece_size=piece, piece_sha1=h.pieces, info_hash="")
+    parts = _parts(layout, h) if layout.parts else []
+    torrent = TorrentLayout(file_name=SPLIT_DIR_NAME if parts else DATA_FILE_NAME, piece_size=piece,
+                            piece_sha1=h.pieces, info_hash="",
+                            files=[TorrentFile(path=p.name, length=p.size) for p in parts])
     torrent.info_hash = hashlib.sha1(bencode(info_dict(torrent, size))).hexdigest()
     manifest = ModelManifest(
         model_id=h.file.hexdigest(), name=str(layout.value("general.name", "")), architecture=layout.architecture,
@@ -191,8 +229,15 @@ def build_manifest(path: Path, *, piece_size: int | None = None) -> ModelManifes
         n_vocab=_n_vocab(layout), file_type=_file_type(layout), file_size=size, file_sha256=h.file.hexdigest(),
         header_size=layout.header_size, header_sha256=h.header.hexdigest(), alignment=layout.alignment,
         tied_output="output.weight" not in {t.name for t in layout.tensors}, metadata=_entries(layout),
-        tensors=tensors, groups=_groups(layout), torrent=torrent)
+        tensors=tensors, groups=_groups(layout), torrent=torrent, parts=parts)
     return manifest.with_id()
+
+
+def data_files(manifest: ModelManifest, data_path: Path) -> list[tuple[Path, int]]:
+    """(path, size) of every file of the model whose first (or only) file is ``data_path``."""
+    if not manifest.parts:
+        return [(data_path, manifest.file_size)]
+    return [(data_path.with_name(p.name), p.size) for p in manifest.parts]
 
 
 def save_manifest(manifest: ModelManifest, path: Path) -> Path:
@@ -218,6 +263,10 @@ def check_manifest(manifest: ModelManifest, *, expect_id: str | None = None, whe
                             f"({actual[:16]}...): edited or corrupt")
     if expect_id is not None and actual != expect_id:
         raise ArtifactError(f"{where}: manifest {actual[:16]}... is not the expected {expect_id[:16]}...")
-    if "/" in manifest.torrent.file_name or manifest.torrent.file_name in ("", ".", ".."):
-        raise ArtifactError(f"{where}: unsafe torrent file name {manifest.torrent.file_name!r}")
+    names = [manifest.torrent.file_name, *(f.path for f in manifest.torrent.files), *(p.name for p in manifest.parts)]
+    for name in names:
+        if "/" in name or "\\" in name or name in ("", ".", ".."):
+            raise ArtifactError(f"{where}: unsafe torrent file name {name!r}")
+    if [p.name for p in manifest.parts] != [f.path for f in manifest.torrent.files]:
+        raise ArtifactError(f"{where}: the torrent's files are not the split set's parts")
     return manifest

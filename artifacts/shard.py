@@ -36,8 +36,11 @@ from typing import Any, BinaryIO
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFEndian, GGUFValueType, GGUFWriter
 
-from artifacts.gguf_layout import KV, TensorLayout, read_layout, renumber, role_of
+from artifacts.arch_support import CutRequest, check_cut, metadata_map, output_required
+from artifacts.gguf_layout import KV, TensorLayout, read_layout, read_part, renumber, role_of
+from artifacts.gguf_split import ConcatReader
 from artifacts.layer_metadata import RangeSpec, shard_fields
+from artifacts.manifest import data_files
 from schemas.errors import ArtifactError, BadRequestError
 from schemas.manifest import KVEntry, ModelManifest, TensorEntry
 
@@ -104,8 +107,10 @@ def _include(t: TensorLayout, start: int, end: int, n_layers: int, tied: bool) -
     return end == n_layers  # output group: the lm_head side lives on the tail
 
 
-def plan_shard(tensors: Sequence[TensorLayout], n_layers: int, start: int, end: int) -> ShardPlan:
-    """Decide the shard's tensors from the model's tensors (in file order)."""
+def plan_shard(tensors: Sequence[TensorLayout], n_layers: int, start: int, end: int, *,
+               architecture: str = "") -> ShardPlan:
+    """Decide the shard's tensors from the model's tensors (in file order). ``architecture`` matters where
+    llama.cpp requires a tensor the shard never uses (``arch_support.output_required``)."""
     check_range(start, end, n_layers)
     names = [t.name for t in tensors]
     if start == 0 and end == n_layers:
@@ -118,7 +123,16 @@ def plan_shard(tensors: Sequence[TensorLayout], n_layers: int, start: int, end: 
     if embd is not None and TOKEN_EMBD not in copied:
         shape = embd.shape if keep_tokenizer else (embd.shape[0], 1)
         synthetic = (SyntheticTensor(TOKEN_EMBD, embd.ggml_type, shape),)
+    out = next((t for t in tensors if t.name == OUTPUT), None)
+    if out is not None and OUTPUT not in copied and output_required(architecture):
+        # The lm_head never runs off the tail (the capture stops the graph), but the loader demands it.
+        shape = out.shape if keep_tokenizer else (out.shape[0], 1)
+        synthetic += (SyntheticTensor(OUTPUT, out.ggml_type, shape),)
     return ShardPlan(start, end, n_layers, copied, synthetic, keep_tokenizer)
+
+
+def manifest_plan(manifest: ModelManifest, start: int, end: int) -> ShardPlan:
+    return plan_shard(manifest_layouts(manifest), manifest.n_layers, start, end, architecture=manifest.architecture)
 
 
 def manifest_layouts(manifest: ModelManifest) -> list[TensorLayout]:
@@ -128,7 +142,7 @@ def manifest_layouts(manifest: ModelManifest) -> list[TensorLayout]:
 
 def needed_tensors(manifest: ModelManifest, start: int, end: int) -> list[TensorEntry]:
     """The tensors a node serving ``[start, end)`` must download (file order); synthetic ones are not listed."""
-    plan = plan_shard(manifest_layouts(manifest), manifest.n_layers, start, end)
+    plan = manifest_plan(manifest, start, end)
     wanted = set(plan.copied)
     return [t for t in manifest.tensors if t.name in wanted]
 
@@ -136,10 +150,13 @@ def needed_tensors(manifest: ModelManifest, start: int, end: int) -> list[Tensor
 def needed_byte_ranges(manifest: ModelManifest, start: int, end: int) -> list[tuple[int, int]]:
     """Merged half-open byte ranges of the file a node serving ``[start, end)`` needs: its tensors, plus the
     header when the shard keeps the tokenizer (the vocabulary is stored there, not in the manifest)."""
-    plan = plan_shard(manifest_layouts(manifest), manifest.n_layers, start, end)
+    plan = manifest_plan(manifest, start, end)
     spans = [(t.offset, t.end) for t in needed_tensors(manifest, start, end) if t.size]
     if plan.keep_tokenizer:
         spans.append((0, manifest.header_size))
+    if plan.is_whole:
+        # The whole model may be served from the parts themselves: llama.cpp then reads every part's header.
+        spans += [(p.offset, p.offset + p.header_size) for p in manifest.parts]
     merged: list[tuple[int, int]] = []
     for lo, hi in sorted(spans):
         if merged and lo <= merged[-1][1]:
@@ -175,21 +192,36 @@ class ShardSource:
     manifest_id: str = ""
     header_size: int = 0
     header_sha256: str | None = None
+    n_vocab: int = 0
+    """Tokens in the vocabulary (llama.cpp keys a few settings on it)."""
+    files: tuple[tuple[Path, int], ...] = ()
+    """(path, size) of each part when the model is a split set (tensor offsets index their concatenation)."""
 
     @classmethod
     def from_gguf(cls, path: Path, *, manifest_id: str = "") -> ShardSource:
         layout = read_layout(path)
         meta = tuple(kv for kv in layout.fields if not kv.key.startswith("tokenizer."))
         tok = tuple(kv for kv in layout.fields if kv.key.startswith("tokenizer."))
+        tokens = layout.value("tokenizer.ggml.tokens")
+        n_vocab = len(tokens) if isinstance(tokens, list) else int(layout.value(f"{layout.architecture}.vocab_size", 0))
         return cls(path, layout.architecture, layout.n_layers, layout.alignment, tuple(layout.tensors), meta, tok,
-                   manifest_id, layout.header_size)
+                   manifest_id, layout.header_size, n_vocab=n_vocab,
+                   files=tuple(layout.data_files) if layout.parts else ())
 
     @classmethod
     def from_manifest(cls, manifest: ModelManifest, data_path: Path) -> ShardSource:
         meta = tuple(kv_from_entry(e) for e in manifest.metadata)
         return cls(data_path, manifest.architecture, manifest.n_layers, manifest.alignment,
                    tuple(manifest_layouts(manifest)), meta, None, manifest.manifest_id, manifest.header_size,
-                   manifest.header_sha256)
+                   manifest.header_sha256, n_vocab=manifest.n_vocab,
+                   files=tuple(data_files(manifest, data_path)) if manifest.parts else ())
+
+    def open_data(self) -> BinaryIO | ConcatReader:
+        return ConcatReader(self.files) if self.files else self.data_path.open("rb")
+
+    def cut_request(self, start: int, end: int) -> CutRequest:
+        return CutRequest(self.architecture, self.n_layers, self.n_vocab, metadata_map(self.metadata), start, end,
+                          where=str(self.data_path))
 
     def tokenizer_fields(self) -> list[KV]:
         if self.tokenizer is not None:
@@ -200,7 +232,8 @@ class ShardSource:
             if digest != self.header_sha256:
                 raise ArtifactError(f"{self.data_path}: header (tokenizer) bytes do not match the manifest's "
                                     "header_sha256: not downloaded yet, or corrupt")
-        return [kv for kv in read_layout(self.data_path).fields if kv.key.startswith("tokenizer.")]
+        # read_part: a split set's tokenizer is in its first part, which may be all this node downloaded.
+        return [kv for kv in read_part(self.data_path).fields if kv.key.startswith("tokenizer.")]
 
 
 _NUMPY_TYPES = {
@@ -232,7 +265,7 @@ def _add_fields(writer: GGUFWriter, fields: list[KV]) -> None:
         writer.add_key_value(kv.key, kv.value, kv.type, kv.sub_type)
 
 
-def _copy_range(src: BinaryIO, dst: BinaryIO, t: TensorLayout) -> None:
+def _copy_range(src: BinaryIO | ConcatReader, dst: BinaryIO, t: TensorLayout) -> None:
     src.seek(t.offset)
     left = t.size
     while left:
@@ -258,9 +291,15 @@ def _write_zeros(f: BinaryIO, size: int) -> None:
         f.write(b"\0" * size)
 
 
-def _writer_for(source: ShardSource, plan: ShardPlan, dst: Path) -> GGUFWriter:
+def manifest_cut_request(manifest: ModelManifest, start: int, end: int) -> CutRequest:
+    meta = {e.key: kv_from_entry(e).value for e in manifest.metadata}
+    return CutRequest(manifest.architecture, manifest.n_layers, manifest.n_vocab, meta, start, end,
+                      where=f"model {manifest.model_id[:12]} ({manifest.name or manifest.architecture})")
+
+
+def _writer_for(source: ShardSource, plan: ShardPlan, dst: Path, pins: tuple[KV, ...]) -> GGUFWriter:
     spec = RangeSpec(source.architecture, source.n_layers, plan.start, plan.end, plan.keep_tokenizer,
-                     source.manifest_id)
+                     source.manifest_id, pins)
     fields = list(source.metadata) + (source.tokenizer_fields() if plan.keep_tokenizer else [])
     writer = _ArrayWriter(dst, source.architecture)
     if source.alignment != writer.data_alignment:
@@ -275,19 +314,23 @@ def _tensor_list(source: ShardSource, plan: ShardPlan) -> list[TensorLayout | Sy
     return items + list(plan.synthetic)
 
 
-def write_shard(source: Path | ShardSource, dst: Path, start: int, end: int) -> Path:
+def write_shard(source: Path | ShardSource, dst: Path, start: int, end: int, *,
+                allow_unproven: bool = False) -> Path:
     """Write the shard GGUF for layers ``[start, end)`` to ``dst`` (atomically: temp file, then rename).
 
     ``source`` is a complete GGUF path (then ``swarmroute.manifest_id`` is empty) or a ``ShardSource`` (from a
     store: ``ShardSource.from_manifest(manifest, data_file)``, which only needs the bytes ``needed_byte_ranges``
     lists). The source's tensor bytes are not re-hashed here: verify the shard (``artifacts.verify``) before use.
-    Returns ``dst``.
+    The cut is checked first (``arch_support.check_cut``): an unproven architecture is refused unless
+    ``allow_unproven``, a refused one always. Returns ``dst``.
     """
     src = source if isinstance(source, ShardSource) else ShardSource.from_gguf(source)
-    plan = plan_shard(src.tensors, src.n_layers, start, end)
+    check_range(start, end, src.n_layers)
+    pins = check_cut(src.cut_request(start, end), allow_unproven=allow_unproven)
+    plan = plan_shard(src.tensors, src.n_layers, start, end, architecture=src.architecture)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
-    writer = _writer_for(src, plan, tmp)
+    writer = _writer_for(src, plan, tmp, pins)
     items = _tensor_list(src, plan)
     for t in items:
         # The writer wants numpy order (slowest dim first); raw_dtype keeps the quantized type as-is.
@@ -299,7 +342,7 @@ def write_shard(source: Path | ShardSource, dst: Path, start: int, end: int) -> 
         writer.write_ti_data_to_file()
         assert writer.fout is not None
         out = writer.fout[0]
-        with src.data_path.open("rb") as data:
+        with src.open_data() as data:
             for t in items:
                 _pad(out, writer.data_alignment)
                 if isinstance(t, SyntheticTensor):

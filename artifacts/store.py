@@ -4,6 +4,7 @@ Layout (``<home>/store/<model_id>/``, ``model_id`` = sha256 of the GGUF)::
 
     manifest.json            the Model Artifact manifest (its manifest_id is checked on every load)
     model.gguf               the torrent's one file: complete, or sparse with only the pieces this node fetched
+    model/model-0000i-of-0000n.gguf   instead, for a split GGUF set: the multi-file torrent's parts
     shard-<a>-<b>.gguf       shard GGUFs written from it (verified before use)
     .resume                  libtorrent resume data (which pieces are on disk), written while fetching
 
@@ -16,7 +17,8 @@ import os
 import shutil
 from pathlib import Path
 
-from artifacts.manifest import build_manifest, check_manifest, load_manifest, save_manifest
+from artifacts.gguf_layout import read_layout
+from artifacts.manifest import build_manifest, check_manifest, data_files, load_manifest, save_manifest
 from artifacts.shard import shard_file_name
 from schemas.errors import ArtifactError, NotFoundError
 from schemas.manifest import ModelManifest
@@ -40,7 +42,12 @@ class Store:
         return self.model_dir(model_id) / MANIFEST_NAME
 
     def data_path(self, manifest: ModelManifest) -> Path:
-        return self.model_dir(manifest.model_id) / manifest.torrent.file_name
+        """The model's file, or for a split set its first part (llama.cpp finds the others next to it)."""
+        base = self.model_dir(manifest.model_id) / manifest.torrent.file_name
+        return base / manifest.parts[0].name if manifest.parts else base
+
+    def data_files(self, manifest: ModelManifest) -> list[tuple[Path, int]]:
+        return data_files(manifest, self.data_path(manifest))
 
     def shard_path(self, model_id: str, start: int, end: int) -> Path:
         return self.model_dir(model_id) / shard_file_name(start, end)
@@ -95,15 +102,18 @@ class Store:
             manifest = load_manifest(existing)
         else:
             self.add_manifest(manifest)
-        target = self.data_path(manifest)
-        if target.exists() and target.stat().st_size == manifest.file_size and _same_file(target, source):
-            return manifest
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        if link:
-            os.link(source, tmp)
-        else:
-            shutil.copyfile(source, tmp)
-        tmp.replace(target)
+        # A split set's parts take the store's names (model-0000i-of-0000n.gguf) whatever they were called.
+        sources = [path for path, _ in read_layout(source).data_files] if manifest.parts else [source]
+        for src, (target, size) in zip(sources, self.data_files(manifest), strict=True):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if target.exists() and target.stat().st_size == size and _same_file(target, src):
+                continue
+            tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+            if link:
+                os.link(src, tmp)
+            else:
+                shutil.copyfile(src, tmp)
+            tmp.replace(target)
         return manifest
 
 

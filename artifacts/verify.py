@@ -12,11 +12,16 @@ import dataclasses
 import hashlib
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
-from artifacts.gguf_layout import TensorLayout, read_layout, renumber
-from artifacts.shard import SyntheticTensor, manifest_layouts, needed_tensors, plan_shard
+from artifacts.arch_support import check_cut
+from artifacts.gguf_layout import GGUFLayout, TensorLayout, read_layout, renumber
+from artifacts.gguf_split import ConcatReader
+from artifacts.layer_metadata import RangeSpec, shard_fields
+from artifacts.manifest import data_files
+from artifacts.shard import SyntheticTensor, kv_from_entry, manifest_cut_request, manifest_plan, needed_tensors
 from artifacts.store import Store
-from schemas.errors import ArtifactError, SwarmrouteError
+from schemas.errors import ArtifactError, BadRequestError, SwarmrouteError
 from schemas.manifest import ModelManifest, TensorEntry
 
 _CHUNK = 8 << 20
@@ -142,22 +147,40 @@ def _data_problem(f: object, manifest: ModelManifest, name: str, offset: int, si
     return _piece_problem(f, manifest, name, offset, size)
 
 
+def _part_headers(f: ConcatReader, manifest: ModelManifest) -> Problem | None:
+    """The headers of a split set's later parts (llama.cpp reads them when it loads the set whole). A header with
+    data that does not match is a part of another set."""
+    for part in manifest.parts[1:]:
+        problem = _region_problem(f, f"header of {part.name}", part.offset, part.header_size, part.header_sha256)
+        if problem is not None and problem.kind == "hash_mismatch":
+            return Problem("hash_mismatch", part.name, "not this set's part: its header differs from the manifest's")
+        if problem is not None:
+            return problem
+    return None
+
+
 def check_data_file(manifest: ModelManifest, path: Path, only: Iterable[str] | None = None) -> DataFileReport:
-    """Hash the header and every tensor (or only the named ones) of the torrent data file."""
-    if not path.is_file():
+    """Hash the header and every tensor (or only the named ones) of the torrent data file (for a split set: of
+    the concatenation of its parts, ``path`` being the first; absent parts read as not downloaded)."""
+    files = data_files(manifest, path)
+    present = [p for p, _ in files if p.is_file()]
+    if not present:
         return DataFileReport(path, False, 0, manifest.file_size, Problem("missing_file", path.name), {})
     wanted = set(only) if only is not None else None
     results: dict[str, Problem | None] = {}
-    with path.open("rb") as f:
+    with ConcatReader(files) if manifest.parts else path.open("rb") as f:
         header = _data_problem(f, manifest, "header", 0, manifest.header_size, manifest.header_sha256)
+        if header is None and isinstance(f, ConcatReader):
+            header = _part_headers(f, manifest)
         for t in manifest.tensors:
             if wanted is None or t.name in wanted:
                 results[t.name] = _data_problem(f, manifest, t.name, t.offset, t.size, t.sha256)
-    return DataFileReport(path, True, path.stat().st_size, manifest.file_size, header, results)
+    size = sum(p.stat().st_size for p in present)
+    return DataFileReport(path, True, size, manifest.file_size, header, results)
 
 
 def data_range_verdict(manifest: ModelManifest, report: DataFileReport, start: int, end: int) -> RangeVerdict:
-    plan = plan_shard(manifest_layouts(manifest), manifest.n_layers, start, end)
+    plan = manifest_plan(manifest, start, end)
     names = [t.name for t in needed_tensors(manifest, start, end)]
     problems = report.problems_for(names, header=plan.keep_tokenizer)
     if report.exists and report.size < report.expected_size and not problems:
@@ -216,6 +239,36 @@ def _zero_problem(f: object, name: str, t: TensorLayout) -> Problem | None:
     return None
 
 
+def _plain(value: Any) -> Any:
+    """Metadata values as comparable Python values (string arrays are bytes when read from a file)."""
+    if isinstance(value, list):
+        return [v.decode("utf-8", errors="replace") if isinstance(v, bytes) else v for v in value]
+    return value
+
+
+_WRITER_KEYS = ("general.architecture", "general.alignment")
+"""Keys the GGUF writer sets itself."""
+
+
+def _metadata_problems(manifest: ModelManifest, layout: GGUFLayout, start: int, end: int) -> list[Problem]:
+    """Every key the shard writer derives (layer count, per-layer arrays, sliding pattern, pins of the cut guard)
+    must be what it would write today: a shard cut by an older writer, or of an architecture now refused, is not
+    served. The tokenizer is left to the tensor and header checks."""
+    try:
+        pins = check_cut(manifest_cut_request(manifest, start, end), allow_unproven=True)
+    except BadRequestError as exc:
+        return [Problem("metadata", manifest.architecture, exc.message)]
+    plan = manifest_plan(manifest, start, end)
+    spec = RangeSpec(manifest.architecture, manifest.n_layers, start, end, plan.keep_tokenizer, manifest.manifest_id,
+                     pins)
+    expected = {kv.key: _plain(kv.value) for kv in shard_fields([kv_from_entry(e) for e in manifest.metadata], spec)
+                if not kv.key.startswith("tokenizer.") and kv.key not in _WRITER_KEYS}
+    got = {kv.key: _plain(kv.value) for kv in layout.fields
+           if not kv.key.startswith("tokenizer.") and kv.key not in _WRITER_KEYS}
+    problems = [Problem("metadata", k, f"{got.get(k)!r} != {v!r}") for k, v in expected.items() if got.get(k) != v]
+    return problems + [Problem("metadata", k, "not written by this shard writer") for k in got if k not in expected]
+
+
 def verify_shard(manifest: ModelManifest, path: Path, start: int, end: int) -> RangeVerdict:
     """Check a shard file: provenance metadata, tensor set and every tensor's bytes against the manifest."""
     if not path.is_file():
@@ -228,7 +281,9 @@ def verify_shard(manifest: ModelManifest, path: Path, start: int, end: int) -> R
             "swarmroute.n_layers_total": manifest.n_layers, "swarmroute.manifest_id": manifest.manifest_id}
     problems = [Problem("metadata", k, f"{layout.value(k)!r} != {v!r}") for k, v in meta.items()
                 if layout.value(k) != v]
-    plan = plan_shard(manifest_layouts(manifest), manifest.n_layers, start, end)
+    if not problems:
+        problems = _metadata_problems(manifest, layout, start, end)
+    plan = manifest_plan(manifest, start, end)
     expected: list[TensorEntry | SyntheticTensor] = [manifest.tensor(n) for n in plan.copied]
     expected += list(plan.synthetic)
     problems += _shard_tensor_problems(manifest, path, expected, start, layout.tensors)

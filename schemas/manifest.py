@@ -43,13 +43,23 @@ class TensorEntry(WireModel):
         return self.offset + self.size
 
 
+class TorrentFile(WireModel):
+    """One file of a multi-file torrent (a split GGUF set): ``path`` inside the torrent's directory."""
+
+    path: str
+    length: int = Field(ge=0)
+
+
 class TorrentLayout(WireModel):
-    """The BitTorrent v1 view of the file: one-file torrent named ``file_name``."""
+    """The BitTorrent v1 view of the model: a one-file torrent named ``file_name``, or for a split GGUF set a
+    multi-file torrent whose directory is ``file_name`` and whose ``files`` are the parts in order (pieces then
+    span the concatenation of the parts)."""
 
     file_name: str
     piece_size: int = Field(gt=0)
     piece_sha1: list[str] = Field(description="hex SHA-1 of every piece, in order")
     info_hash: str = Field(description="hex SHA-1 of the bencoded info dictionary (private=1)")
+    files: list[TorrentFile] = Field(default_factory=list, description="multi-file torrents only: the parts")
 
     @property
     def n_pieces(self) -> int:
@@ -63,6 +73,21 @@ class TensorGroups(WireModel):
     embedding: list[str] = Field(default_factory=list, description="token lookup side: token_embd, position_embd...")
     output: list[str] = Field(default_factory=list, description="after the last layer: output_norm, output (lm_head)")
     shared: list[str] = Field(default_factory=list, description="used by every layer, e.g. rope_freqs: every shard")
+
+
+class PartEntry(WireModel):
+    """One file of a split GGUF set, at ``offset`` in the concatenation of the parts."""
+
+    name: str
+    offset: int = Field(ge=0)
+    size: int = Field(gt=0)
+    header_size: int = Field(gt=0)
+    header_sha256: str
+    sha256: str
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.size
 
 
 class ModelManifest(WireModel):
@@ -87,6 +112,8 @@ class ModelManifest(WireModel):
     tensors: list[TensorEntry]
     groups: TensorGroups
     torrent: TorrentLayout
+    parts: list[PartEntry] = Field(default_factory=list, description="split GGUF sets only: the files, in order; "
+                                   "tensor offsets and file_size/file_sha256 then refer to their concatenation")
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelManifest:
@@ -114,9 +141,19 @@ class ModelManifest(WireModel):
                 return kv.value
         return default
 
+    def _exclude(self) -> dict[str, Any] | None:
+        # Fields added for split sets are left out when empty, so a single-file manifest keeps the id (and the
+        # JSON) it had before they existed.
+        exclude: dict[str, Any] = {}
+        if not self.parts:
+            exclude["parts"] = True
+        if not self.torrent.files:
+            exclude["torrent"] = {"files"}
+        return exclude or None
+
     def compute_id(self) -> str:
         """sha256 of the canonical JSON with ``manifest_id`` blank: what ``manifest_id`` must equal."""
-        body = self.model_dump(mode="json")
+        body = self.model_dump(mode="json", exclude=self._exclude())
         body["manifest_id"] = ""
         canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         return hashlib.sha256(canonical.encode()).hexdigest()
@@ -125,4 +162,4 @@ class ModelManifest(WireModel):
         return self.model_copy(update={"manifest_id": self.compute_id()})
 
     def to_json(self) -> str:
-        return self.model_dump_json(indent=1)
+        return self.model_dump_json(indent=1, exclude=self._exclude())

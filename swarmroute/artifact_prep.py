@@ -49,8 +49,9 @@ def _manifest_for(store: Store, source: Path) -> ModelManifest:
 
 
 def prepare(home: Path, source: Path | None, *, model_id: str | None, start: int | None,
-            end: int | None) -> PreparedArtifact:
-    """Verified file for layers [start, end) of a model given as a local GGUF or as an id already in the store."""
+            end: int | None, allow_unproven: bool = False) -> PreparedArtifact:
+    """Verified file for layers [start, end) of a model given as a local GGUF or as an id already in the store.
+    ``allow_unproven`` lets an architecture ``artifacts.arch_support`` has not proven be cut (the CLI's override)."""
     store = Store(home)
     if model_id is not None:
         manifest = store.load(store.resolve(model_id))
@@ -71,7 +72,7 @@ def prepare(home: Path, source: Path | None, *, model_id: str | None, start: int
     shard = store.shard_path(manifest.model_id, a, b)
     if not shard.exists():
         log.info("writing shard [%d, %d) of %s", a, b, manifest.model_id[:12])
-        write_shard(ShardSource.from_manifest(manifest, data), shard, a, b)
+        write_shard(ShardSource.from_manifest(manifest, data), shard, a, b, allow_unproven=allow_unproven)
     return PreparedArtifact(require_verified_shard(store, manifest.model_id, a, b), manifest, a, b)
 
 

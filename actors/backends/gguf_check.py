@@ -91,6 +91,8 @@ def inspect_gguf(path: Path) -> GGUFFacts:
         layout = read_layout(path)
     except SwarmrouteError as e:
         raise ModelLoadError(f"model file {path} has a broken GGUF header (truncated?): {e.message}") from e
+    # A split set's tensor offsets run over all its parts (read_layout checked each part holds its tensors).
+    size = layout.total_size
     _check_tensors(path, size, layout)
     return GGUFFacts(path=path, size=size, layout=layout)
 

@@ -38,6 +38,7 @@ from actors.backends.ggml_capture import LayerCapture
 from actors.backends.gguf_check import GGUFFacts, ModelLoadError, inspect_gguf
 from actors.backends.llama_batch import Batch
 from actors.backends.sampling import Sampler
+from artifacts.gguf_split import part_name, split_prefix
 from schemas.errors import BackendError, BadRequestError, CapacityError, ContextLengthError, SessionNotFoundError
 from schemas.node import BackendInfo, LayerRange
 from schemas.session import CONTEXT_CAP, Prompt, SamplingParams
@@ -79,6 +80,9 @@ class LlamaCppConfig:
 
     shard_dir: Path | None = None
     """Where cut shards go; default ``<model dir>/<model stem>.shards``."""
+
+    allow_unproven: bool = False
+    """Cut an architecture ``artifacts.arch_support`` has not proven bit-exact (the user accepts the risk)."""
 
     flash_attn: bool = False
     """llama.cpp flash attention; off by default like llama-cpp-python's ``Llama``."""
@@ -171,13 +175,24 @@ def _cut_shard(config: LlamaCppConfig, start: int, end: int) -> Path:
     path = directory / shard_file_name(start, end)
     if not path.exists():
         log.info("cutting layers [%d, %d) of %s into %s", start, end, config.model_path, path)
-        write_shard(config.model_path, path, start, end)
+        write_shard(config.model_path, path, start, end, allow_unproven=config.allow_unproven)
     return path
 
 
 def _file_sha256(path: Path) -> str:
-    with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+    """sha256 of the model's bytes: the file, or for the first part of a split set the concatenation of its parts
+    (what its manifest's id is)."""
+    parsed = split_prefix(path)
+    if parsed is None or parsed[1] != 1 or parsed[2] < 2:
+        with path.open("rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    prefix, _, count = parsed
+    digest = hashlib.sha256()
+    for i in range(1, count + 1):
+        with path.with_name(part_name(prefix, i, count)).open("rb") as f:
+            while chunk := f.read(8 << 20):
+                digest.update(chunk)
+    return digest.hexdigest()
 
 
 class LlamaCppBackend:

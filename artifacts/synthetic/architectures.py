@@ -1,0 +1,427 @@
+"""Tensor tables and metadata of tiny models, one function per llama.cpp architecture.
+
+Each table is transcribed from the vendored llama.cpp (commit 0c1e57098): ``load_arch_hparams`` for the keys and
+``load_arch_tensors`` for the tensors and their shapes (GGML order, as ``create_tensor`` lists them), in
+``src/models/<file>.cpp`` (file named next to each function). Optional tensors a real GGUF of the family carries are
+included (qwen2's q/k/v biases, llama 3's ``rope_freqs``, phi3's long/short rope factors) so their code paths run.
+The keys mirror what ``convert_hf_to_gguf.py`` writes for the family.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from artifacts.synthetic.builder import ModelBuilder
+from artifacts.synthetic.vocab import build_vocabulary
+
+
+@dataclasses.dataclass(frozen=True)
+class Dims:
+    """Sizes of a tiny model. Every dimension that is a row length (``ne0``) of a matrix is a multiple of 32, so
+    Q8_0/Q4_0 quantize every matrix as in a real file."""
+
+    n_layers: int = 6
+    n_embd: int = 64
+    n_head: int = 4
+    n_head_kv: int = 2
+    head_dim: int = 16
+    n_ff: int = 96
+    n_ctx: int = 512
+    sliding_window: int = 16
+    n_expert: int = 8
+    n_expert_used: int = 2
+    n_ff_exp: int = 32
+    n_expert_shared: int = 1
+    n_dense_lead: int = 1
+    n_nextn: int = 1
+    q_lora_rank: int = 32
+    """0 builds a "lite" deepseek2 (plain attn_q, no q LoRA)."""
+    kv_lora_rank: int = 32
+    qk_rope_dim: int = 16
+    qk_nope_dim: int = 32
+    v_head_dim: int = 32
+    vocab_pad_to: int = 0
+    """Pad the vocabulary to this many tokens (llama.cpp keys some settings on the vocabulary size)."""
+    llama_moe: bool = False
+    """llama with routed experts in every layer (Mixtral's layout: experts of ``n_ff``)."""
+    expert_gating_func: int | None = 2
+    """deepseek2/glm4moe ``expert_gating_func`` (1 softmax, 2 sigmoid); None leaves the key out."""
+
+    @property
+    def n_trunk(self) -> int:
+        return self.n_layers - self.n_nextn
+
+
+ArchBuilder = Callable[[Dims, str], ModelBuilder]
+
+
+def _start(arch: str, d: Dims, name: str) -> ModelBuilder:
+    b = ModelBuilder(arch, name, vocab=build_vocabulary(d.vocab_pad_to))
+    b.u32("context_length", d.n_ctx)
+    b.u32("embedding_length", d.n_embd)
+    b.u32("block_count", d.n_layers)
+    b.u32("feed_forward_length", d.n_ff)
+    b.u32("attention.head_count", d.n_head)
+    b.u32("attention.head_count_kv", d.n_head_kv)
+    b.f32("attention.layer_norm_rms_epsilon", 1e-6)
+    b.f32("rope.freq_base", 10000.0)
+    return b
+
+
+def _head_dims(b: ModelBuilder, d: Dims) -> None:
+    b.u32("attention.key_length", d.head_dim)
+    b.u32("attention.value_length", d.head_dim)
+    b.u32("rope.dimension_count", d.head_dim)
+
+
+def _attention(b: ModelBuilder, d: Dims, il: int, *, bias: bool = False) -> None:
+    q, kv = d.n_head * d.head_dim, d.n_head_kv * d.head_dim
+    b.block(il, "attn_norm.weight", d.n_embd, kind="norm")
+    b.block(il, "attn_q.weight", d.n_embd, q)
+    b.block(il, "attn_k.weight", d.n_embd, kv)
+    b.block(il, "attn_v.weight", d.n_embd, kv)
+    if bias:
+        b.block(il, "attn_q.bias", q, kind="bias")
+        b.block(il, "attn_k.bias", kv, kind="bias")
+        b.block(il, "attn_v.bias", kv, kind="bias")
+    b.block(il, "attn_output.weight", q, d.n_embd)
+
+
+def _qk_norm(b: ModelBuilder, d: Dims, il: int) -> None:
+    b.block(il, "attn_q_norm.weight", d.head_dim, kind="norm")
+    b.block(il, "attn_k_norm.weight", d.head_dim, kind="norm")
+
+
+def _dense_ffn(b: ModelBuilder, d: Dims, il: int, n_ff: int | None = None) -> None:
+    ff = n_ff or d.n_ff
+    b.block(il, "ffn_gate.weight", d.n_embd, ff)
+    b.block(il, "ffn_up.weight", d.n_embd, ff)
+    b.block(il, "ffn_down.weight", ff, d.n_embd)
+
+
+def _experts(b: ModelBuilder, d: Dims, il: int) -> None:
+    b.block(il, "ffn_gate_inp.weight", d.n_embd, d.n_expert, kind="router")
+    b.block(il, "ffn_gate_exps.weight", d.n_embd, d.n_ff_exp, d.n_expert)
+    b.block(il, "ffn_down_exps.weight", d.n_ff_exp, d.n_embd, d.n_expert)
+    b.block(il, "ffn_up_exps.weight", d.n_embd, d.n_ff_exp, d.n_expert)
+
+
+def _shared_expert(b: ModelBuilder, d: Dims, il: int) -> None:
+    ff = d.n_ff_exp * d.n_expert_shared
+    b.block(il, "ffn_gate_shexp.weight", d.n_embd, ff)
+    b.block(il, "ffn_down_shexp.weight", ff, d.n_embd)
+    b.block(il, "ffn_up_shexp.weight", d.n_embd, ff)
+
+
+def _nextn(b: ModelBuilder, d: Dims, il: int) -> None:
+    b.block(il, "nextn.eh_proj.weight", 2 * d.n_embd, d.n_embd)
+    b.block(il, "nextn.enorm.weight", d.n_embd, kind="norm")
+    b.block(il, "nextn.hnorm.weight", d.n_embd, kind="norm")
+    b.block(il, "nextn.shared_head_norm.weight", d.n_embd, kind="norm")
+
+
+def _moe_keys(b: ModelBuilder, d: Dims) -> None:
+    b.u32("expert_count", d.n_expert)
+    b.u32("expert_used_count", d.n_expert_used)
+    b.u32("expert_feed_forward_length", d.n_ff_exp)
+
+
+def _output(b: ModelBuilder, d: Dims, *, tied: bool) -> None:
+    b.tensor("output_norm.weight", d.n_embd, kind="norm")
+    if not tied:
+        b.tensor("output.weight", d.n_embd, b.n_vocab)
+
+
+def llama(d: Dims, name: str) -> ModelBuilder:
+    """models/llama.cpp (Llama 3.x; Mistral 7B / Nemo / Mixtral GGUFs use this architecture too): GQA, llama 3
+    rope_freqs; with ``llama_moe`` every layer routes to experts as Mixtral does."""
+    b = _start("llama", d, name)
+    b.u32("rope.dimension_count", d.n_embd // d.n_head)
+    b.u32("vocab_size", b.n_vocab)
+    if d.llama_moe:
+        b.u32("expert_count", d.n_expert)
+        b.u32("expert_used_count", d.n_expert_used)
+    b.tensor("token_embd.weight", d.n_embd, b.n_vocab, kind="embedding")
+    b.tensor("rope_freqs.weight", d.n_embd // d.n_head // 2, kind="positive")
+    hd = dataclasses.replace(d, head_dim=d.n_embd // d.n_head)
+    for il in range(d.n_layers):
+        _attention(b, hd, il)
+        b.block(il, "ffn_norm.weight", d.n_embd, kind="norm")
+        if d.llama_moe:
+            _experts(b, dataclasses.replace(d, n_ff_exp=d.n_ff), il)
+        else:
+            _dense_ffn(b, d, il)
+    _output(b, d, tied=False)
+    return b
+
+
+def mistral3(d: Dims, name: str) -> ModelBuilder:
+    """models/mistral3.cpp (Mistral Small 3.x / Ministral): llama layers plus position-dependent attention
+    temperature scaling (``attention.temperature_scale``, floor at ``rope.scaling.original_context_length``)."""
+    b = _start("mistral3", d, name)
+    b.u32("rope.dimension_count", d.n_embd // d.n_head)
+    b.f32("attention.temperature_scale", 0.1)
+    b.u32("rope.scaling.original_context_length", 16)
+    b.tensor("token_embd.weight", d.n_embd, b.n_vocab, kind="embedding")
+    hd = dataclasses.replace(d, head_dim=d.n_embd // d.n_head)
+    for il in range(d.n_layers):
+        _attention(b, hd, il)
+        b.block(il, "ffn_norm.weight", d.n_embd, kind="norm")
+        _dense_ffn(b, d, il)
+    _output(b, d, tied=False)
+    return b
+
+
+def qwen2(d: Dims, name: str) -> ModelBuilder:
+    """models/qwen2.cpp (Qwen 2 / 2.5): q/k/v biases, tied output like the small Qwen 2.5 models."""
+    b = _start("qwen2", d, name)
+    hd = dataclasses.replace(d, head_dim=d.n_embd // d.n_head)
+    b.u32("rope.dimension_count", hd.head_dim)
+    b.tensor("token_embd.weight", d.n_embd, b.n_vocab, kind="embedding")
+    for il in range(d.n_layers):
+        _attention(b, hd, il, bias=True)
+        b.block(il, "ffn_norm.weight", d.n_embd, kind="norm")
+        _dense_ffn(b, d, il)
+    _output(b, d, tied=True)
+    return b
+
+
+def qwen3(d: Dims, name: str) -> ModelBuilder:
+    """models/qwen3.cpp: q/k RMS norms, head_dim independent of n_embd / n_head."""
+    b = _start("qwen3", d, name)
+    _head_dims(b, d)
+    b.tensor("token_embd.weight", d.n_embd, b.n_vocab, kind="embedding")
+    for il in range(d.n_layers):
+        _attention(b, d, il)
+        _qk_norm(b, d, il)
+        b.block(il, "ffn_norm.weight", d.n_embd, kind="norm")
+        _dense_ffn(b, d, il)
+    _output(b, d, tied=False)
+    return b
+
+
+def qwen3moe(d: Dims, name: str) -> ModelBuilder:
+    """models/qwen3moe.cpp: every layer a routed mixture of experts (no shared expert), q/k norms."""
+    b = _start("qwen3moe", d, name)
+    _head_dims(b, d)
+    _moe_keys(b, d)
+    b.tensor("token_embd.weight", d.n_embd, b.n_vocab, kind="embedding")
+    for il in range(d.n_layers):
+        _attention(b, d, il)
+        _qk_norm(b, d, il)
+        b.block(il, "ffn_norm.weight", d.n_embd, kind="norm")
+        _experts(b, d, il)
+    _output(b, d, tied=False)
+    return b
+
+
+def phi3(d: Dims, name: str) -> ModelBuilder:
+    """models/phi3.cpp (Phi-3 / 3.5 / 4-mini): fused qkv, fused gate+up (``ffn_up`` of 2 * n_ff), LongRoPE factors
+    (``rope_factors_long``/``_short``, chosen by context size), a sliding window key that llama.cpp disables."""
+    b = _start("phi3", d, name)
+    hd = d.n_embd // d.n_head
+    b.u32("rope.dimension_count", hd)
+    b.u32("rope.scaling.original_context_length", 64)
+    b.f32("rope.scaling.attn_factor", 1.19)
+    b.u32("attention.sliding_window", 32)
+    b.tensor("token_embd.weight", d.n_embd, b.n_vocab, kind="embedding")
+    b.tensor("rope_factors_long.weight", hd // 2, kind="positive")
+    b.tensor("rope_factors_short.weight", hd // 2, kind="positive")
+    for il in range(d.n_layers):
+        b.block(il, "attn_norm.weight", d.n_embd, kind="norm")
+        b.block(il, "attn_qkv.weight", d.n_embd, d.n_embd + 2 * d.n_head_kv * hd)
+        b.block(il, "attn_output.weight", d.n_embd, d.n_embd)
+        b.block(il, "ffn_norm.weight", d.n_embd, kind="norm")
+        b.block(il, "ffn_down.weight", d.n_ff, d.n_embd)
+        b.block(il, "ffn_up.weight", d.n_embd, 2 * d.n_ff)
+    _output(b, d, tied=False)
+    return b
+
+
+def _gemma_layer(b: ModelBuilder, d: Dims, il: int, *, qk_norm: bool) -> None:
+    _attention(b, d, il)
+    b.block(il, "post_attention_norm.weight", d.n_embd, kind="norm")
+    if qk_norm:
+        _qk_norm(b, d, il)
+    b.block(il, "ffn_norm.weight", d.n_embd, kind="norm")
+    _dense_ffn(b, d, il)
+    b.block(il, "post_ffw_norm.weight", d.n_embd, kind="norm")
+
+
+def gemma2(d: Dims, name: str) -> ModelBuilder:
+    """models/gemma2.cpp: sliding/global alternation (pattern 2), attention and final logit soft-capping, tied."""
+    b = _start("gemma2", d, name)
+    _head_dims(b, d)
+    b.u32("attention.sliding_window", d.sliding_window)
+    b.f32("attn_logit_softcapping", 50.0)
+    b.f32("final_logit_softcapping", 30.0)
+    b.tensor("token_embd.weight", d.n_embd, b.n_vocab, kind="embedding")
+    for il in range(d.n_layers):
+        _gemma_layer(b, d, il, qk_norm=False)
+    _output(b, d, tied=True)
+    return b
+
+
+def gemma3(d: Dims, name: str) -> ModelBuilder:
+    """models/gemma3.cpp: 5 sliding layers then 1 global (pattern 6), a separate RoPE base for sliding layers, q/k
+    norms, tied output. With 62 layers llama.cpp takes it for Gemma 3 27B and changes the attention scale."""
+    b = _start("gemma3", d, name)
+    _head_dims(b, d)
+    b.u32("attention.sliding_window", d.sliding_window)
+    b.f32("rope.freq_base_swa", 1000.0)
+    b.tensor("token_embd.weight", d.n_embd, b.n_vocab, kind="embedding")
+    for il in range(d.n_layers):
+        _gemma_layer(b, d, il, qk_norm=True)
+    _output(b, d, tied=True)
+    return b
+
+
+def gpt_oss(d: Dims, name: str) -> ModelBuilder:
+    """models/openai-moe.cpp (gpt-oss): sliding/global alternation (pattern 2), attention sinks, biased experts
+    with the clamped SwiGLU, YaRN RoPE scaling, untied output."""
+    b = _start("gpt-oss", d, name)
+    _head_dims(b, d)
+    _moe_keys(b, d)
+    b.u32("attention.sliding_window", d.sliding_window)
+    b.string("rope.scaling.type", "yarn")
+    b.f32("rope.scaling.factor", 4.0)
+    b.u32("rope.scaling.original_context_length", 128)
+    b.tensor("token_embd.weight", d.n_embd, b.n_vocab, kind="embedding")
+    q, kv = d.n_head * d.head_dim, d.n_head_kv * d.head_dim
+    for il in range(d.n_layers):
+        b.block(il, "attn_norm.weight", d.n_embd, kind="norm")
+        b.block(il, "post_attention_norm.weight", d.n_embd, kind="norm")
+        b.block(il, "attn_q.weight", d.n_embd, q)
+        b.block(il, "attn_k.weight", d.n_embd, kv)
+        b.block(il, "attn_v.weight", d.n_embd, kv)
+        b.block(il, "attn_q.bias", q, kind="bias")
+        b.block(il, "attn_k.bias", kv, kind="bias")
+        b.block(il, "attn_v.bias", kv, kind="bias")
+        b.block(il, "attn_output.weight", q, d.n_embd)
+        b.block(il, "attn_output.bias", d.n_embd, kind="bias")
+        b.block(il, "attn_sinks.weight", d.n_head, kind="small")
+        _experts(b, d, il)
+        b.block(il, "ffn_gate_inp.bias", d.n_expert, kind="bias")
+        b.block(il, "ffn_gate_exps.bias", d.n_ff_exp, d.n_expert, kind="bias")
+        b.block(il, "ffn_down_exps.bias", d.n_embd, d.n_expert, kind="bias")
+        b.block(il, "ffn_up_exps.bias", d.n_ff_exp, d.n_expert, kind="bias")
+    _output(b, d, tied=False)
+    return b
+
+
+def deepseek2(d: Dims, name: str) -> ModelBuilder:
+    """models/deepseek2.cpp (DeepSeek V2/V3/R1, Kimi K2, GLM-4.7-Flash...): multi-head latent attention with a
+    q LoRA, ``leading_dense_block_count`` dense layers then MoE layers with a shared expert, sigmoid routing with a
+    per-expert bias and expert groups, trailing next-token-prediction (MTP) layers, YaRN RoPE."""
+    b = _start("deepseek2", d, name)
+    b.u32("attention.head_count_kv", 1)  # MLA: one latent KV "head"
+    b.u32("vocab_size", b.n_vocab)
+    b.u32("leading_dense_block_count", d.n_dense_lead)
+    b.u32("nextn_predict_layers", d.n_nextn)
+    if d.q_lora_rank:
+        b.u32("attention.q_lora_rank", d.q_lora_rank)
+    b.u32("attention.kv_lora_rank", d.kv_lora_rank)
+    b.u32("attention.key_length", d.kv_lora_rank + d.qk_rope_dim)
+    b.u32("attention.value_length", d.kv_lora_rank)
+    b.u32("attention.key_length_mla", d.qk_nope_dim + d.qk_rope_dim)
+    b.u32("attention.value_length_mla", d.v_head_dim)
+    b.u32("rope.dimension_count", d.qk_rope_dim)
+    _moe_keys(b, d)
+    b.u32("expert_shared_count", d.n_expert_shared)
+    b.u32("expert_group_count", 4)
+    b.u32("expert_group_used_count", 2)
+    b.f32("expert_weights_scale", 2.5)
+    b.boolean("expert_weights_norm", True)
+    if d.expert_gating_func is not None:
+        b.u32("expert_gating_func", d.expert_gating_func)
+    b.string("rope.scaling.type", "yarn")
+    b.f32("rope.scaling.factor", 4.0)
+    b.u32("rope.scaling.original_context_length", 128)
+    b.f32("rope.scaling.yarn_log_multiplier", 0.1)
+    b.tensor("token_embd.weight", d.n_embd, b.n_vocab, kind="embedding")
+    k_mla = d.qk_nope_dim + d.qk_rope_dim
+    for il in range(d.n_layers):
+        b.block(il, "attn_norm.weight", d.n_embd, kind="norm")
+        if d.q_lora_rank:
+            b.block(il, "attn_q_a_norm.weight", d.q_lora_rank, kind="norm")
+        b.block(il, "attn_kv_a_norm.weight", d.kv_lora_rank, kind="norm")
+        if d.q_lora_rank:
+            b.block(il, "attn_q_a.weight", d.n_embd, d.q_lora_rank)
+            b.block(il, "attn_q_b.weight", d.q_lora_rank, d.n_head * k_mla)
+        else:  # "lite" models (DeepSeek-V2-Lite): a plain query projection
+            b.block(il, "attn_q.weight", d.n_embd, d.n_head * k_mla)
+        b.block(il, "attn_kv_a_mqa.weight", d.n_embd, d.kv_lora_rank + d.qk_rope_dim)
+        b.block(il, "attn_k_b.weight", d.qk_nope_dim, d.kv_lora_rank, d.n_head)
+        b.block(il, "attn_v_b.weight", d.kv_lora_rank, d.v_head_dim, d.n_head)
+        b.block(il, "attn_output.weight", d.n_head * d.v_head_dim, d.n_embd)
+        b.block(il, "ffn_norm.weight", d.n_embd, kind="norm")
+        if il < d.n_dense_lead:
+            _dense_ffn(b, d, il)
+        else:
+            _experts(b, d, il)
+            b.block(il, "exp_probs_b.bias", d.n_expert, kind="small")
+            _shared_expert(b, d, il)
+        if il >= d.n_trunk:
+            _nextn(b, d, il)
+    _output(b, d, tied=False)
+    return b
+
+
+def glm4(d: Dims, name: str) -> ModelBuilder:
+    """models/glm4.cpp (GLM-4 9B/32B 0414): fused gate+up, post-attention and post-FFN norms, trailing NextN
+    layers kept but unused."""
+    b = _start("glm4", d, name)
+    hd = dataclasses.replace(d, head_dim=d.n_embd // d.n_head)
+    b.u32("rope.dimension_count", hd.head_dim)
+    b.u32("nextn_predict_layers", d.n_nextn)
+    b.tensor("token_embd.weight", d.n_embd, b.n_vocab, kind="embedding")
+    for il in range(d.n_layers):
+        _attention(b, hd, il, bias=True)
+        b.block(il, "post_attention_norm.weight", d.n_embd, kind="norm")
+        b.block(il, "ffn_norm.weight", d.n_embd, kind="norm")
+        b.block(il, "ffn_down.weight", d.n_ff, d.n_embd)
+        b.block(il, "ffn_up.weight", d.n_embd, 2 * d.n_ff)
+        b.block(il, "post_ffw_norm.weight", d.n_embd, kind="norm")
+        if il >= d.n_trunk:
+            _nextn(b, d, il)
+    _output(b, d, tied=False)
+    return b
+
+
+def glm4moe(d: Dims, name: str) -> ModelBuilder:
+    """models/glm4-moe.cpp (GLM-4.5 / 4.6 / 4.7): dense leading layers then sigmoid-routed MoE with a shared
+    expert, q/k norms, trailing MTP layers."""
+    b = _start("glm4moe", d, name)
+    _head_dims(b, d)
+    b.u32("rope.dimension_count", d.head_dim // 2)  # GLM-4.5 rotates half of each head
+    _moe_keys(b, d)
+    b.u32("expert_shared_count", d.n_expert_shared)
+    b.u32("leading_dense_block_count", d.n_dense_lead)
+    b.u32("nextn_predict_layers", d.n_nextn)
+    b.f32("expert_weights_scale", 1.0)
+    b.boolean("expert_weights_norm", True)
+    if d.expert_gating_func is not None:
+        b.u32("expert_gating_func", d.expert_gating_func)
+    b.tensor("token_embd.weight", d.n_embd, b.n_vocab, kind="embedding")
+    for il in range(d.n_layers):
+        _attention(b, d, il, bias=True)
+        _qk_norm(b, d, il)
+        b.block(il, "post_attention_norm.weight", d.n_embd, kind="norm")
+        if il < d.n_dense_lead:
+            _dense_ffn(b, d, il)
+        else:
+            _experts(b, d, il)
+            b.block(il, "exp_probs_b.bias", d.n_expert, kind="small")
+            _shared_expert(b, d, il)
+        if il >= d.n_trunk:
+            _nextn(b, d, il)
+    _output(b, d, tied=False)
+    return b
+
+
+BUILDERS: dict[str, ArchBuilder] = {
+    "llama": llama, "mistral3": mistral3, "qwen2": qwen2, "qwen3": qwen3, "qwen3moe": qwen3moe, "phi3": phi3,
+    "gemma2": gemma2, "gemma3": gemma3, "gpt-oss": gpt_oss, "deepseek2": deepseek2, "glm4": glm4, "glm4moe": glm4moe,
+}
+"""GGUF architecture name -> the function building its tiny model."""

@@ -1,0 +1,106 @@
+"""The architecture matrix: which tiny model is built per architecture and where it is cut.
+
+Every proven architecture of ``artifacts.arch_support`` has a case here with a 2-way, a 3-way and an unaligned split
+(cuts chosen to fall on the boundaries the architecture's per-layer rules care about). Refused architectures have a
+case when a tiny model shows the reason (``why_refused``); the special cases exercise one layer-count rule each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from artifacts.synthetic.architectures import BUILDERS, Dims
+from artifacts.synthetic.builder import ModelBuilder
+
+Bounds = tuple[int, ...]
+"""Cut points of a route, ``(0, a, b, n)`` for three ranges."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MatrixCase:
+    name: str
+    arch: str
+    dims: Dims
+    splits: dict[str, Bounds] = dataclasses.field(default_factory=dict)
+    """Split name -> bounds that must route bit-exactly (empty for refused architectures)."""
+    refused_splits: dict[str, Bounds] = dataclasses.field(default_factory=dict)
+    """Split name -> bounds the guard must refuse (one range of each is refused)."""
+    quants: tuple[str, ...] = ("F16", "Q8_0")
+    unaligned: str = ""
+    """What the unaligned split's cuts fall between."""
+    why_refused: str = ""
+    """``scale``: a chain through shards computes other logits; ``abort``: a non-head shard kills llama.cpp."""
+    about: str = ""
+    """What a variant of an architecture adds, for humans."""
+
+    def builder(self) -> ModelBuilder:
+        return BUILDERS[self.arch](self.dims, f"tiny-{self.name}")
+
+    @property
+    def n_layers(self) -> int:
+        return self.dims.n_layers
+
+
+_EIGHT = Dims(n_layers=8, n_nextn=0)
+_STANDARD = {"2-way": (0, 4, 8), "3-way": (0, 3, 6, 8)}
+
+
+def _dense(arch: str) -> MatrixCase:
+    return MatrixCase(arch, arch, _EIGHT, {**_STANDARD, "unaligned": (0, 1, 7, 8)},
+                      unaligned="one-layer head and tail")
+
+
+MATRIX: tuple[MatrixCase, ...] = (
+    _dense("llama"),
+    # Mixtral's layout: llama with routed experts in every layer.
+    MatrixCase("llama-moe", "llama", dataclasses.replace(_EIGHT, llama_moe=True), dict(_STANDARD), quants=("Q8_0",),
+               about="Mixtral layout: 8 routed experts per layer"),
+    _dense("mistral3"),
+    _dense("qwen2"),
+    _dense("qwen3"),
+    _dense("qwen3moe"),
+    _dense("phi3"),
+    # Pattern 6: layers 0-4 slide, 5 is global, 6-7 slide. Cut 5 falls between a sliding and the global layer.
+    MatrixCase("gemma3", "gemma3", _EIGHT, {**_STANDARD, "unaligned": (0, 2, 5, 8)},
+               refused_splits={"global layer alone": (0, 5, 6, 8)},
+               unaligned="sliding/sliding and sliding/global boundaries"),
+    # Pattern 2: even layers slide, odd ones are global.
+    MatrixCase("gpt-oss", "gpt-oss", _EIGHT, {**_STANDARD, "unaligned": (0, 1, 5, 8)},
+               refused_splits={"global layer alone": (0, 3, 4, 8)},
+               unaligned="sliding/global and global/sliding boundaries"),
+    # Layers 0-1 dense, 2-6 MoE, 7 the MTP block.
+    MatrixCase("deepseek2", "deepseek2", Dims(n_layers=8, n_dense_lead=2, n_nextn=1),
+               {**_STANDARD, "unaligned": (0, 2, 6, 8)},
+               refused_splits={"MTP block alone": (0, 4, 7, 8)},
+               unaligned="the dense/MoE boundary, and a tail of one trunk layer plus the MTP block"),
+    # With 62 layers llama.cpp takes any gemma3 for the 27B; n_embd / n_head (32) != head_dim (16) here as in the
+    # real 27B (168 != 128), so the attention scale of every shard would differ.
+    MatrixCase("gemma3-62", "gemma3", Dims(n_layers=62, n_head=2, n_head_kv=1, n_nextn=0),
+               refused_splits={"2-way": (0, 31, 62)}, quants=("F16",), why_refused="scale"),
+    # A 'lite' deepseek2 (27 trunk layers, no q LoRA): its shards must be told q_lora_rank = 0.
+    MatrixCase("deepseek2-lite", "deepseek2", Dims(n_layers=28, n_dense_lead=1, n_nextn=1, q_lora_rank=0),
+               {"2-way": (0, 14, 28)}, quants=("F16",), about="'lite': 27 trunk layers, no q LoRA"),
+    # 47 trunk layers, 154880 tokens and no expert_gating_func: llama.cpp falls back to sigmoid for the whole model
+    # (GLM-4.7-Flash) and to softmax for any shard, unless the shard pins it.
+    MatrixCase("deepseek2-gating", "deepseek2",
+               Dims(n_layers=48, n_dense_lead=1, n_nextn=1, vocab_pad_to=154880, expert_gating_func=None),
+               {"2-way": (0, 24, 48)}, quants=("F16",),
+               about="47 trunk layers, 154880 tokens, no expert_gating_func key"),
+    MatrixCase("gemma2", "gemma2", _EIGHT, refused_splits={"2-way": (0, 4, 8)}, quants=("F16",),
+               why_refused="scale"),
+    MatrixCase("glm4", "glm4", Dims(n_layers=8, n_nextn=1), refused_splits={"2-way": (0, 4, 8)}, quants=("F16",),
+               why_refused="abort"),
+    MatrixCase("glm4moe", "glm4moe", Dims(n_layers=8, n_dense_lead=1, n_nextn=1),
+               refused_splits={"2-way": (0, 4, 8)}, quants=("F16",), why_refused="abort"),
+)
+
+
+def case(name: str) -> MatrixCase:
+    for c in MATRIX:
+        if c.name == name:
+            return c
+    raise KeyError(name)
+
+
+def ranges(bounds: Bounds) -> list[tuple[int, int]]:
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
