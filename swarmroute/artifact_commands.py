@@ -128,13 +128,14 @@ def _cmd_shard(args: argparse.Namespace) -> int:
     a, b = args.range
     if args.source:
         out = Path(args.out or f"shard-{a}-{b}.gguf")
-        write_shard(Path(args.source), out, a, b)
+        write_shard(Path(args.source), out, a, b, allow_unproven=args.allow_unproven_architecture)
         print(out)
         return 0
     store = _store(args)
     manifest = store.load(store.resolve(args.model_id))
     out = Path(args.out) if args.out else store.shard_path(manifest.model_id, a, b)
-    write_shard(ShardSource.from_manifest(manifest, store.data_path(manifest)), out, a, b)
+    write_shard(ShardSource.from_manifest(manifest, store.data_path(manifest)), out, a, b,
+                allow_unproven=args.allow_unproven_architecture)
     verdict = verify_shard(manifest, out, a, b)
     print(verdict.describe())
     return 0 if verdict.ok else 1
@@ -224,7 +225,7 @@ async def _command(sync: ArtifactSync, args: argparse.Namespace, stop: asyncio.E
     await sync.hold(manifest, static_peers=args.peer or [])
     start, end = args.range if args.range else (0, manifest.n_layers)
     printer = None if args.quiet else ProgressPrinter()
-    options = FetchOptions(timeout_s=args.timeout, cancel=cancel)
+    options = FetchOptions(timeout_s=args.timeout, cancel=cancel, allow_unproven=args.allow_unproven_architecture)
     try:
         result = await sync.fetch(manifest, start, end, printer=printer, options=options)
     except FetchCancelled as exc:
@@ -288,5 +289,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         p.add_argument("--download-limit", type=argtypes.at_least(0), default=0, help="bytes/s, 0 for unlimited")
         p.add_argument("--upload-limit", type=argtypes.at_least(0), default=0, help="bytes/s, 0 for unlimited")
         p.set_defaults(func=guarded(lambda args: asyncio.run(_run(args))))
+    for p in (shard, fetch):
+        p.add_argument("--allow-unproven-architecture", action="store_true",
+                       help="cut a GGUF whose architecture the shard matrix has not proven bit-exact")
     for p in (build, verify, shard, fetch, seed):
         p.add_argument("--home", help="swarmroute home (default: $SWARMROUTE_HOME or ~/.cache/swarmroute)")

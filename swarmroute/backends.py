@@ -72,7 +72,8 @@ def _llamacpp(args: argparse.Namespace, settings: Settings, start: int | None, e
     store_id = args.model if args.model and source is None else None
     if source is None and store_id is None:
         source = default_model_path(settings)
-    prepared = prepare(settings.home, source, model_id=store_id, start=start, end=end)
+    prepared = prepare(settings.home, source, model_id=store_id, start=start, end=end,
+                       allow_unproven=args.allow_unproven_architecture)
     options: dict[str, Any] = dict(model_path=prepared.path, max_sessions=args.max_sessions, threads=threads,
                                    native_dir=settings.home / "native", allow_amx=settings.llama_amx)
     if args.ctx:

@@ -183,6 +183,9 @@ def _backend_options(p: argparse.ArgumentParser) -> None:
                    help="stub: artificial seconds of compute per step")
     p.add_argument("--wire-dtype", choices=["f32", "bf16", "f16"], default="f32",
                    help="activation dtype on the wire: f32 bit-exact, bf16 or f16 half the bytes")
+    p.add_argument("--allow-unproven-architecture", action="store_true",
+                   help="cut a GGUF whose architecture the shard matrix has not proven bit-exact "
+                        "(docs/models/architectures.md); refused architectures stay refused")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -76,6 +76,8 @@ def _node_extra(args: argparse.Namespace, model_id: str, index: int, layers: tup
         extra += ["--ctx", str(args.ctx)]
     if args.threads:
         extra += ["--threads", str(args.threads)]
+    if args.allow_unproven_architecture:
+        extra.append("--allow-unproven-architecture")
     if args.backend == "stub":
         extra += ["--n-layers", str(args.n_layers), "--hidden-shape", "x".join(map(str, args.hidden_shape))]
     return extra

@@ -185,3 +185,25 @@ def test_shard_files_are_cut_once_and_checked(gemma_path: Path, shard_dir: Path,
         direct.close()
     with pytest.raises(ModelLoadError, match="is a shard of layers"):
         load_backend("llamacpp", model_path=tail_file, layer_start=0, layer_end=18, threads=THREADS)
+
+
+def test_a_shared_shard_directory_never_hands_one_models_layers_to_another(tmp_path: Path) -> None:
+    """Two models cut into the same directory for the same range get their own shard files, and each shard's
+    output is its own model's (the first version reused ``shard-a-b.gguf`` whatever model wrote it)."""
+    from tests.support.gguf_factory import write_tiny_gguf
+
+    shared = tmp_path / "shards"
+    sources = [write_tiny_gguf(tmp_path / f"m{seed}" / "model.gguf", n_layers=4, seed=seed) for seed in (1, 2)]
+    outputs = []
+    for source in sources:
+        tail = load_backend("llamacpp", model_path=source, layer_start=2, layer_end=4, shard_dir=shared,
+                            n_ctx=64, max_sessions=1, threads=THREADS)
+        try:
+            tail.open_session("s", prompt_tokens=[1], sampling=SamplingParams(temperature=0.0))
+            hidden = np.ones((1, tail.info.hidden_size), dtype=np.float32)
+            tail.step([StepInput("s", 0, hidden=hidden, sample=True)])
+            outputs.append((tail.model_file, tail.last_logits("s")))
+        finally:
+            tail.close()
+    assert outputs[0][0] != outputs[1][0] and outputs[0][0].parent == outputs[1][0].parent == shared
+    assert not np.array_equal(outputs[0][1], outputs[1][1])

@@ -28,11 +28,14 @@ from artifacts.shard import (
 from schemas.errors import BadRequestError
 from tests.support.gguf_factory import write_tiny_gguf
 
-PROBE = Path(__file__).parent / "support" / "llama_probe.py"
+REPO = Path(__file__).resolve().parents[1]
 
 
 def probe(*paths: Path) -> list[dict[str, object]]:
-    out = subprocess.run([sys.executable, str(PROBE), *map(str, paths)], capture_output=True, text=True, timeout=600)
+    # As a module from the repository root: run as a script, tests/support would come first on the path and its
+    # actors.py would shadow the actors package.
+    out = subprocess.run([sys.executable, "-m", "tests.support.llama_probe", *map(str, paths)], capture_output=True,
+                         text=True, timeout=600, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 

@@ -172,7 +172,11 @@ def _cut_shard(config: LlamaCppConfig, start: int, end: int) -> Path:
     from artifacts.shard import shard_file_name, write_shard
 
     directory = config.shard_dir or config.model_path.parent / f"{config.model_path.stem}.shards"
-    path = directory / shard_file_name(start, end)
+    # Named after the source's identity too: a shard directory shared by several models (or a model file replaced
+    # in place) must never hand one model's layers to another.
+    stat = config.model_path.stat()
+    source = hashlib.sha256(f"{config.model_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    path = directory / shard_file_name(start, end).replace(".gguf", f"-{source[:12]}.gguf")
     if not path.exists():
         log.info("cutting layers [%d, %d) of %s into %s", start, end, config.model_path, path)
         write_shard(config.model_path, path, start, end, allow_unproven=config.allow_unproven)

@@ -28,7 +28,6 @@ from bus.server import EmbeddedNats
 from gateway.app import Gateway
 from schemas.session import Prompt, SamplingParams
 from schemas.settings import Settings
-from tests.support.amx import keep_amx_out
 from tests.support.swarm import make_settings, wait_model
 
 THREADS = 1
@@ -63,7 +62,6 @@ def build(case: MatrixCase, quant: str, directory: Path) -> Path:
 
 def open_backend(path: Path, shard_dir: Path, start: int | None = None, end: int | None = None, *,
                  allow_unproven: bool = False) -> LlamaCppBackend:
-    keep_amx_out()
     b = load_backend("llamacpp", model_path=path, n_ctx=N_CTX, max_sessions=1, threads=THREADS, layer_start=start,
                      layer_end=end, shard_dir=shard_dir, allow_unproven=allow_unproven)
     assert isinstance(b, LlamaCppBackend)

@@ -13,9 +13,6 @@ def main(shard: Path) -> None:
     from actors.backend import StepInput
     from actors.backends import load_backend
     from schemas.session import SamplingParams
-    from tests.support.amx import keep_amx_out
-
-    keep_amx_out()
     backend = load_backend("llamacpp", model_path=shard, n_ctx=64, max_sessions=1, threads=1)
     assert not backend.is_head
     n_embd = backend.info.hidden_size

@@ -1,6 +1,6 @@
 """Load GGUF files in llama.cpp (llama-cpp-python) and report what llama.cpp itself makes of them.
 
-Run as a script in a subprocess (``python tests/support/llama_probe.py FILE...``): prints one JSON object per file with
+Run as a module in a subprocess (``python -m tests.support.llama_probe FILE...``): prints one JSON object per file with
 ``n_layer``, ``n_vocab``, ``n_embd``, scalar ``metadata``, and, parsed from llama.cpp's own load log, the per-layer
 ``is_swa`` flags and ``n_head_kv``. A subprocess keeps the log capture independent of callbacks other tests install.
 """
