@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from actors.backend import Backend, StepInput
-from schemas.errors import BackendError
+from schemas.errors import BackendCrashedError
 from schemas.session import SamplingParams
 
 __all__ = ["BackendCrashedError", "describe_exit", "prove_in_child", "warm_up"]
@@ -35,12 +35,6 @@ _PREFILL_POSITIONS = 16
 """Enough rows for ggml's multi-row (gemm, repacked) kernels, not only the one-row decode path."""
 _CHILD_CODE = "from actors.selfcheck import child_main; child_main()"
 _TAIL_CHARS = 2000
-
-
-class BackendCrashedError(BackendError):
-    """The backend killed (or failed) the child process that ran its warm-up decode."""
-
-    code = "backend_crashed"
 
 
 def describe_exit(status: int) -> str:

@@ -34,7 +34,7 @@ from artifacts.store import Store
 from artifacts.torrent import TorrentJob, TorrentSession, wanted_pieces
 from artifacts.verify import RangeVerdict, check_data_file, verify_shard
 from schemas.artifact import FetchPhase, FetchProgress
-from schemas.errors import ArtifactError
+from schemas.errors import ArtifactError, FetchCancelled
 from schemas.manifest import ModelManifest
 
 PeerSource = Callable[[], Iterable[tuple[str, int]]]
@@ -60,10 +60,6 @@ class FetchOptions:
 
     allow_unproven: bool = False
     """Cut an architecture ``artifacts.arch_support`` has not proven (the user accepts the risk)."""
-
-
-class FetchCancelled(ArtifactError):
-    code = "fetch_cancelled"
 
 
 @dataclasses.dataclass

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TypeVar
+from collections.abc import Mapping
+from typing import Any, TypeVar
 
 import msgpack
 from pydantic import BaseModel, ValidationError
@@ -19,13 +20,32 @@ def encode(model: BaseModel) -> bytes:
     return data
 
 
-def decode(data: bytes, model: type[M]) -> M:
+def _unpack(data: bytes, what: str) -> dict[str, Any]:
     try:
         raw = msgpack.unpackb(data, raw=False, strict_map_key=True)
     except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError, TypeError) as exc:
-        raise DecodeError(f"not a msgpack {model.__name__}: {exc}") from exc
+        raise DecodeError(f"not a msgpack {what}: {exc}") from exc
     if not isinstance(raw, dict):
-        raise DecodeError(f"{model.__name__} must be a msgpack map, got {type(raw).__name__}")
+        raise DecodeError(f"{what} must be a msgpack map, got {type(raw).__name__}")
+    return raw
+
+
+def decode(data: bytes, model: type[M]) -> M:
+    raw = _unpack(data, model.__name__)
+    return _validate(raw, model)
+
+
+def decode_tagged(data: bytes, models: Mapping[str, type[BaseModel]]) -> BaseModel:
+    """A message of a subject that carries several models, chosen by its ``type`` tag."""
+    raw = _unpack(data, " or ".join(m.__name__ for m in models.values()))
+    tag = raw.get("type")
+    model = models.get(tag) if isinstance(tag, str) else None
+    if model is None:
+        raise DecodeError(f"message type {tag!r} is not one of {sorted(models)}")
+    return _validate(raw, model)
+
+
+def _validate(raw: dict[str, Any], model: type[M]) -> M:
     try:
         return model.model_validate(raw)
     except ValidationError as exc:

@@ -15,26 +15,13 @@ import httpx
 
 from bus.capability import HEADER_CAPABILITY, HEADER_SESSION_TOKEN
 from bus.hoplink import HttpLink, LinkError
-from schemas.errors import RouteFailedError, SwarmrouteError, error_from_body
+from schemas.errors import HopError, error_from_body
 from schemas.session import FailureReason, Prompt, SessionOpen, SessionOpened, TokenizeReply
 
 FRAME_CONTENT_TYPE = "application/x-swarmroute-frame"
 TOKEN_CONTENT_TYPE = "application/x-swarmroute-token"
 """A token frame (``bus.frame.encode_token``); the tokens endpoint also takes a JSON ``TokenEvent``."""
-HopErrorKind = Literal["unreachable", "timeout", "http_error"]
 SessionState = Literal["open", "gone", "unreachable", "unknown"]
-
-
-class HopError(RouteFailedError):
-    """A node could not be reached, timed out, or refused a request; ``status`` keeps the peer's status if any."""
-
-    def __init__(self, node: str, kind: HopErrorKind, message: str, *, peer_status: int | None = None,
-                 peer_error: SwarmrouteError | None = None) -> None:
-        super().__init__(message)
-        self.node = node
-        self.kind: HopErrorKind = kind
-        self.peer_status = peer_status
-        self.peer_error = peer_error
 
 
 class NodeClient:
@@ -119,10 +106,12 @@ class NodeClient:
         return SessionOpened.model_validate(r.json())
 
     async def close_session(self, node: str, endpoint: str, session_id: str, *, timeout: float = 2.0,
-                            session_token: str | None = None) -> bool:
-        """Free the session on a node; False if the node could not be reached (its KV dies with it)."""
+                            session_token: str | None = None, cancel: bool = False) -> bool:
+        """Free the session on a node; with ``cancel`` a head ends it as cancelled (it publishes the end). False
+        if the node could not be reached (its KV dies with it)."""
+        query = "?cancel=1" if cancel else ""
         try:
-            await self._request(node, "DELETE", f"{endpoint}/v1/sessions/{session_id}", timeout=timeout,
+            await self._request(node, "DELETE", f"{endpoint}/v1/sessions/{session_id}{query}", timeout=timeout,
                                 extra=_auth(session_token))
         except HopError as exc:
             return exc.peer_status == 404  # already gone there counts as freed

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -21,7 +20,6 @@ from types import TracebackType
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.micro.service import Service
-from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
 from starlette.requests import Request
@@ -31,19 +29,19 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from bus import codec
 from bus.connection import connect_settings
+from bus.http_edge import EXCEPTION_HANDLERS, error_response, read_model
 from bus.httpserver import HttpServer
 from bus.nodeclient import NodeClient
 from bus.service import register
 from bus.subjects import Subjects
 from gateway import sse
-from gateway.errors import EXCEPTION_HANDLERS, error_response, validation_message
 from gateway.limits import ConcurrencyCounter, ConcurrencyLimitMiddleware, ConcurrencyLimits
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import RequestCounter
 from gateway.route_session import SessionManager
 from gateway.serving import OpenAIServing
 from gateway.tracker_client import TrackerClient
-from schemas.errors import AuthenticationError, BadRequestError, NotFoundError, PayloadTooLargeError
+from schemas.errors import AuthenticationError, NotFoundError
 from schemas.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from schemas.session import FailureReason, SessionPhase
 from schemas.settings import Settings
@@ -53,27 +51,6 @@ log = logging.getLogger(__name__)
 _OPEN_PATHS = {"/health"}
 STREAM_END_GRACE_S = 2.0
 """How long a stopping gateway gives its streams to write their final error chunk."""
-
-
-async def read_json(request: Request, model: type[BaseModel], limit: int) -> BaseModel:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLargeError(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise PayloadTooLargeError(f"request body exceeds the limit of {limit} bytes")
-    try:
-        raw = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadRequestError(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise BadRequestError("request body must be a JSON object")
-    try:
-        return model.model_validate(raw)
-    except ValidationError as exc:
-        raise BadRequestError(validation_message(exc)) from None
 
 
 def build_app(serving: OpenAIServing, settings: Settings) -> Starlette:
@@ -95,13 +72,11 @@ def build_app(serving: OpenAIServing, settings: Settings) -> Starlette:
         return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
 
     async def chat(request: Request) -> Response:
-        req = await read_json(request, ChatCompletionRequest, settings.max_body_bytes)
-        assert isinstance(req, ChatCompletionRequest)
+        req = await read_model(request, ChatCompletionRequest, settings.max_body_bytes)
         return await serving.chat(req, request)
 
     async def completions(request: Request) -> Response:
-        req = await read_json(request, CompletionRequest, settings.max_body_bytes)
-        assert isinstance(req, CompletionRequest)
+        req = await read_model(request, CompletionRequest, settings.max_body_bytes)
         return await serving.completion(req, request)
 
     async def metrics(request: Request) -> Response:

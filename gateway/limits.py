@@ -13,7 +13,7 @@ import hashlib
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.errors import error_response
+from bus.http_edge import error_response
 from schemas.errors import CapacityError
 from schemas.settings import Settings
 

@@ -1,9 +1,11 @@
 """The gateway's side of a Route Session: route it, open it on every hop, relay its events, close it.
 
 The gateway is not on the per-token path: it opens the session (tail first, head last — the head starts prefill as
-soon as it is opened), then only listens on NATS for the head's token events and telemetry. It enforces the
-alpha failure model from the outside: silence past a timeout fails the session, naming the first hop that no
-longer answers; whatever the outcome, it frees the session on every hop that still answers.
+soon as it is opened), then only listens on NATS for the head's token events and telemetry. The session's
+head owns its fate (it detects failures anywhere downstream and publishes the end); the gateway follows, and only
+finds what the head cannot report: the head itself gone (``bus.liveness`` probes of a silent session), events lost
+on the bus, or a head silent past every timeout. Whatever the outcome, it frees the session on every hop that still
+answers; a client that goes away gets its session cancelled by the head.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -24,13 +25,22 @@ from nats.aio.subscription import Subscription
 
 from bus import capability, codec
 from bus.connection import keep_cancellation
-from bus.nodeclient import HopError, NodeClient
+from bus.liveness import Silence, first_lost
+from bus.nodeclient import NodeClient
 from bus.subjects import Subjects
 from gateway.tracker_client import TrackerClient
-from schemas.errors import BadRequestError, CapacityError, ContextLengthError, RouteFailedError, SwarmrouteError
+from schemas.errors import (
+    BadRequestError,
+    CapacityError,
+    ContextLengthError,
+    HopError,
+    RouteFailedError,
+    SwarmrouteError,
+)
 from schemas.route import Route
 from schemas.session import (
     CONTEXT_CAP,
+    TOKEN_SUBJECT_MESSAGES,
     FailureReason,
     Prompt,
     SamplingParams,
@@ -47,7 +57,6 @@ log = logging.getLogger(__name__)
 Event = TokenEvent | GenerationTelemetry | SessionEnd | None
 """What a session yields; ``None`` is a keep-alive tick while nothing happens."""
 
-KEEPALIVE_S = 5.0
 MAX_REROUTES = 3
 """Dead nodes a session may be routed around while it opens."""
 LOST_GRACE_S = 0.5
@@ -56,44 +65,6 @@ session whose last hop freed it just before it was probed) before it fails the s
 FINISHED_KEPT = 1000
 """Finished sessions whose last telemetry snapshot the gateway keeps (GET /v1/sessions/{id}/telemetry)."""
 T = TypeVar("T")
-
-
-class _Silence:
-    """How long a session has been quiet, and when to probe its hops or send a keep-alive meanwhile. Probes start
-    after ``probe_s`` of silence and back off (doubling, at most ``KEEPALIVE_S`` apart): a long prefill chunk on a
-    slow node is silence too, and must cost its hops little."""
-
-    def __init__(self, probe_s: float) -> None:
-        self._probe_s = probe_s
-        self.broken()
-
-    def broken(self) -> None:
-        now = time.monotonic()
-        self._since = self._said = now
-        self._every = self._probe_s
-        self._next_probe = now + self._probe_s if self._probe_s > 0 else math.inf
-
-    def lasted(self) -> float:
-        return time.monotonic() - self._since
-
-    def probe_due(self) -> bool:
-        return time.monotonic() >= self._next_probe
-
-    def probed(self) -> None:
-        self._every = min(self._every * 2, KEEPALIVE_S)
-        self._next_probe = time.monotonic() + self._every
-
-    def keepalive_due(self) -> bool:
-        now = time.monotonic()
-        if now - self._said < KEEPALIVE_S:
-            return False
-        self._said = now
-        return True
-
-    def wait(self, limit: float) -> float:
-        """How long to wait for the next event before something else is due."""
-        now = time.monotonic()
-        return min(self._said + KEEPALIVE_S, self._since + limit, self._next_probe) - now
 
 
 @dataclasses.dataclass
@@ -142,10 +113,9 @@ class LiveSession:
                 if msg.subject == telemetry_subject:
                     self._queue.put_nowait(codec.decode(msg.data, GenerationTelemetry))
                     return
-                try:
-                    self._queue.put_nowait(codec.decode(msg.data, TokenEvent))
-                except codec.DecodeError:
-                    self._queue.put_nowait(codec.decode(msg.data, SessionEnd))
+                message = codec.decode_tagged(msg.data, TOKEN_SUBJECT_MESSAGES)
+                assert isinstance(message, TokenEvent | SessionEnd)
+                self._queue.put_nowait(message)
             except codec.DecodeError as exc:
                 log.warning("session %s: undecodable message on %s: %s", self.id, msg.subject, exc)
 
@@ -161,9 +131,12 @@ class LiveSession:
     async def events(self) -> AsyncIterator[Event]:
         """Token events and telemetry in arrival order, then exactly one SessionEnd."""
         settings = self._m.settings
-        silence = _Silence(settings.liveness_probe_s)
+        silence = Silence(settings.liveness_probe_s)
         while self.end is None:
-            limit = settings.token_timeout_s if self.tokens_seen else settings.first_token_timeout_s
+            # A backstop: the head owns the session's fate and reports a silent route itself within the token
+            # timeout (plus one hop timeout to probe); only a head that cannot report is the gateway's to find.
+            limit = settings.hop_timeout_s + (settings.token_timeout_s if self.tokens_seen
+                                              else settings.first_token_timeout_s)
             if silence.lasted() >= limit:
                 yield await self._fail_stalled(limit)
                 return
@@ -262,19 +235,20 @@ class LiveSession:
         return self.end
 
     async def close(self, *, cancelled: bool = False) -> None:
-        """Free the session on every hop; publish ``cancelled`` if the client went away first. Idempotent."""
+        """Free the session on every hop; if the client went away before its end, the head is told to cancel it
+        (it publishes the ``cancelled`` end). Idempotent."""
         if self._closed:
             return
         self._closed = True
-        if cancelled and self.end is None:
+        cancel = cancelled and self.end is None
+        if cancel:  # the head owns the session's end and publishes it when told to cancel (below)
             self.end = SessionEnd(session_id=self.id, phase=SessionPhase.CANCELLED,
                                   prompt_tokens=len(self.prompt_tokens), completion_tokens=self.tokens_seen)
-            await self._m.publish_telemetry(self, SessionPhase.CANCELLED)
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
         if self.route is not None:
-            await self._m.close_on_hops(self.route, self.id)
+            await self._m.close_on_hops(self.route, self.id, cancel=cancel)
         self._m.forget(self)
 
 
@@ -415,30 +389,25 @@ class SessionManager:
             ttft_ms=last.ttft_ms if last else None, failure=failure)
 
     async def find_unresponsive(self, route: Route | None) -> str | None:
+        """The head, if it does not answer its health check: a live head would have reported the route's
+        silence itself."""
         if route is None:
             return None
-        for hop in route.hops:
-            if not await self.nodes.probe(hop.node_id, hop.endpoint):
-                return hop.node_id
-        return None
+        head = route.head
+        return None if await self.nodes.probe(head.node_id, head.endpoint) else head.node_id
 
     async def find_lost(self, route: Route, session_id: str) -> tuple[str, str] | None:
-        """The first hop whose process is gone or that no longer holds the session, and why; None while every hop
-        holds it or cannot say (a slow answer proves nothing)."""
+        """The head, if its process is gone or it lost the session, and why. Only the head: every other hop's
+        death is the head's to find and report (it owns the session's fate)."""
         token = capability.session_token_of(route)
-        states = await asyncio.gather(*(self.nodes.session_state(h.node_id, h.endpoint, session_id,
-                                                                 session_token=token) for h in route.hops))
-        for hop, state in zip(route.hops, states, strict=True):
-            if state == "unreachable":
-                return hop.node_id, f"nothing listens at {hop.endpoint} any more (its process died)"
-            if state == "gone":
-                return hop.node_id, "it answers but no longer holds the session (it restarted or freed it)"
-        return None
+        return await first_lost(self.nodes, route.hops[:1], session_id, session_token=token)
 
-    async def close_on_hops(self, route: Route, session_id: str) -> None:
+    async def close_on_hops(self, route: Route, session_id: str, *, cancel: bool = False) -> None:
+        """Free the session on every hop (idempotent there); ``cancel`` asks the head to end it as cancelled."""
         token = capability.session_token_of(route)
-        await asyncio.gather(*(self.nodes.close_session(h.node_id, h.endpoint, session_id, session_token=token)
-                               for h in route.hops))
+        await asyncio.gather(*(self.nodes.close_session(h.node_id, h.endpoint, session_id, session_token=token,
+                                                        cancel=cancel and i == 0)
+                               for i, h in enumerate(route.hops)))
 
     def forget(self, session: LiveSession) -> None:
         self.live.pop(session.id, None)

@@ -9,7 +9,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from bus import codec
 from bus.connection import keep_cancellation
 from bus.subjects import Subjects
-from schemas.errors import CapacityError, ModelNotFoundError, NoRouteError, SwarmrouteError
+from schemas.errors import CapacityError, ModelNotFoundError, NoRouteError, error_for_status
 from schemas.route import ModelsReply, Route, RouteReply, RouteRequest
 
 
@@ -41,9 +41,7 @@ class TrackerClient:
             raise CapacityError(message, retry_after=1.0)
         if reply.status == 503:
             raise NoRouteError(message)
-        error = SwarmrouteError(message)
-        error.status = reply.status
-        raise error
+        raise error_for_status(reply.status, message)
 
     async def models(self) -> ModelsReply:
         return codec.decode(await self._request(self._subjects.models_request, b""), ModelsReply)

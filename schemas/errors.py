@@ -1,6 +1,8 @@
 """Errors that cross actor boundaries, each carrying its HTTP status and OpenAI error type.
 
-One mapper (``gateway.errors``, and the node's own handler) turns them into OpenAI-shaped bodies::
+The one mapping in each direction lives here: ``SwarmrouteError.to_body`` / ``http_headers`` (error -> response,
+used by the gateway's and the node's HTTP edge, ``bus.http_edge``) and ``error_from_body`` / ``error_for_status``
+(a peer's response -> error, used by every HTTP client of ours)::
 
     SwarmrouteError (500, server_error)
     ├── BadRequestError (400, invalid_request_error)
@@ -15,12 +17,22 @@ One mapper (``gateway.errors``, and the node's own handler) turns them into Open
     ├── PayloadTooLargeError (413)
     ├── CapacityError (429, Retry-After)
     ├── NoRouteError (503)          no set of live nodes covers every layer
+    ├── NodeStoppingError (503)     the node is stopping: the step or call will not run
     ├── RouteFailedError (502)      a route node died or stopped answering mid-session
+    │   └── HopError                a node could not be reached, timed out, or refused a request
     ├── BackendError (500)          the model backend failed
-    └── ArtifactError (500)         a model artifact is missing, truncated or fails its hashes
+    │   ├── ModelLoadError           the model file is missing, not a GGUF, truncated, or llama.cpp refused it
+    │   └── BackendCrashedError      the backend killed the process that ran its start-up decode
+    ├── ArtifactError (500)         a model artifact is missing, truncated or fails its hashes
+    │   └── FetchCancelled           a fetch was stopped (its resume data saved)
+    └── PeerStatusError (any)       another server answered a status this tree has no class for
 """
 
 from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import ValidationError
 
 
 class SwarmrouteError(Exception):
@@ -38,6 +50,10 @@ class SwarmrouteError(Exception):
         self.details = details
         if code is not None:
             self.code = code
+
+    def http_headers(self) -> dict[str, str]:
+        """Headers the response carries besides its body (``Retry-After`` for capacity errors)."""
+        return {}
 
     def to_body(self) -> dict[str, object]:
         """The OpenAI error body: ``{"error": {"message", "type", "param", "code"}}`` (+ ``failure`` details)."""
@@ -109,11 +125,22 @@ class CapacityError(SwarmrouteError):
         super().__init__(message, code=code)
         self.retry_after = retry_after
 
+    def http_headers(self) -> dict[str, str]:
+        return {"retry-after": str(max(1, round(self.retry_after)))}
+
 
 class NoRouteError(SwarmrouteError):
     status = 503
     error_type = "service_unavailable"
     code = "no_route"
+
+
+class NodeStoppingError(SwarmrouteError, RuntimeError):
+    """The node is stopping: the step or call will not run."""
+
+    status = 503
+    error_type = "service_unavailable"
+    code = "node_stopping"
 
 
 class RouteFailedError(SwarmrouteError):
@@ -122,10 +149,38 @@ class RouteFailedError(SwarmrouteError):
     code = "route_failed"
 
 
+HopErrorKind = Literal["unreachable", "timeout", "http_error"]
+
+
+class HopError(RouteFailedError):
+    """A node could not be reached (``unreachable``), timed out, or refused a request (``http_error``: the peer's
+    status and its error, rebuilt, are kept)."""
+
+    def __init__(self, node: str, kind: HopErrorKind, message: str, *, peer_status: int | None = None,
+                 peer_error: SwarmrouteError | None = None) -> None:
+        super().__init__(message)
+        self.node = node
+        self.kind: HopErrorKind = kind
+        self.peer_status = peer_status
+        self.peer_error = peer_error
+
+
 class BackendError(SwarmrouteError):
     status = 500
     error_type = "server_error"
     code = "backend_error"
+
+
+class ModelLoadError(BackendError):
+    """The model file is missing, not a GGUF, truncated, or llama.cpp refused it. The message names the file."""
+
+    code = "model_load_failed"
+
+
+class BackendCrashedError(BackendError):
+    """The backend killed (or failed) the child process that ran its start-up decode."""
+
+    code = "backend_crashed"
 
 
 class ArtifactError(SwarmrouteError):
@@ -136,6 +191,34 @@ class ArtifactError(SwarmrouteError):
     code = "artifact_error"
 
 
+class FetchCancelled(ArtifactError):
+    """A fetch was stopped on request; its resume data was saved first."""
+
+    code = "fetch_cancelled"
+
+
+class PeerStatusError(SwarmrouteError):
+    """Another server answered with a status this tree has no class for: kept as it came."""
+
+    def __init__(self, status: int, message: str, *, code: str | None = None) -> None:
+        super().__init__(message, code=code)
+        self.status = status
+        self.error_type = "invalid_request_error" if status < 500 else "server_error"
+
+
+_BY_STATUS: dict[int, type[SwarmrouteError]] = {
+    cls.status: cls for cls in (BadRequestError, AuthenticationError, PermissionDeniedError, NotFoundError,
+                                PayloadTooLargeError, CapacityError, NoRouteError, RouteFailedError, BackendError)}
+
+
+def error_for_status(status: int, message: str, *, code: str | None = None) -> SwarmrouteError:
+    """The error class of a status (503 is ``NoRouteError``, 500 ``BackendError``), else a ``PeerStatusError``."""
+    cls = _BY_STATUS.get(status)
+    if cls is None:
+        return PeerStatusError(status, message, code=code)
+    return cls(message, code=code)
+
+
 def error_from_body(status: int, body: object) -> SwarmrouteError:
     """Rebuild an error from an OpenAI-shaped body received from a peer (keeps status, message and code)."""
     message = f"HTTP {status}"
@@ -144,12 +227,9 @@ def error_from_body(status: int, body: object) -> SwarmrouteError:
         err = body["error"]
         message = str(err.get("message") or message)
         code = str(err["code"]) if err.get("code") else None
-    for cls in (BadRequestError, AuthenticationError, PermissionDeniedError, NotFoundError, PayloadTooLargeError,
-                CapacityError, NoRouteError, RouteFailedError):
-        if cls.status == status:
-            return cls(message, code=code)
-    if 400 <= status < 500:
-        error = BadRequestError(message, code=code)
-        error.status = status
-        return error
-    return BackendError(message, code=code)
+    return error_for_status(status, message, code=code)
+
+
+def validation_message(exc: ValidationError) -> str:
+    """The first few problems of a pydantic validation error, on one line: ``field: problem; ...``."""
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()[:5])

@@ -97,6 +97,8 @@ class TokenEvent(WireModel):
     or while a stop string might still be forming).
     """
 
+    type: Literal["token"] = "token"
+    """The tag that tells it from a ``SessionEnd`` on the session's token subject."""
     session_id: str
     seq: int = Field(ge=0, description="0 for the first generated token; gaps mean a lost message")
     token: int
@@ -130,6 +132,8 @@ class FailureReason(WireModel):
 class SessionEnd(WireModel):
     """Published on the token subject when a session ends for any reason; the gateway stops reading then."""
 
+    type: Literal["end"] = "end"
+    """The tag that tells it from a ``TokenEvent`` on the session's token subject."""
     session_id: str
     phase: SessionPhase
     finish_reason: FinishReason | None = None
@@ -139,3 +143,6 @@ class SessionEnd(WireModel):
 
 
 TokenEvent.model_rebuild()
+
+TOKEN_SUBJECT_MESSAGES: dict[str, type[TokenEvent] | type[SessionEnd]] = {"token": TokenEvent, "end": SessionEnd}
+"""What ``<ns>.tokens.<session>`` carries, by ``type`` tag."""

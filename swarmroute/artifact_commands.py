@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from schemas.errors import ArtifactError, SwarmrouteError
+from schemas.errors import ArtifactError, FetchCancelled, SwarmrouteError
 from schemas.settings import Settings
 from swarmroute import argtypes
 
@@ -209,7 +209,7 @@ async def _run(args: argparse.Namespace) -> int:
 
 
 async def _command(sync: ArtifactSync, args: argparse.Namespace, stop: asyncio.Event, cancel: threading.Event) -> int:
-    from artifacts.fetch import FetchCancelled, FetchOptions
+    from artifacts.fetch import FetchOptions
     from artifacts.progress import ProgressPrinter
 
     if args.artifact_command == "seed":

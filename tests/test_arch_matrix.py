@@ -26,13 +26,12 @@ import pytest_asyncio
 
 llama_cpp = pytest.importorskip("llama_cpp")  # TODO(lead): the common "fail when CI=true" helper
 
-from actors.backends.llamacpp import ModelLoadError  # noqa: E402
 from artifacts.arch_support import SUPPORT  # noqa: E402
 from artifacts.gguf_shape import shape_from_gguf  # noqa: E402
 from artifacts.shard import write_shard  # noqa: E402
 from artifacts.synthetic.matrix import MATRIX, MatrixCase, case, ranges  # noqa: E402
 from bus.server import EmbeddedNats, NatsServerConfig  # noqa: E402
-from schemas.errors import BadRequestError  # noqa: E402
+from schemas.errors import BadRequestError, ModelLoadError  # noqa: E402
 from tests.support import arch_doc  # noqa: E402
 from tests.support.arch_matrix import (  # noqa: E402
     RouteHarness,

@@ -13,7 +13,8 @@ import pytest
 
 from actors.backend import StepInput, StepOutput
 from actors.backends.stub import StubBackend, StubConfig
-from actors.node.engine import EngineStopped, StepEngine
+from actors.node.engine import StepEngine
+from schemas.errors import NodeStoppingError
 from schemas.session import SamplingParams
 
 PROMPT = [1, 72, 105, 33]
@@ -166,9 +167,9 @@ async def test_stop_fails_queued_work_and_is_safe_twice() -> None:
     await engine.stop()
     await engine.stop()
     assert (await first)[0] is not None  # the running pass completed
-    with pytest.raises(EngineStopped):
+    with pytest.raises(NodeStoppingError):
         await second
-    with pytest.raises(EngineStopped):
+    with pytest.raises(NodeStoppingError):
         await engine.submit(StepInput("b", 0, tokens=PROMPT))
 
 

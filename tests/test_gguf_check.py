@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from actors.backends.gguf_check import ModelLoadError, inspect_gguf
+from actors.backends.gguf_check import inspect_gguf
 from artifacts.gguf_layout import read_layout
-from schemas.errors import BackendError
+from schemas.errors import BackendError, ModelLoadError
 
 
 def copy_prefix(src: Path, dst: Path, n_bytes: int) -> Path:

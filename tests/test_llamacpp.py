@@ -24,9 +24,15 @@ llama_cpp = pytest.importorskip("llama_cpp")
 
 from actors.backend import Backend, StepInput  # noqa: E402
 from actors.backends import load_backend  # noqa: E402
-from actors.backends.llamacpp import LlamaCppBackend, ModelLoadError  # noqa: E402
+from actors.backends.llamacpp import LlamaCppBackend  # noqa: E402
 from artifacts.gguf_layout import read_layout  # noqa: E402
-from schemas.errors import BadRequestError, CapacityError, ContextLengthError, SessionNotFoundError  # noqa: E402
+from schemas.errors import (  # noqa: E402
+    BadRequestError,
+    CapacityError,
+    ContextLengthError,
+    ModelLoadError,  # noqa: E402
+    SessionNotFoundError,
+)
 from schemas.session import Prompt, SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from actors.backends.stub import StubBackend, StubConfig
-from actors.selfcheck import BackendCrashedError, describe_exit, prove_in_child, warm_up
+from actors.selfcheck import describe_exit, prove_in_child, warm_up
+from schemas.errors import BackendCrashedError
 
 
 def _child(code: str) -> list[str]:

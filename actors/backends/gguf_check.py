@@ -14,17 +14,11 @@ from pathlib import Path
 from gguf import GGUF_MAGIC, LlamaFileType
 
 from artifacts.gguf_layout import GGUFLayout, read_layout
-from schemas.errors import BackendError, SwarmrouteError
+from schemas.errors import ModelLoadError, SwarmrouteError
 
 _MAGIC_BYTES = GGUF_MAGIC.to_bytes(4, "little")
 _HEADER_MIN = 24
 """magic + version + tensor count + kv count."""
-
-
-class ModelLoadError(BackendError):
-    """The model file is missing, not a GGUF, truncated, or llama.cpp refused it. The message names the file."""
-
-    code = "model_load_failed"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -35,11 +35,18 @@ from actors.backend import Hidden, StepInput, StepOutput
 from actors.backends.chat_template import ChatTemplate, select_template
 from actors.backends.cpu_buffers import buffer_types
 from actors.backends.ggml_capture import LayerCapture
-from actors.backends.gguf_check import GGUFFacts, ModelLoadError, inspect_gguf
+from actors.backends.gguf_check import GGUFFacts, inspect_gguf
 from actors.backends.llama_batch import Batch
 from actors.backends.sampling import Sampler
 from artifacts.gguf_split import part_name, split_prefix
-from schemas.errors import BackendError, BadRequestError, CapacityError, ContextLengthError, SessionNotFoundError
+from schemas.errors import (
+    BackendError,
+    BadRequestError,
+    CapacityError,
+    ContextLengthError,
+    ModelLoadError,
+    SessionNotFoundError,
+)
 from schemas.node import BackendInfo, LayerRange
 from schemas.session import CONTEXT_CAP, Prompt, SamplingParams
 

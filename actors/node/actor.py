@@ -21,11 +21,12 @@ import dataclasses
 import logging
 import time
 from types import TracebackType
+from typing import TypeVar
 
 from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 from nats.js.kv import KeyValue
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -35,7 +36,7 @@ from actors.backend import Backend
 from actors.node.admission import Admission
 from actors.node.engine import StepEngine
 from actors.node.head_session import HeadSession
-from actors.node.hop_api import HopApi, summarize
+from actors.node.hop_api import HopApi
 from actors.node.hop_session import HopSession
 from actors.node.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from actors.node.metrics import NodeMetrics
@@ -47,6 +48,7 @@ from actors.services import node_service
 from bus import codec
 from bus.capability import HEADER_CAPABILITY, HEADER_SESSION_TOKEN, verifier_from_settings
 from bus.connection import connect_settings, keep_cancellation
+from bus.http_edge import EXCEPTION_HANDLERS, read_model
 from bus.httpserver import HttpServer
 from bus.nodeclient import NodeClient
 from bus.subjects import Subjects
@@ -54,9 +56,7 @@ from schemas.errors import (
     BadRequestError,
     CapacityError,
     ContextLengthError,
-    PayloadTooLargeError,
     SessionNotFoundError,
-    SwarmrouteError,
 )
 from schemas.frame import WireDType
 from schemas.node import Capacity, NodeAdvertisement
@@ -64,6 +64,7 @@ from schemas.session import CONTEXT_CAP, FailureReason, Prompt, SessionOpen, Ses
 from schemas.settings import Settings
 
 log = logging.getLogger(__name__)
+M = TypeVar("M", bound=BaseModel)
 MIN_BEAT_SPACING_S = 0.05
 """Heartbeats triggered by freed sessions are coalesced to at most one per this interval."""
 CLIENT_PROBE_TIMEOUT_S = 2.0
@@ -374,26 +375,10 @@ class Node:
             # POST .../frames and .../tokens, the per-token path, are served by HopApi in front of this app.
             HttpRoute("/v1/sessions/{sid}/failure", self._failure, methods=["POST"]),
         ]
-        return Starlette(routes=routes, exception_handlers={SwarmrouteError: _error_response,
-                                                            ValidationError: _validation_response})
+        return Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS)
 
-    async def _body(self, request: Request, limit: int) -> bytes:
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise PayloadTooLargeError(f"request body of {declared} bytes exceeds the limit of {limit}")
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise PayloadTooLargeError(f"request body exceeds the limit of {limit} bytes")
-        return bytes(body)
-
-    async def _json(self, request: Request, model: type[BaseModel]) -> BaseModel:
-        body = await self._body(request, self.settings.max_body_bytes)
-        try:
-            return model.model_validate_json(body)
-        except ValidationError as exc:
-            raise BadRequestError(f"invalid {model.__name__}: {summarize(exc)}") from None
+    async def _json(self, request: Request, model: type[M]) -> M:
+        return await read_model(request, model, self.settings.max_body_bytes)
 
     async def _metrics(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type=METRICS_CONTENT_TYPE)
@@ -414,7 +399,6 @@ class Node:
 
     async def _open(self, request: Request) -> Response:
         open_request = await self._json(request, SessionOpen)
-        assert isinstance(open_request, SessionOpen)
         opened = await self.open_session(open_request)
         return JSONResponse(opened.model_dump(mode="json"), status_code=201)
 
@@ -428,23 +412,14 @@ class Node:
         session = self.sessions.get(request.path_params["sid"])
         if session is not None:
             Admission.check_session_token(session.session_token, request.headers.get(HEADER_SESSION_TOKEN))
-            await session.close()
+            if isinstance(session, HeadSession) and request.query_params.get("cancel") == "1":
+                await session.cancel("its client went away")
+            else:
+                await session.close()
         return JSONResponse({"closed": session is not None})
 
     async def _failure(self, request: Request) -> Response:
         session = self._member(request)
         reason = await self._json(request, FailureReason)
-        assert isinstance(reason, FailureReason)
         session.on_failure_report(reason)
         return Response(status_code=204)
-
-
-async def _error_response(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, SwarmrouteError)
-    headers = {"retry-after": f"{max(1, round(exc.retry_after))}"} if isinstance(exc, CapacityError) else None
-    return JSONResponse(exc.to_body(), status_code=exc.status, headers=headers)
-
-
-async def _validation_response(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, ValidationError)
-    return await _error_response(request, BadRequestError(summarize(exc)))

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from actors.backend import Backend, StepInput, StepOutput
-from schemas.errors import SwarmrouteError
+from schemas.errors import NodeStoppingError
 
 T = TypeVar("T")
 
@@ -53,13 +53,6 @@ SOLO_WINDOW_S = 0.25
 
 Follow = Callable[[StepInput, StepOutput], "StepInput | None"]
 """Called on the worker thread after a chained step: the session's next step, or ``None`` to end the chain."""
-
-
-class EngineStopped(SwarmrouteError, RuntimeError):
-    """The node is stopping: the step or call will not run."""
-
-    status = 503
-    code = "node_stopping"
 
 
 @dataclasses.dataclass(slots=True)
@@ -155,10 +148,10 @@ class StepEngine:
             steps, self._steps = self._steps, []
             calls, self._calls = list(self._calls), collections.deque()
         for p in steps:
-            self._fail(p, EngineStopped("node is stopping"))
+            self._fail(p, NodeStoppingError("node is stopping"))
         for c in calls:
             if not c.future.done():
-                c.future.set_exception(EngineStopped("node is stopping"))
+                c.future.set_exception(NodeStoppingError("node is stopping"))
 
     # ---- the loop's side --------------------------------------------------------------------------------------
 
@@ -228,7 +221,7 @@ class StepEngine:
 
     def _running_loop(self) -> asyncio.AbstractEventLoop:
         if self._thread is None or self._loop is None:
-            raise EngineStopped("the step engine is not running")
+            raise NodeStoppingError("the step engine is not running")
         return self._loop
 
     def _enqueue(self, pending: _Pending) -> None:
@@ -240,7 +233,7 @@ class StepEngine:
     def _hand_to_worker(self, put: Callable[[Any], None], work: _Pending | _Call) -> None:
         with self._cond:
             if self._stopping:
-                raise EngineStopped("node is stopping")
+                raise NodeStoppingError("node is stopping")
             put(work)
             self._cond.notify()
 

@@ -14,6 +14,7 @@ the stop rules stay ``Generation``'s (``Generation.ends_for_certain``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -23,6 +24,7 @@ from actors.node.engine import StepChain, StepTiming
 from actors.node.runtime import NodeRuntime
 from actors.node.session import NodeSession, SessionFailed, StepFuture
 from actors.node.telemetry import TelemetryPublisher
+from bus.liveness import Silence, first_lost
 from schemas.errors import SwarmrouteError
 from schemas.frame import FrameKind, SampledToken
 from schemas.session import (
@@ -38,6 +40,8 @@ from schemas.session import (
 log = logging.getLogger(__name__)
 CLIENT_MISSES = 3
 """Probes in a row that must find no subscriber before a head cancels a session (``_watch_client``)."""
+LOST_GRACE_S = 0.5
+"""After a hop is found lost, how long the head still waits for word already on its way before failing."""
 DRAIN_S = 1.0
 """Longest a completing session waits for the answers to its last requests before it closes."""
 
@@ -262,15 +266,39 @@ class HeadSession(NodeSession):
         return self.rt.settings.first_token_timeout_s if first else self.rt.settings.token_timeout_s
 
     async def _next_event(self) -> TokenEvent:
-        timeout = self._token_timeout()
-        try:
-            async with asyncio.timeout(timeout):  # no task per token, unlike wait_for
-                item = await self._events.get()
-        except TimeoutError:
-            raise SessionFailed(await self._diagnose_stall(timeout)) from None
+        """The next token from the tail, or ``SessionFailed``: a hop's report, a hop found dead while the route is
+        silent (``bus.liveness``: at once), or silence past the token timeout."""
+        limit = self._token_timeout()
+        silence = Silence(self.rt.settings.liveness_probe_s)
+        while True:
+            try:
+                async with asyncio.timeout(silence.wait(limit)):  # no task per token, unlike wait_for
+                    item = await self._events.get()
+                break
+            except TimeoutError:
+                if silence.lasted() >= limit:
+                    raise SessionFailed(await self._diagnose_stall(limit)) from None
+                if silence.probe_due():
+                    arrived = await self._probe_downstream()
+                    silence.probed()
+                    if arrived is not None:
+                        item = arrived
+                        break
         if isinstance(item, FailureReason):
             raise SessionFailed(item)
         return self._event_of(item) if isinstance(item, SampledToken) else item
+
+    async def _probe_downstream(self) -> TokenEvent | SampledToken | FailureReason | None:
+        """Fail at once if a downstream hop is dead or lost the session, unless word (a failure report, a token)
+        arrives within the grace that messages already on their way need: that word is returned."""
+        lost = await first_lost(self.rt.client, self.route.hops[1:], self.id, session_token=self.session_token)
+        if lost is None:
+            return None
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(LOST_GRACE_S):
+                return await self._events.get()
+        node, why = lost
+        raise SessionFailed(FailureReason(node_id=node, phase=self.phase, kind="unreachable", message=why))
 
     async def _diagnose_stall(self, waited: float) -> FailureReason:
         """No token in time: name the first hop that does not answer, else the route as a whole."""
@@ -311,12 +339,14 @@ class HeadSession(NodeSession):
                 return
             misses = misses + 1 if present is False else 0 if present else misses
             if misses >= CLIENT_MISSES:
-                await self._cancel(f"its client stopped listening (no subscriber for {CLIENT_MISSES} probes "
+                await self.cancel(f"its client stopped listening (no subscriber for {CLIENT_MISSES} probes "
                                    f"{self.rt.settings.client_probe_s:g}s apart)")
                 return
 
-    async def _cancel(self, why: str) -> None:
-        if self.closed:
+    async def cancel(self, why: str) -> None:
+        """End the session as cancelled (its client went away): telemetry and ``SessionEnd`` for monitors, every
+        hop freed. Nothing if it already ended."""
+        if self.closed or self.phase.terminal:
             return  # it ended on its own meanwhile
         log.warning("session %s cancelled: %s", self.id, why)
         await self.close()  # first: the driver stops, so the session cannot also complete or fail meanwhile

@@ -14,7 +14,6 @@ OpenAI-style body.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
@@ -25,8 +24,9 @@ from actors.backend import Hidden
 from bus import frame as frames
 from bus.capability import HEADER_SESSION_TOKEN
 from bus.hotpath import Answer
+from bus.http_edge import answer, read_body
 from bus.nodeclient import FRAME_CONTENT_TYPE, TOKEN_CONTENT_TYPE
-from schemas.errors import BadRequestError, CapacityError, FrameError, PayloadTooLargeError, SwarmrouteError
+from schemas.errors import BadRequestError, FrameError, SwarmrouteError, validation_message
 from schemas.frame import FrameHeader, SampledToken
 from schemas.session import TokenEvent
 
@@ -76,7 +76,7 @@ class HopApi:
                 return _NO_CONTENT
             position = self._frame(sid, headers, body)
         except SwarmrouteError as exc:
-            return _error(exc)
+            return answer(exc)
         if isinstance(position, int):
             return _position(position)
         return _answer_later(position)
@@ -109,7 +109,7 @@ class HopApi:
             try:
                 event = TokenEvent.model_validate_json(body)
             except ValidationError as exc:
-                raise BadRequestError(f"invalid TokenEvent: {summarize(exc)}") from None
+                raise BadRequestError(f"invalid TokenEvent: {validation_message(exc)}") from None
             if event.session_id != sid:
                 raise BadRequestError(f"token event is for session {event.session_id}, not {sid}")
         else:
@@ -125,13 +125,13 @@ class HopApi:
             return
         headers = _headers(scope)
         try:
-            body = await _read_body(receive, headers, limit)
+            body = await read_body(receive, headers, limit)
         except SwarmrouteError as exc:
-            answer = _error(exc)
+            answered = answer(exc)
         else:
             handled = self.handle(scope["path"], headers, body)
-            answer = handled if isinstance(handled, tuple) else await handled
-        status, payload, extra = answer
+            answered = handled if isinstance(handled, tuple) else await handled
+        status, payload, extra = answered
         await _respond(send, status, payload, list(extra))
 
 
@@ -139,7 +139,7 @@ async def _answer_later(position: Awaitable[int]) -> Answer:
     try:
         at = await position
     except SwarmrouteError as exc:
-        return _error(exc)
+        return answer(exc)
     # One loop turn before answering: a forward the outbox could not write at once goes out first. The forward is
     # on the per-token path; this answer is not (the upstream hop sends this session's next frame only after the
     # ring comes round).
@@ -151,10 +151,6 @@ def _position(position: int) -> Answer:
     return 200, b'{"position":%d}' % position, ()
 
 
-def _error(exc: SwarmrouteError) -> Answer:
-    return exc.status, json.dumps(exc.to_body()).encode(), _retry_after(exc)
-
-
 def _headers(scope: Scope) -> dict[bytes, bytes]:
     # ASGI header names are lower-case bytes; the last of a repeated header wins, as in Starlette.
     return dict(scope["headers"])
@@ -164,37 +160,7 @@ def _text(value: bytes | None) -> str | None:
     return value.decode("latin-1") if value is not None else None
 
 
-async def _read_body(receive: Receive, headers: dict[bytes, bytes], limit: int) -> bytes:
-    declared = headers.get(b"content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLargeError(f"request body of {declared.decode()} bytes exceeds the limit of {limit}")
-    parts: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise BadRequestError("the client went away before sending the whole body")
-        chunk: bytes = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLargeError(f"request body exceeds the limit of {limit} bytes")
-        parts.append(chunk)
-        if not message.get("more_body", False):
-            return parts[0] if len(parts) == 1 else b"".join(parts)
-
-
-def _retry_after(exc: SwarmrouteError) -> list[tuple[bytes, bytes]]:
-    if isinstance(exc, CapacityError):
-        return [(b"retry-after", str(max(1, round(exc.retry_after))).encode())]
-    return []
-
-
 async def _respond(send: Send, status: int, body: bytes, extra: list[tuple[bytes, bytes]]) -> None:
     headers: list[Any] = [(b"content-length", str(len(body)).encode()), *(_JSON if body else []), *extra]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
-
-
-def summarize(exc: ValidationError) -> str:
-    """The first few problems of a validation error, on one line."""
-    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors()[:5])

@@ -15,8 +15,7 @@ from collections.abc import Awaitable
 from actors.backend import Hidden, StepInput
 from actors.node.session import NodeSession, SessionFailed, StepFuture, settled
 from bus import frame as frames
-from bus.nodeclient import HopError
-from schemas.errors import BackendError, FrameError
+from schemas.errors import BackendError, FrameError, HopError
 from schemas.frame import FrameHeader, FrameKind, HopStamp
 from schemas.session import FailureReason, SessionEnd, SessionPhase
 

@@ -19,7 +19,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from bus.nodeclient import HopError
+from schemas.errors import HopError
 
 Outbound = Coroutine[Any, Any, None]
 """One request to another node, already started (written) when it is queued as a coroutine."""

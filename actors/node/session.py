@@ -23,8 +23,7 @@ from actors.node.outbox import Outbox
 from actors.node.runtime import NodeRuntime
 from actors.node.spin import ArrivalSpinner
 from bus import frame as frames
-from bus.nodeclient import HopError
-from schemas.errors import BadRequestError, FrameError, SwarmrouteError
+from schemas.errors import BadRequestError, FrameError, HopError, SwarmrouteError
 from schemas.frame import FrameHeader, FrameKind, HopStamp, SampledToken
 from schemas.route import Hop
 from schemas.session import FailureReason, SessionOpen, SessionPhase, TokenEvent

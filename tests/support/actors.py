@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 from pydantic import SecretStr
@@ -38,10 +39,12 @@ def settings_env(settings: Settings) -> dict[str, str]:
 class ActorProcess:
     """``python -m swarmroute <role> ...``; ``url`` is the gateway's or node's base URL once ready."""
 
-    def __init__(self, role: str, settings: Settings, args: list[str], *, ready_timeout: float = 60.0) -> None:
+    def __init__(self, role: str, settings: Settings, args: list[str], *, ready_timeout: float = 60.0,
+                 prefix: Sequence[str] = (), log_level: str = "info") -> None:
+        """``prefix`` goes before the interpreter (e.g. ``ip netns exec HOST``)."""
         self.role = role
         env = {**os.environ, **settings_env(settings), "PYTHONUNBUFFERED": "1"}
-        argv = [sys.executable, "-m", "swarmroute", role, "--log-level", "info", *args]
+        argv = [*prefix, sys.executable, "-m", "swarmroute", role, "--log-level", log_level, *args]
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
         self.output: list[str] = []

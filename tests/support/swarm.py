@@ -5,12 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import os
-import re
-import signal
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,6 +14,7 @@ from actors.node import Node, NodeConfig
 from actors.tracker import Tracker
 from gateway.app import Gateway
 from schemas.settings import Settings
+from tests.support.actors import ActorProcess
 
 
 @dataclasses.dataclass
@@ -69,51 +64,18 @@ async def start_swarm(settings: Settings, backends: Sequence[Backend], *, model_
     return swarm
 
 
-class NodeProcess:
-    """``swarmroute node`` as a real child process (so a test can SIGKILL it)."""
+class NodeProcess(ActorProcess):
+    """``swarmroute node`` as a real child process (so a test can SIGKILL it), configured like the test's Settings."""
 
     def __init__(self, settings: Settings, node_id: str, args: list[str], *, ready_timeout: float = 180.0,
                  prefix: Sequence[str] = ()) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        argv = [*prefix, sys.executable, "-m", "swarmroute", "node", "--nats", settings.nats_url, "--home",
-                str(settings.home), "--namespace", settings.namespace, "--node-id", node_id,
-                "--log-level", "warning", *args]
         self.node_id = node_id
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-        self.output: list[str] = []
-        self.endpoint: str | None = None
-        ready = threading.Event()
+        super().__init__("node", settings, ["--node-id", node_id, *args], ready_timeout=ready_timeout,
+                         prefix=prefix, log_level="warning")
 
-        def read() -> None:
-            assert self.proc.stdout is not None
-            for raw in self.proc.stdout:
-                line = raw.decode(errors="replace").rstrip()
-                self.output.append(line)
-                m = re.search(r"ready at (\S+)", line)
-                if m:
-                    self.endpoint = m.group(1)
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(ready_timeout) or self.endpoint is None:
-            self.kill()
-            raise RuntimeError(f"node {node_id} did not start:\n" + "\n".join(self.output[-30:]))
-
-    def kill(self) -> None:
-        """SIGKILL: the node vanishes without any goodbye."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
+    @property
+    def endpoint(self) -> str | None:
+        return self.url
 
 
 @contextlib.contextmanager
