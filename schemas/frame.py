@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from schemas.session import FinishReason
+from schemas.session import FinishReason, TokenLogprobs
 
 MAGIC = b"SRF1"
 TOKEN_MAGIC = b"SRT1"
@@ -83,6 +83,12 @@ class FrameHeader:
 FINISH_CODES: dict[FinishReason | None, int] = {None: 0, "stop": 1, "length": 2}
 """How a token frame carries ``finish_reason`` (schemas.session.FinishReason)."""
 
+TOKEN_FLAG_LOGPROBS = 1
+"""Token frame flag: a logprobs section follows the text."""
+
+MAX_TOKEN_CHOICE = 255
+"""A token frame carries its choice index in one byte."""
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SampledToken:
@@ -95,3 +101,7 @@ class SampledToken:
     text: str = ""
     finish_reason: FinishReason | None = None
     stamps: tuple[HopStamp, ...] = ()
+    choice: int = 0
+    """The choice this token belongs to (n > 1); ``seq`` counts that choice's tokens."""
+    logprobs: TokenLogprobs | None = None
+    """Ids and logprobs only (``bytes`` unset): the head resolves the bytes."""
