@@ -45,6 +45,11 @@ JSON_CHAR_RULE = r'[^"\\\x7F\x00-\x1F] | [\\] (["\\/bfnrt] | "u" [0-9a-fA-F]{4})
 
 _CALL_ORDER = {"name": 0, "arguments": 1}
 
+MAX_PARALLEL_CALLS = 8
+"""Most calls one reply may make when parallel calls are allowed. Without a bound a degenerate model (the bundled
+270M one, greedy) repeats calls until ``max_tokens`` and its last call is cut off; eight is more than agents ask
+for in one turn."""
+
 _SchemaConverter: Any = llama_grammar.SchemaConverter
 """llama-cpp-python's converter is unannotated; it is used through ``Any``."""
 
@@ -125,7 +130,7 @@ def _tool_grammar(c: ToolCallConstraint) -> Grammar:
     if c.format == "generic":
         if c.parallel:
             calls: dict[str, Any] = {"type": "object", "required": [GENERIC_CALLS_KEY], "properties": {
-                GENERIC_CALLS_KEY: {"type": "array", "items": call, "minItems": 1}}}
+                GENERIC_CALLS_KEY: {"type": "array", "items": call, "minItems": 1, "maxItems": MAX_PARALLEL_CALLS}}}
         else:
             calls = {"type": "object", "required": [GENERIC_CALL_KEY], "properties": {GENERIC_CALL_KEY: call}}
         schema = calls
@@ -137,6 +142,7 @@ def _tool_grammar(c: ToolCallConstraint) -> Grammar:
         return Grammar(_finish(conv))
     rule = conv.visit(call, "call")
     block = f'"{HERMES_OPEN}" "\\n"? {rule} "\\n"? "{HERMES_CLOSE}"'
-    root = f"root ::= {block} (\"\\n\" {block})*" if c.parallel else f"root ::= {block}"
+    more = f'("\\n" {block})' + "{0," + str(MAX_PARALLEL_CALLS - 1) + "}"
+    root = f"root ::= {block} {more}" if c.parallel else f"root ::= {block}"
     triggers = (HERMES_OPEN,) if c.mode == "auto" else ()
     return Grammar(_finish(conv, root), triggers=triggers)

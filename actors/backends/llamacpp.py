@@ -40,6 +40,7 @@ from actors.backends.sampling import Sampler
 from schemas.errors import BackendError, BadRequestError, CapacityError, ContextLengthError, SessionNotFoundError
 from schemas.node import BackendInfo, LayerRange
 from schemas.session import CONTEXT_CAP, Prompt, SamplingParams
+from schemas.tools import ToolCallFormat, ToolSet
 
 __all__ = ["LlamaCppBackend", "LlamaCppConfig", "ModelLoadError", "load_llamacpp"]
 
@@ -309,7 +310,9 @@ class LlamaCppBackend:
         if not self.is_head:
             raise BadRequestError("only the head node tokenizes")
         if prompt.messages is not None:
-            text = self._render(prompt.messages, prompt.add_generation_prompt)
+            text = self._render(prompt.messages, prompt.add_generation_prompt, prompt.tools)
+        elif prompt.tools is not None:
+            raise BadRequestError("tools need chat messages", param="tools")
         elif prompt.text is not None:
             text = prompt.text
         else:
@@ -319,11 +322,19 @@ class LlamaCppBackend:
             raise BadRequestError("the prompt is empty")
         return tokens
 
-    def _render(self, messages: Sequence[dict[str, object]], add_generation_prompt: bool) -> str:
+    def tool_format(self) -> ToolCallFormat:
+        """Head: how this model is asked to write tool calls (``ChatTemplate.tool_format``); the node reports it in
+        ``TokenizeReply.tool_format`` for prompts with tools."""
+        if self._template is None:
+            raise BadRequestError(f"{self._info.model_name} has no chat template: no tools", param="tools")
+        return self._template.tool_format
+
+    def _render(self, messages: Sequence[dict[str, object]], add_generation_prompt: bool,
+                tools: ToolSet | None = None) -> str:
         if self._template is None:
             raise BadRequestError(f"{self._info.model_name} has no chat template and no known fallback for "
                                   f"architecture {self._info.architecture!r}; use the completions endpoint")
-        text = self._template.render(messages, add_generation_prompt=add_generation_prompt)
+        text = self._template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
         # Templates write BOS themselves; tokenizing adds it again when the vocabulary wants one, so drop the
         # written one rather than send it twice (llama.cpp's server does the same).
         bos = self._template.bos_token

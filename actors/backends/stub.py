@@ -126,6 +126,9 @@ class StubBackend:
         return self.config.max_batch_tokens
 
     def tokenize(self, prompt: Prompt) -> list[int]:
+        if prompt.tools is not None:
+            raise BadRequestError("the stub backend does not render tools; serve a llamacpp model for them",
+                                  param="tools")
         if prompt.messages is not None:
             text = "".join(f"<{m.get('role')}>{m.get('content')}\n" for m in prompt.messages)
             text += "<assistant>" if prompt.add_generation_prompt else ""

@@ -159,6 +159,9 @@ class TorchBackend:
     def tokenize(self, prompt: Prompt) -> list[int]:
         if not self.is_head:
             raise BadRequestError("only the head node tokenizes")
+        if prompt.tools is not None:
+            raise BadRequestError("the torch backend does not render tools; serve a llamacpp model for them",
+                                  param="tools")
         return self._codec().tokenize(prompt)
 
     def open_session(self, session_id: str, *, prompt_tokens: list[int], sampling: SamplingParams) -> None:
