@@ -22,6 +22,19 @@ def validation_message(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
+def validation_param(exc: ValidationError) -> str | None:
+    """The request field the first error is about (its top-level name, as OpenAI's ``param``), if any."""
+    for e in exc.errors():
+        if e["loc"]:
+            return str(e["loc"][0])
+    return None
+
+
+def validation_error(exc: ValidationError) -> BadRequestError:
+    """A request body that does not validate: a 400 naming the field."""
+    return BadRequestError(validation_message(exc), param=validation_param(exc))
+
+
 def error_response(exc: SwarmrouteError) -> Response:
     headers = {"retry-after": str(max(1, round(exc.retry_after)))} if isinstance(exc, CapacityError) else None
     return JSONResponse(exc.to_body(), status_code=exc.status, headers=headers)
@@ -34,7 +47,7 @@ async def handle_swarmroute(request: Request, exc: Exception) -> Response:
 
 async def handle_validation(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ValidationError)
-    return error_response(BadRequestError(validation_message(exc)))
+    return error_response(validation_error(exc))
 
 
 async def handle_http(request: Request, exc: Exception) -> Response:

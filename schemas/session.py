@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import builtins
 import enum
+from collections.abc import Callable
 from typing import Literal
 
 from pydantic import Field, field_validator
@@ -151,6 +153,13 @@ class TokenLogprobs(WirePart):
     bytes: list[int] | None = Field(default=None, exclude_if=_none)
     top: list[LogprobCandidate] = Field(default_factory=list, description="most likely first; empty when only "
                                                                             "the sampled token's logprob was asked")
+
+    def with_bytes(self, token_bytes: Callable[[int], builtins.bytes]) -> TokenLogprobs:
+        """A copy with every token's bytes filled in from the vocabulary (the head's job)."""
+        return TokenLogprobs.model_construct(
+            token=self.token, logprob=self.logprob, bytes=list(token_bytes(self.token)),
+            top=[LogprobCandidate.model_construct(token=c.token, logprob=c.logprob, bytes=list(token_bytes(c.token)))
+                 for c in self.top])
 
 
 class TokenEvent(WireModel):
