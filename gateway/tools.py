@@ -17,6 +17,8 @@ import json
 import secrets
 from collections.abc import Callable
 
+from schemas.openai import ChatDelta, ChatMessageOut, ToolCall, ToolCallDelta, ToolCallFunction, ToolCallFunctionDelta
+from schemas.session import FinishReason
 from schemas.tools import (
     GENERIC_CALL_KEY,
     GENERIC_CALLS_KEY,
@@ -430,3 +432,33 @@ def parse_reply(text: str, fmt: ToolCallFormat, *, new_id: Callable[[], str] = n
     parser = ToolCallParser(fmt, new_id=new_id)
     parser.feed(text)
     return parser.finish()[1]
+
+
+# ---- in OpenAI's chat shapes ------------------------------------------------------------------------------------
+
+def chat_delta(deltas: list[ReplyDelta]) -> ChatDelta | None:
+    """One chunk's ``delta`` for the deltas a token released (``None`` when it released nothing): its text, and its
+    calls' pieces, the first of each carrying ``id``, ``type`` and the name."""
+    text = "".join(d.text for d in deltas if isinstance(d, ContentDelta))
+    calls: list[ToolCallDelta] = []
+    for d in deltas:
+        if isinstance(d, CallStart):
+            calls.append(ToolCallDelta(index=d.index, id=d.id, type="function",
+                                       function=ToolCallFunctionDelta(name=d.name, arguments="")))
+        elif isinstance(d, ArgumentsDelta):
+            calls.append(ToolCallDelta(index=d.index, function=ToolCallFunctionDelta(arguments=d.text)))
+    if not text and not calls:
+        return None
+    return ChatDelta(content=text or None, tool_calls=calls or None)
+
+
+def chat_message(reply: ParsedReply) -> ChatMessageOut:
+    """``choices[].message`` of a whole reply."""
+    calls = [ToolCall(id=c.id, function=ToolCallFunction(name=c.name, arguments=c.arguments))
+             for c in reply.tool_calls]
+    return ChatMessageOut(content=reply.content, tool_calls=calls or None)
+
+
+def finish_reason(reply_has_calls: bool, finish: FinishReason | None) -> str | None:
+    """OpenAI's ``tool_calls`` when a reply that ended by itself made calls; otherwise the session's own."""
+    return "tool_calls" if reply_has_calls and finish == "stop" else finish

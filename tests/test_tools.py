@@ -146,3 +146,35 @@ def test_a_reply_cut_short_keeps_what_was_written() -> None:
 def test_call_ids_look_like_openai_ids() -> None:
     made = {new_call_id() for _ in range(100)}
     assert len(made) == 100 and all(re.fullmatch(r"call_[0-9a-f]{24}", i) for i in made)
+
+
+def test_streamed_deltas_and_whole_replies_in_chat_shapes_parse_with_the_sdk() -> None:
+    from openai.types.chat import ChatCompletionChunk as SDKChunk
+    from openai.types.chat import ChatCompletionMessage
+
+    from gateway.tools import chat_delta, chat_message, finish_reason
+    from schemas.openai import ChatChunkChoice, ChatCompletionChunk
+
+    text = '{"tool_calls": [{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]}'
+    parser = ToolCallParser("generic")
+    accumulated: dict[int, dict[str, str]] = {}
+    for i in range(0, len(text), 5):
+        delta = chat_delta(parser.feed(text[i:i + 5]))
+        if delta is None:
+            continue
+        chunk = ChatCompletionChunk(id="c", model="m", choices=[ChatChunkChoice(delta=delta)])
+        sdk = SDKChunk.model_validate(chunk.model_dump(mode="json", exclude_none=True))
+        for call in sdk.choices[0].delta.tool_calls or []:  # how clients accumulate streamed calls
+            slot = accumulated.setdefault(call.index, {"id": "", "name": "", "arguments": ""})
+            slot["id"] += call.id or ""
+            slot["name"] += (call.function.name or "") if call.function else ""
+            slot["arguments"] += (call.function.arguments or "") if call.function else ""
+    rest, reply = parser.finish()
+    assert chat_delta(rest) is None
+    message = ChatCompletionMessage.model_validate(chat_message(reply).model_dump(mode="json"))
+    assert message.content is None and message.tool_calls is not None
+    assert [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}  # type: ignore[union-attr]
+            for c in message.tool_calls] == [accumulated[0], accumulated[1]]
+    assert finish_reason(True, "stop") == "tool_calls" and finish_reason(True, "length") == "length"
+    assert finish_reason(False, "stop") == "stop"
+    assert chat_message(parse_reply("plain", "generic")).tool_calls is None
