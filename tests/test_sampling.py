@@ -18,7 +18,7 @@ from actors.backend import StepInput  # noqa: E402
 from actors.backends import load_backend  # noqa: E402
 from actors.backends.grammar import grammar_for  # noqa: E402
 from actors.backends.llamacpp import LlamaCppBackend  # noqa: E402
-from schemas.constraint import JsonObjectConstraint, JsonSchemaConstraint  # noqa: E402
+from schemas.constraint import GrammarConstraint, JsonObjectConstraint, JsonSchemaConstraint  # noqa: E402
 from schemas.session import Prompt, SamplingParams  # noqa: E402
 from tests.support.amx import keep_amx_out  # noqa: E402
 
@@ -307,3 +307,48 @@ def test_greedy_under_a_grammar_is_the_best_allowed_token(backend: LlamaCppBacke
     finally:
         llama_cpp.llama_sampler_free(grammar)
     assert any(t != int(lg.argmax()) for t, lg in zip(picks, raw, strict=True))  # the grammar changed picks
+
+
+def test_hot_sampling_under_a_grammar_draws_from_the_restricted_distribution(backend: LlamaCppBackend) -> None:
+    # Plain temperature sampling under a grammar draws by rejection (Sampler._draw_constrained): its first tokens,
+    # over many seeds, must follow softmax(logits / T) restricted to what the grammar allows, computed here from the
+    # raw logits and a separate llama.cpp grammar sampler applied to the whole vocabulary.
+    from actors.backends.sampling import Sampler
+
+    constraint = GrammarConstraint(grammar='root ::= ("Red" | "Green" | "Blue" | "Yellow" | "red" | "green" | "blue" '
+                                           '| "yellow" | "The colour is " [a-z]+)')
+    temperature, draws = 1.5, 400
+    tokens = chat_tokens(backend, "Name a colour.")
+    backend.open_session("d", prompt_tokens=tokens, sampling=SamplingParams(temperature=0.0))
+    try:
+        backend.step([StepInput("d", 0, tokens=tokens, sample=True)])
+        logits = backend.last_logits("d")
+        ctx, row = backend._ctx, backend._sessions["d"].sampled_row  # noqa: SLF001 - sample the same row again
+        vocab = llama_cpp.llama_model_get_vocab(backend._model)  # noqa: SLF001
+        picks = []
+        for seed in range(draws):
+            sampler = Sampler(SamplingParams(temperature=temperature, seed=seed, constraint=constraint),
+                              n_vocab=len(logits), vocab=vocab)
+            try:
+                picks.append(sampler.sample(ctx, row)[0])
+            finally:
+                sampler.close()
+    finally:
+        backend.close_session("d")
+    grammar = llama_cpp.llama_sampler_init_grammar(vocab, grammar_for(constraint).text.encode(), b"root")
+    data = (llama_cpp.llama_token_data * len(logits))()
+    view = np.frombuffer(data, dtype=np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")]))
+    view["id"], view["logit"], view["p"] = np.arange(len(logits)), logits, 0.0
+    llama_cpp.llama_sampler_apply(grammar, ctypes.byref(llama_cpp.llama_token_data_array(data, len(logits), -1,
+                                                                                          False)))
+    llama_cpp.llama_sampler_free(grammar)
+    allowed = np.isfinite(view["logit"])
+    z = np.where(allowed, logits.astype(np.float64) / temperature, -np.inf)
+    expected = np.exp(z - z.max())
+    expected /= expected.sum()
+    assert all(allowed[t] for t in picks)  # never a forbidden token
+    likely = [int(t) for t in np.argsort(-expected)[:3]]
+    assert expected[likely[0]] < 0.9  # a real choice, not a forced token
+    for t in likely:  # each frequency within 4.5 standard deviations of its probability
+        p = expected[t]
+        assert abs(picks.count(t) / draws - p) < 4.5 * np.sqrt(p * (1 - p) / draws) + 1e-9, (t, p)

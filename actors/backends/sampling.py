@@ -8,9 +8,11 @@ server does), and every sampled token is accepted into it.
 A grammar (``SamplingParams.constraint``, see ``actors/backends/grammar.py``) is kept out of the chain and applied
 the way llama.cpp's ``common_sampler`` does: sample without it, check only the picked token against it, and only
 when the grammar rejects that token apply it to the candidates and sample again. Checking one token costs
-microseconds; applying a grammar to this 262k-token vocabulary costs milliseconds. Greedy goes one step further:
-the constrained argmax is the best-scoring token the grammar accepts, so the grammar is applied to the 64 (then
-4096) best tokens first and to the whole vocabulary only when none of those pass.
+microseconds; applying a grammar to this 262k-token vocabulary costs tens of milliseconds. Two exact shortcuts
+avoid most of those: greedy's constrained pick is the best-scoring token the grammar accepts, so the grammar is
+applied to the 64 (then 4096) best tokens first; plain temperature sampling (no top-k/top-p/min-p, no penalties,
+the OpenAI default) draws by rejection with its own seeded numpy generator (``Sampler._draw_constrained``), so
+its tokens for a given seed are not llama.cpp's ``dist`` sampler's, but the distribution is the same.
 
 Logprobs (``SamplingParams.logprobs``) come from the raw logits row (log-softmax over the vocabulary, before
 penalties, temperature and grammar), as llama-cpp-python's ``logprobs`` and vLLM's default do, and are computed
@@ -36,6 +38,8 @@ _MIN_KEEP = 1
 _TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")], align=True)
 _GREEDY_SHORTLISTS = (64, 4096)
 """Greedy under a grammar: shortlist sizes tried before the whole vocabulary."""
+_MAX_DRAWS = 64
+"""Hot sampling under a grammar: draws checked one by one before the grammar is applied to the vocabulary."""
 _TOP_WINDOW = 10.0
 """Top-N logprobs look among logits within this many nats of the maximum first (a few hundred tokens at most on a
 real distribution), and fall back to partitioning the whole row when fewer than N are there."""
@@ -102,6 +106,12 @@ class Sampler:
         self._chain: Any = None
         self._scratch: npt.NDArray[np.void] | None = None
         self._greedy = params.temperature == 0.0
+        # Plain temperature sampling (no truncation, no penalties) under a grammar draws in numpy with its own seeded
+        # generator: see _draw_constrained. Every other hot configuration keeps llama.cpp's chain.
+        plain_hot = (not self._greedy and not _has_penalties(params) and params.top_k == 0 and params.top_p == 1.0
+                     and params.min_p == 0.0)
+        self._rng = (np.random.default_rng(None if self._seed is None else self._seed & 0xFFFF_FFFF_FFFF_FFFF)
+                     if plain_hot and params.constraint is not None else None)
         # Plain greedy needs no chain state: numpy's argmax picks the first maximum exactly as llama.cpp's greedy
         # sampler does, ~10x faster than building llama.cpp's 262k-entry candidate array every step.
         self._argmax = self._greedy and not _has_penalties(params)
@@ -150,6 +160,8 @@ class Sampler:
             token = int(logits.argmax())
             if not self._allows(token, logits):
                 token = self._greedy_constrained(logits)
+        elif self._rng is not None:
+            token = self._draw_constrained(logits)
         else:
             token = self._apply(self._chain, logits)
             if not self._allows(token, logits):
@@ -159,6 +171,29 @@ class Sampler:
         llama_cpp.llama_sampler_accept(self._grammar, token)
         llama_cpp.llama_sampler_accept(self._chain, token)
         return token
+
+    def _draw_constrained(self, logits: npt.NDArray[np.float32]) -> int:
+        """softmax(logits / temperature) restricted to what the grammar allows, by rejection: draw from the whole
+        distribution and keep the first draw the grammar accepts, which is distributed exactly as the restricted
+        distribution. A check costs microseconds where applying the grammar to the vocabulary costs tens of
+        milliseconds; after ``_MAX_DRAWS`` rejections (the model wants what the grammar forbids) the grammar is
+        applied after all and the draw made among the allowed tokens."""
+        assert self._rng is not None
+        z = logits.astype(np.float64) / self.params.temperature
+        weights = np.exp(z - z.max())
+        cdf = np.cumsum(weights)
+        draws = np.searchsorted(cdf, self._rng.random(_MAX_DRAWS) * cdf[-1], side="right")
+        for token in np.minimum(draws, self._n_vocab - 1).tolist():
+            if self._allows(token, logits):
+                return int(token)
+        self._apply(self._grammar, logits, select=False)
+        assert self._scratch is not None
+        allowed = np.isfinite(self._scratch["logit"])
+        if not allowed.any():
+            raise BackendError("the grammar allows no token here")
+        ids = self._scratch["id"][allowed]
+        cdf = np.cumsum(weights[ids])
+        return int(ids[min(int(np.searchsorted(cdf, self._rng.random() * cdf[-1], side="right")), len(ids) - 1)])
 
     def _allows(self, token: int, logits: npt.NDArray[np.float32]) -> bool:
         one = llama_cpp.llama_token_data(token, float(logits[token]), 0.0)
