@@ -12,7 +12,8 @@ Layout (all little-endian; docs/protocol.md has the table)::
     28  4  start position
     32  4  n positions
     36  1  n stamps
-    37  3  reserved (zero)
+    37  1  choice          0..255 (n > 1; zero before issue #19)
+    38  2  reserved (zero)
     40     n_dims x u32 dims, then n_stamps x (u32 hop, u32 compute_us, u32 queue_us), then the payload
 
 Token frames (the tail's sampled token, to the head) share the stamps and the byte order::
@@ -43,7 +44,7 @@ from schemas.frame import (
     FINISH_CODES,
     MAGIC,
     MAX_DIMS,
-    MAX_TOKEN_CHOICE,
+    MAX_FRAME_CHOICE,
     TOKEN_FLAG_LOGPROBS,
     TOKEN_MAGIC,
     FrameHeader,
@@ -54,7 +55,7 @@ from schemas.frame import (
 )
 from schemas.session import MAX_TOP_LOGPROBS, LogprobCandidate, TokenLogprobs
 
-_FIXED = struct.Struct("<4sBBBB16sIIIB3x")
+_FIXED = struct.Struct("<4sBBBB16sIIIBB2x")
 _STAMP = struct.Struct("<III")
 _TOKEN = struct.Struct("<4sBBBB16sIII")
 _LOGPROB_HEAD = struct.Struct("<fB")
@@ -122,10 +123,12 @@ def encode(header: FrameHeader, hidden: npt.NDArray[np.floating]) -> bytes:
         raise ValueError(f"position shape must have 1..{MAX_DIMS} dims, got {header.position_shape}")
     if header.n_positions < 1 or any(d < 1 for d in header.position_shape):
         raise ValueError(f"a frame needs at least one position and no empty dimension, got {expected}")
+    if not 0 <= header.choice <= MAX_FRAME_CHOICE:
+        raise ValueError(f"choice {header.choice} outside 0..{MAX_FRAME_CHOICE}")
     flags = 1 if header.sample else 0
     parts = [
         _FIXED.pack(MAGIC, header.kind, header.dtype, flags, len(header.position_shape), header.session_id,
-                    header.step, header.start_position, header.n_positions, len(header.stamps)),
+                    header.step, header.start_position, header.n_positions, len(header.stamps), header.choice),
         _DIMS[len(header.position_shape)].pack(*header.position_shape),
     ]
     parts.append(_pack_stamps(header.stamps))
@@ -137,7 +140,7 @@ def decode(data: bytes) -> tuple[FrameHeader, npt.NDArray[np.float32]]:
     """Parse a frame; the hidden states come back as float32 ``(n_positions, *position_shape)``."""
     if len(data) < _FIXED.size:
         raise FrameDecodeError(f"frame is {len(data)} bytes, shorter than the {_FIXED.size}-byte fixed header")
-    magic, kind, dtype, flags, n_dims, sid, step, start, n_pos, n_stamps = _FIXED.unpack_from(data, 0)
+    magic, kind, dtype, flags, n_dims, sid, step, start, n_pos, n_stamps, choice = _FIXED.unpack_from(data, 0)
     if magic != MAGIC:
         raise FrameDecodeError(f"bad magic {magic!r}, expected {MAGIC!r}")
     frame_kind, wire_dtype = _KINDS.get(kind), _DTYPES.get(dtype)
@@ -159,7 +162,7 @@ def decode(data: bytes) -> tuple[FrameHeader, npt.NDArray[np.float32]]:
     stamps = _unpack_stamps(data, at, n_stamps)
     header = FrameHeader(session_id=sid, kind=frame_kind, dtype=wire_dtype, start_position=start,
                          n_positions=n_pos, position_shape=tuple(shape), step=step, sample=bool(flags & 1),
-                         stamps=stamps)
+                         stamps=stamps, choice=choice)
     payload = memoryview(data)[hsize:]
     if len(payload) != header.payload_bytes:
         raise FrameDecodeError(
@@ -175,8 +178,8 @@ def decode(data: bytes) -> tuple[FrameHeader, npt.NDArray[np.float32]]:
 def encode_token(token: SampledToken) -> bytes:
     """A token frame: a few fixed fields, the stamps, the text, then the logprobs when the session asked for them
     (nothing otherwise); a fraction of what JSON costs to build and parse on the per-token path."""
-    if not 0 <= token.choice <= MAX_TOKEN_CHOICE:
-        raise ValueError(f"choice {token.choice} outside 0..{MAX_TOKEN_CHOICE}")
+    if not 0 <= token.choice <= MAX_FRAME_CHOICE:
+        raise ValueError(f"choice {token.choice} outside 0..{MAX_FRAME_CHOICE}")
     stamps = _pack_stamps(token.stamps)
     text = token.text.encode()
     lp = token.logprobs

@@ -71,6 +71,8 @@ class FrameHeader:
     step: int = 0
     sample: bool = False
     stamps: tuple[HopStamp, ...] = ()
+    choice: int = 0
+    """n > 1: the choice these hidden states belong to (0..255; one frame per choice and step)."""
 
     @property
     def payload_bytes(self) -> int:
@@ -86,8 +88,8 @@ FINISH_CODES: dict[FinishReason | None, int] = {None: 0, "stop": 1, "length": 2}
 TOKEN_FLAG_LOGPROBS = 1
 """Token frame flag: a logprobs section follows the text."""
 
-MAX_TOKEN_CHOICE = 255
-"""A token frame carries its choice index in one byte."""
+MAX_FRAME_CHOICE = 255
+"""Activation and token frames carry their choice index (n > 1) in one byte."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 import uuid
 
@@ -374,3 +375,16 @@ def test_bytes_per_token_with_top5_logprobs(capsys: pytest.CaptureFixture[str]) 
     with capsys.disabled():
         print(f"\ntoken frame, 2 hops, 4 text bytes: {plain} B plain, {top5} B with top-5 logprobs (+{top5 - plain})")
     assert (plain, top5) == (36 + 24 + 4, 36 + 24 + 4 + 45)
+
+
+def test_activation_frames_carry_their_choice_in_a_reserved_byte() -> None:
+    h = header(stamps=(HopStamp(0, 1, 2),))
+    plain = frames.encode(h, hidden_for(h))
+    assert plain[37:40] == bytes(3)  # unused, the frame is the pre-issue-19 frame
+    chosen = dataclasses.replace(h, choice=200)
+    data = frames.encode(chosen, hidden_for(h))
+    assert data[37] == 200 and data[:37] == plain[:37] and data[38:] == plain[38:]
+    back, _ = frames.decode(data)
+    assert back == chosen
+    with pytest.raises(ValueError, match="choice 256"):
+        frames.encode(dataclasses.replace(h, choice=256), hidden_for(h))
