@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from schemas.node import BackendInfo, LayerRange
-from schemas.session import Prompt, SamplingParams
+from schemas.session import Prompt, SamplingParams, TokenLogprobs
 
 Hidden = npt.NDArray[np.float32]
 """Hidden states of ``n`` positions: shape ``(n, *hidden_shape)``, float32."""
@@ -33,6 +33,10 @@ class StepInput:
     """Incoming hidden states, on every hop but the head."""
     sample: bool = False
     """On the tail: sample a token after the last position (last prefill chunk, every decode step)."""
+    forks: tuple[str, ...] = ()
+    """n > 1, on the last prefill chunk: after this step, fork the session into these new sessions (choices
+    1..n-1; see ``ForkingBackend.fork_session``). Done inside the step, so nothing runs between the forward pass and
+    the forks' first samples. Their outputs are in ``StepOutput.forks``."""
 
     @property
     def n_positions(self) -> int:
@@ -48,6 +52,10 @@ class StepOutput:
     """Hidden states after this node's last layer (every hop but the tail)."""
     token: int | None = None
     """The sampled token (tail, when asked)."""
+    logprobs: TokenLogprobs | None = None
+    """The sampled token's logprobs (tail, when the session's ``SamplingParams.logprobs`` asked for them)."""
+    forks: list[StepOutput] = dataclasses.field(default_factory=list)
+    """One output per ``StepInput.forks`` entry, in order (the forks' first tokens on the tail)."""
 
 
 @runtime_checkable
@@ -104,4 +112,23 @@ class Backend(Protocol):
 
     def close(self) -> None:
         """Release the model. Idempotent."""
+        ...
+
+
+@runtime_checkable
+class ForkingBackend(Backend, Protocol):
+    """A backend that serves n > 1 choices from one prefill (every backend of this repository)."""
+
+    def fork_session(self, session_id: str, fork_ids: list[str]) -> list[StepOutput]:
+        """Copy ``session_id``'s KV into new sessions ``fork_ids`` (choices 1, 2, ... of the session, which is
+        choice 0), each at the session's position, so they decode on from the prompt without prefilling it again.
+
+        On the tail each fork gets its own sampler (and grammar) from the session's ``SamplingParams``, seeded
+        with ``seed + i`` for choice ``i`` (no seed: each draws its own), and samples its first token from the
+        logits the session's last step sampled from, which must be the backend's latest step: the forks'
+        first tokens come back, one ``StepOutput`` per fork. Elsewhere the outputs are empty.
+
+        All or nothing: ``CapacityError`` when fewer sequences are free than forks asked for, ``BadRequestError``
+        for a fork id already open. Forks are ordinary sessions afterwards: stepped in batches with any others and
+        closed one by one."""
         ...

@@ -12,7 +12,8 @@ Layout (all little-endian; docs/protocol.md has the table)::
     28  4  start position
     32  4  n positions
     36  1  n stamps
-    37  3  reserved (zero)
+    37  1  choice          0..255 (n > 1; zero before issue #19)
+    38  2  reserved (zero)
     40     n_dims x u32 dims, then n_stamps x (u32 hop, u32 compute_us, u32 queue_us), then the payload
 
 Token frames (the tail's sampled token, to the head) share the stamps and the byte order::
@@ -20,16 +21,19 @@ Token frames (the tail's sampled token, to the head) share the stamps and the by
     0   4  magic "SRT1"
     4   1  finish          0 none, 1 stop, 2 length
     5   1  n stamps
-    6   2  reserved (zero)
+    6   1  flags           bit 0: a logprobs section follows the text (zero in frames before issue #19)
+    7   1  choice          0..255 (n > 1; zero before issue #19)
     8  16  session id
-    24  4  seq             0 for the first generated token
+    24  4  seq             0 for the first generated token of this choice
     28  4  token id
     32  4  text bytes
-    36     n_stamps x (u32 hop, u32 compute_us, u32 queue_us), then the text (UTF-8)
+    36     n_stamps x (u32 hop, u32 compute_us, u32 queue_us), then the text (UTF-8), then, when flagged,
+           f32 logprob of the token, u8 n_top, n_top x (u32 token id, f32 logprob), most likely first
 """
 
 from __future__ import annotations
 
+import math
 import struct
 import uuid
 
@@ -40,6 +44,8 @@ from schemas.frame import (
     FINISH_CODES,
     MAGIC,
     MAX_DIMS,
+    MAX_FRAME_CHOICE,
+    TOKEN_FLAG_LOGPROBS,
     TOKEN_MAGIC,
     FrameHeader,
     FrameKind,
@@ -47,10 +53,13 @@ from schemas.frame import (
     SampledToken,
     WireDType,
 )
+from schemas.session import MAX_TOP_LOGPROBS, LogprobCandidate, TokenLogprobs
 
-_FIXED = struct.Struct("<4sBBBB16sIIIB3x")
+_FIXED = struct.Struct("<4sBBBB16sIIIBB2x")
 _STAMP = struct.Struct("<III")
-_TOKEN = struct.Struct("<4sBB2x16sIII")
+_TOKEN = struct.Struct("<4sBBBB16sIII")
+_LOGPROB_HEAD = struct.Struct("<fB")
+_TOP = [struct.Struct("<" + "If" * n) for n in range(MAX_TOP_LOGPROBS + 1)]
 _FINISHES = {code: reason for reason, code in FINISH_CODES.items()}
 _DIMS = [struct.Struct(f"<{n}I") for n in range(MAX_DIMS + 1)]
 # Plain dict lookups: the decode path runs once per hop per token, often on cold caches, where every enum call and
@@ -114,10 +123,12 @@ def encode(header: FrameHeader, hidden: npt.NDArray[np.floating]) -> bytes:
         raise ValueError(f"position shape must have 1..{MAX_DIMS} dims, got {header.position_shape}")
     if header.n_positions < 1 or any(d < 1 for d in header.position_shape):
         raise ValueError(f"a frame needs at least one position and no empty dimension, got {expected}")
+    if not 0 <= header.choice <= MAX_FRAME_CHOICE:
+        raise ValueError(f"choice {header.choice} outside 0..{MAX_FRAME_CHOICE}")
     flags = 1 if header.sample else 0
     parts = [
         _FIXED.pack(MAGIC, header.kind, header.dtype, flags, len(header.position_shape), header.session_id,
-                    header.step, header.start_position, header.n_positions, len(header.stamps)),
+                    header.step, header.start_position, header.n_positions, len(header.stamps), header.choice),
         _DIMS[len(header.position_shape)].pack(*header.position_shape),
     ]
     parts.append(_pack_stamps(header.stamps))
@@ -129,7 +140,7 @@ def decode(data: bytes) -> tuple[FrameHeader, npt.NDArray[np.float32]]:
     """Parse a frame; the hidden states come back as float32 ``(n_positions, *position_shape)``."""
     if len(data) < _FIXED.size:
         raise FrameDecodeError(f"frame is {len(data)} bytes, shorter than the {_FIXED.size}-byte fixed header")
-    magic, kind, dtype, flags, n_dims, sid, step, start, n_pos, n_stamps = _FIXED.unpack_from(data, 0)
+    magic, kind, dtype, flags, n_dims, sid, step, start, n_pos, n_stamps, choice = _FIXED.unpack_from(data, 0)
     if magic != MAGIC:
         raise FrameDecodeError(f"bad magic {magic!r}, expected {MAGIC!r}")
     frame_kind, wire_dtype = _KINDS.get(kind), _DTYPES.get(dtype)
@@ -151,7 +162,7 @@ def decode(data: bytes) -> tuple[FrameHeader, npt.NDArray[np.float32]]:
     stamps = _unpack_stamps(data, at, n_stamps)
     header = FrameHeader(session_id=sid, kind=frame_kind, dtype=wire_dtype, start_position=start,
                          n_positions=n_pos, position_shape=tuple(shape), step=step, sample=bool(flags & 1),
-                         stamps=stamps)
+                         stamps=stamps, choice=choice)
     payload = memoryview(data)[hsize:]
     if len(payload) != header.payload_bytes:
         raise FrameDecodeError(
@@ -165,34 +176,77 @@ def decode(data: bytes) -> tuple[FrameHeader, npt.NDArray[np.float32]]:
 
 
 def encode_token(token: SampledToken) -> bytes:
-    """A token frame: a few fixed fields, the stamps, then the text; a fraction of what JSON costs to build and
-    parse on the per-token path."""
+    """A token frame: a few fixed fields, the stamps, the text, then the logprobs when the session asked for them
+    (nothing otherwise); a fraction of what JSON costs to build and parse on the per-token path."""
+    if not 0 <= token.choice <= MAX_FRAME_CHOICE:
+        raise ValueError(f"choice {token.choice} outside 0..{MAX_FRAME_CHOICE}")
     stamps = _pack_stamps(token.stamps)
     text = token.text.encode()
-    head = _TOKEN.pack(TOKEN_MAGIC, FINISH_CODES[token.finish_reason], len(token.stamps), token.session_id,
-                       token.seq, token.token, len(text))
-    return b"".join((head, stamps, text))
+    lp = token.logprobs
+    head = _TOKEN.pack(TOKEN_MAGIC, FINISH_CODES[token.finish_reason], len(token.stamps),
+                       0 if lp is None else TOKEN_FLAG_LOGPROBS, token.choice, token.session_id, token.seq,
+                       token.token, len(text))
+    if lp is None:
+        return b"".join((head, stamps, text))
+    return b"".join((head, stamps, text, _pack_logprobs(lp)))
+
+
+def _pack_logprobs(lp: TokenLogprobs) -> bytes:
+    n = len(lp.top)
+    if n > MAX_TOP_LOGPROBS:
+        raise ValueError(f"at most {MAX_TOP_LOGPROBS} top logprobs, got {n}")
+    flat: list[float | int] = []
+    for c in lp.top:
+        flat += (c.token, c.logprob)
+    return _LOGPROB_HEAD.pack(lp.logprob, n) + _TOP[n].pack(*flat)
 
 
 def decode_token(data: bytes) -> SampledToken:
     """Parse a token frame; raises FrameDecodeError saying exactly what is wrong."""
     if len(data) < _TOKEN.size:
         raise FrameDecodeError(f"token frame is {len(data)} bytes, shorter than the {_TOKEN.size}-byte header")
-    magic, finish, n_stamps, sid, seq, token, n_text = _TOKEN.unpack_from(data, 0)
+    magic, finish, n_stamps, flags, choice, sid, seq, token, n_text = _TOKEN.unpack_from(data, 0)
     if magic != TOKEN_MAGIC:
         raise FrameDecodeError(f"bad magic {magic!r}, expected {TOKEN_MAGIC!r}")
     if finish not in _FINISHES:
         raise FrameDecodeError(f"unknown finish code {finish} (expected 0 none, 1 stop or 2 length)")
+    if flags & ~TOKEN_FLAG_LOGPROBS:
+        raise FrameDecodeError(f"unknown token frame flags {flags:#04x} (bit 0: logprobs is the only one)")
     at = _TOKEN.size + _STAMP.size * n_stamps
-    if len(data) != at + n_text:
-        raise FrameDecodeError(f"token frame is {len(data)} bytes; {n_stamps} stamps and {n_text} text bytes "
-                               f"need {at + n_text}")
+    end = at + n_text
+    logprobs = None
+    if flags & TOKEN_FLAG_LOGPROBS:
+        logprobs = _unpack_logprobs(data, end, token)
+        expected = end + _LOGPROB_HEAD.size + _TOP[len(logprobs.top)].size
+    else:
+        expected = end
+    if len(data) != expected:
+        what = " and a logprobs section" if logprobs is not None else ""
+        raise FrameDecodeError(f"token frame is {len(data)} bytes; {n_stamps} stamps, {n_text} text bytes{what} "
+                               f"need {expected}")
     try:
-        text = data[at:].decode()
+        text = data[at:end].decode()
     except UnicodeDecodeError as exc:
         raise FrameDecodeError(f"token text is not UTF-8: {exc}") from None
     return SampledToken(session_id=sid, seq=seq, token=token, text=text, finish_reason=_FINISHES[finish],
-                        stamps=_unpack_stamps(data, _TOKEN.size, n_stamps))
+                        stamps=_unpack_stamps(data, _TOKEN.size, n_stamps), choice=choice, logprobs=logprobs)
+
+
+def _unpack_logprobs(data: bytes, at: int, token: int) -> TokenLogprobs:
+    if len(data) < at + _LOGPROB_HEAD.size:
+        raise FrameDecodeError(f"token frame is {len(data)} bytes: flagged logprobs section missing at byte {at}")
+    logprob, n = _LOGPROB_HEAD.unpack_from(data, at)
+    if n > MAX_TOP_LOGPROBS:
+        raise FrameDecodeError(f"logprobs section lists {n} alternatives, more than {MAX_TOP_LOGPROBS}")
+    at += _LOGPROB_HEAD.size
+    if len(data) < at + _TOP[n].size:
+        raise FrameDecodeError(f"token frame is {len(data)} bytes; its {n} top logprobs need {at + _TOP[n].size}")
+    flat = _TOP[n].unpack_from(data, at)
+    if not all(math.isfinite(x) and x <= 0.0 for x in (logprob, *flat[1::2])):
+        raise FrameDecodeError("logprobs must be finite and <= 0")
+    # model_construct: the fields were just checked, and a validated model costs tens of microseconds per token.
+    top = [LogprobCandidate.model_construct(token=flat[i], logprob=flat[i + 1]) for i in range(0, 2 * n, 2)]
+    return TokenLogprobs.model_construct(token=token, logprob=logprob, top=top)
 
 
 def _pack_stamps(stamps: tuple[HopStamp, ...]) -> bytes:

@@ -26,7 +26,7 @@ from schemas.errors import (
     PayloadTooLargeError,
     SwarmrouteError,
     error_for_status,
-    validation_message,
+    validation_error,
 )
 
 __all__ = ["EXCEPTION_HANDLERS", "answer", "error_response", "read_body", "read_model"]
@@ -52,7 +52,7 @@ async def _swarmroute(request: Request, exc: Exception) -> Response:
 
 async def _validation(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ValidationError)
-    return error_response(BadRequestError(validation_message(exc)))
+    return error_response(validation_error(exc))
 
 
 async def _http(request: Request, exc: Exception) -> Response:
@@ -109,4 +109,4 @@ async def read_model(request: Request, model: type[M], limit: int) -> M:
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
-        raise BadRequestError(f"invalid {model.__name__}: {validation_message(exc)}") from None
+        raise validation_error(exc) from None

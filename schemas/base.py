@@ -18,3 +18,10 @@ class WireModel(BaseModel):
     model_config = ConfigDict(extra="allow", populate_by_name=True)
 
     schema_version: int = SCHEMA_VERSION
+
+
+class WirePart(BaseModel):
+    """A part nested in a wire message, versioned by its message: tolerant of unknown fields like ``WireModel``,
+    without a ``schema_version`` of its own (some parts repeat per token, where every byte is paid per token)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)

@@ -223,13 +223,23 @@ def error_from_body(status: int, body: object) -> SwarmrouteError:
     """Rebuild an error from an OpenAI-shaped body received from a peer (keeps status, message and code)."""
     message = f"HTTP {status}"
     code: str | None = None
+    param: str | None = None
     if isinstance(body, dict) and isinstance(body.get("error"), dict):
         err = body["error"]
         message = str(err.get("message") or message)
         code = str(err["code"]) if err.get("code") else None
-    return error_for_status(status, message, code=code)
+        param = str(err["param"]) if err.get("param") else None
+    error = error_for_status(status, message, code=code)
+    error.param = param  # the field a relayed 400 names stays named
+    return error
 
 
 def validation_message(exc: ValidationError) -> str:
     """The first few problems of a pydantic validation error, on one line: ``field: problem; ...``."""
     return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()[:5])
+
+
+def validation_error(exc: ValidationError, *, what: str = "") -> BadRequestError:
+    """A body that does not validate: a 400 naming the field (OpenAI's ``param``: its top-level name)."""
+    param = next((str(e["loc"][0]) for e in exc.errors() if e["loc"]), None)
+    return BadRequestError(f"{what}{validation_message(exc)}", param=param)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from schemas.session import FinishReason
+from schemas.session import FinishReason, TokenLogprobs
 
 MAGIC = b"SRF1"
 TOKEN_MAGIC = b"SRT1"
@@ -71,6 +71,8 @@ class FrameHeader:
     step: int = 0
     sample: bool = False
     stamps: tuple[HopStamp, ...] = ()
+    choice: int = 0
+    """n > 1: the choice these hidden states belong to (0..255; one frame per choice and step)."""
 
     @property
     def payload_bytes(self) -> int:
@@ -82,6 +84,12 @@ class FrameHeader:
 
 FINISH_CODES: dict[FinishReason | None, int] = {None: 0, "stop": 1, "length": 2}
 """How a token frame carries ``finish_reason`` (schemas.session.FinishReason)."""
+
+TOKEN_FLAG_LOGPROBS = 1
+"""Token frame flag: a logprobs section follows the text."""
+
+MAX_FRAME_CHOICE = 255
+"""Activation and token frames carry their choice index (n > 1) in one byte."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -95,3 +103,7 @@ class SampledToken:
     text: str = ""
     finish_reason: FinishReason | None = None
     stamps: tuple[HopStamp, ...] = ()
+    choice: int = 0
+    """The choice this token belongs to (n > 1); ``seq`` counts that choice's tokens."""
+    logprobs: TokenLogprobs | None = None
+    """Ids and logprobs only (``bytes`` unset): the head resolves the bytes."""

@@ -1,15 +1,63 @@
 """OpenAI-compatible request, response and stream-chunk types (the subset swarmroute serves).
 
-Requests tolerate unknown fields, as OpenAI's own API does, but a field whose meaning we cannot honour
-(``n > 1``, ``tools``, ``logprobs``) is rejected by the gateway rather than silently ignored.
+Requests tolerate unknown fields, as OpenAI's own API does, but a field whose meaning we cannot honour is refused
+with a 400 naming it rather than silently ignored: the parameters in ``UNSUPPORTED_PARAMS`` (checked by
+``unsupported_param``), and the issue #19 fields modelled here that the gateway does not serve yet
+(``PENDING_FEATURES``). Field validation errors carry the field in their location (``bus.http_edge`` turns it into
+the error's ``param``); checks across fields are attached to the later field for the same reason.
+
+The Responses API's models are in ``schemas.openai_responses``.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from schemas.session import MAX_CHOICES, MAX_TOP_LOGPROBS
+from schemas.tools import FunctionSpec
+
+PENDING_FEATURES: frozenset[str] = frozenset({"logprobs", "top_logprobs", "response_format", "tools",
+                                              "tool_choice"})
+"""Request fields modelled here whose serving is not wired into the gateway yet (issue #19, part 2): a request
+using one is refused with a 400 naming it, exactly as before they were modelled. Wiring a feature removes it."""
+
+UNSUPPORTED_PARAMS: dict[str, str] = {
+    "audio": "audio output is not supported",
+    "modalities": "only the text modality is supported",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+    "functions": "the deprecated 'functions' is not supported: use 'tools'",
+    "function_call": "the deprecated 'function_call' is not supported: use 'tool_choice'",
+    "logit_bias": "logit_bias is not supported",
+    "reasoning_effort": "this server serves no reasoning models",
+    "best_of": "best_of > 1 is not supported",
+    "suffix": "suffix (insertion) is not supported",
+}
+"""OpenAI parameters swarmroute does not honour, and why; sent with a value other than their neutral one
+(``_neutral``) they are a 400 naming the parameter. Parameters that change nothing about the reply (``store``,
+``metadata``, ``service_tier``, ``user``, ``prompt_cache_key``, ``safety_identifier``) are accepted and ignored."""
+
+
+def _neutral(name: str, value: object) -> bool:
+    if value is None or value is False or value == [] or value == {} or value == "":
+        return True
+    if name == "modalities":
+        return value == ["text"]
+    if name == "best_of":
+        return value == 1
+    return False
+
+
+def unsupported_param(req: BaseModel) -> tuple[str, str] | None:
+    """The first ``UNSUPPORTED_PARAMS`` entry the request sets to a non-neutral value: ``(name, why)``."""
+    extra = req.model_extra or {}
+    for name, why in UNSUPPORTED_PARAMS.items():
+        if name in extra and not _neutral(name, extra[name]):
+            return name, why
+    return None
 
 TELEMETRY_KEY = "swarmroute"
 """The one namespaced extra key under which chunks and responses carry Generation Telemetry."""
@@ -26,9 +74,33 @@ class StreamOptions(_Lenient):
     )
 
 
+class ToolCallFunction(_Lenient):
+    name: str
+    arguments: str = Field(description="the arguments as a JSON text")
+
+
+class ToolCall(_Lenient):
+    """A call in an assistant message (``message.tool_calls``, and sent back in the next request's history)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
 
     def text(self) -> str:
         """Content as plain text; list content must be text parts only."""
@@ -44,12 +116,56 @@ class ChatMessage(_Lenient):
         return "".join(parts)
 
 
+class FunctionTool(_Lenient):
+    """One entry of ``tools``."""
+
+    type: Literal["function"] = "function"
+    function: FunctionSpec
+
+
+class NamedFunction(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class JsonSchemaFormat(_Lenient):
+    name: str = Field(default="response", pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema", default_factory=dict)
+    strict: bool | None = None
+
+
+class TextFormat(_Lenient):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Lenient):
+    type: Literal["json_object"]
+
+
+class JsonSchemaResponseFormat(_Lenient):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaResponseFormat, Field(discriminator="type")]
+
+
 class _GenerationRequest(_Lenient):
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -78,15 +194,60 @@ class _GenerationRequest(_Lenient):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    @field_validator("logprobs", "top_logprobs", "response_format", "tools", "tool_choice", check_fields=False)
+    @classmethod
+    def _pending(cls, v: object, info: ValidationInfo) -> object:
+        name = info.field_name or ""
+        if name in PENDING_FEATURES and v not in (None, False) and not isinstance(v, TextFormat):
+            raise ValueError(f"{name!r} is not supported by this server yet")
+        return v
+
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    # Field order matters: a validator sees the fields declared before its own (ValidationInfo.data).
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_tools(cls, v: list[FunctionTool] | None) -> list[FunctionTool] | None:
+        names = [t.function.name for t in v or []]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tool names must be unique, got {names}")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_names_a_tool(cls, v: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
+        if v is None or v in ("none", "auto"):
+            return v
+        names = [t.function.name for t in info.data.get("tools") or []]
+        if not names:
+            raise ValueError("tool_choice requires tools")
+        if isinstance(v, NamedToolChoice) and v.function.name not in names:
+            raise ValueError(f"tool_choice names {v.function.name!r}, which is not among the tools {names}")
+        return v
 
 
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[int] = Field(description="text, or a list of token ids")
     echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS,
+                                 description="the N most likely tokens at each position (OpenAI allows up to 5)")
+    response_format: ResponseFormat | None = Field(default=None, description="llama.cpp's server extension")
 
 
 class Usage(BaseModel):
@@ -95,16 +256,43 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    """Chat ``choices[].logprobs``: one entry per generated token."""
+
+    content: list[TokenLogprob] | None
+    refusal: list[TokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """Completions ``choices[].logprobs`` (the legacy shape, as llama-cpp-python and vLLM return it)."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletion(_Lenient):
@@ -116,16 +304,31 @@ class ChatCompletion(_Lenient):
     usage: Usage
 
 
+class ToolCallFunctionDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    """A streamed piece of a call: the first carries ``id``, ``type`` and the name, later ones argument text."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: ToolCallFunctionDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(_Lenient):
@@ -141,7 +344,7 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(_Lenient):

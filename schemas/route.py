@@ -35,6 +35,9 @@ class Route(WireModel):
     hidden_shape: list[int]
     context_length: int = Field(ge=1, description="smallest per-session context among the hops")
     hops: list[Hop] = Field(min_length=1)
+    max_sessions: int | None = Field(default=None, ge=1, exclude_if=lambda v: v is None,
+                                     description="smallest max_sessions among the hops: the most choices (n) a "
+                                                 "session on this route can ever have (issue #19)")
 
     @property
     def head(self) -> Hop:

@@ -2,16 +2,42 @@
 
 from __future__ import annotations
 
+import builtins
 import enum
+from collections.abc import Callable
 from typing import Literal
 
 from pydantic import Field, field_validator
 
-from schemas.base import WireModel
+from schemas.base import WireModel, WirePart
+from schemas.constraint import OutputConstraint
 from schemas.route import Route
+from schemas.tools import ToolCallFormat, ToolSet
 
 CONTEXT_CAP = 131_072
 """The product's hard context cap (128K tokens), whatever a backend could do."""
+
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives a token's logprobs may list (OpenAI's ``top_logprobs`` limit)."""
+
+MAX_CHOICES = 128
+"""Most choices one session may ask for (OpenAI's ``n`` limit); a route allows at most its nodes' ``max_sessions``."""
+
+
+def _none(v: object) -> bool:
+    return v is None
+
+
+def _zero(v: object) -> bool:
+    return v == 0
+
+
+def _one(v: object) -> bool:
+    return v == 1
+
+
+def _empty(v: object) -> bool:
+    return not v
 
 
 class SessionPhase(enum.StrEnum):
@@ -41,6 +67,13 @@ class SamplingParams(WireModel):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     penalty_last_n: int = Field(default=64, ge=0)
+    # Fields added for issue #19 leave the wire untouched when unused (``exclude_if``): an old node still reads a new
+    # gateway's message, and the bytes of a plain request do not change.
+    logprobs: int | None = Field(
+        default=None, ge=0, le=MAX_TOP_LOGPROBS, exclude_if=_none,
+        description="None: no logprobs; 0: the sampled token's only; N: also the N most likely tokens")
+    constraint: OutputConstraint | None = Field(
+        default=None, exclude_if=_none, description="what the tail's grammar sampler enforces")
 
     @field_validator("seed")
     @classmethod
@@ -56,10 +89,16 @@ class Prompt(WireModel):
     text: str | None = None
     messages: list[dict[str, object]] | None = None
     add_generation_prompt: bool = True
+    tools: ToolSet | None = Field(default=None, exclude_if=_none,
+                                  description="messages only: tools the template (or the generic fallback) renders")
 
 
 class TokenizeReply(WireModel):
     tokens: list[int]
+    tool_format: ToolCallFormat | None = Field(
+        default=None, exclude_if=_none,
+        description="how the head asked the model to write tool calls (when the prompt had tools): the tail "
+                    "constrains and the gateway parses that format")
 
 
 class SessionOpen(WireModel):
@@ -79,6 +118,8 @@ class SessionOpen(WireModel):
     prefill_chunk: int = Field(default=256, ge=1, le=8192)
     capability: str = Field(default="", description="this hop's signed grant from the route (the route itself is "
                                                      "sent with capabilities stripped)")
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES, exclude_if=_one,
+                   description="choices: every hop forks the prompt's KV into n sequences after prefill")
 
 
 class SessionOpened(WireModel):
@@ -90,11 +131,42 @@ class SessionOpened(WireModel):
 FinishReason = Literal["stop", "length"]
 
 
+class LogprobCandidate(WirePart):
+    """One of the most likely tokens at a position: its id and logprob (from the tail), its bytes (from the head)."""
+
+    token: int
+    logprob: float
+    bytes: list[int] | None = Field(default=None, exclude_if=_none)
+
+
+class TokenLogprobs(WirePart):
+    """The log-probabilities that travel with a sampled token.
+
+    The tail computes them from the raw logits row the token was sampled from (log-softmax over the whole
+    vocabulary, before penalties, temperature and grammar: what llama-cpp-python's ``logprobs`` and vLLM's default
+    return) and sends ids and logprobs only; the head, which has the vocabulary and builds the gateway's
+    ``TokenEvent`` off the per-token path, fills in ``bytes``. The gateway turns bytes into OpenAI's ``token`` text.
+    """
+
+    token: int
+    logprob: float
+    bytes: list[int] | None = Field(default=None, exclude_if=_none)
+    top: list[LogprobCandidate] = Field(default_factory=list, description="most likely first; empty when only "
+                                                                            "the sampled token's logprob was asked")
+
+    def with_bytes(self, token_bytes: Callable[[int], builtins.bytes]) -> TokenLogprobs:
+        """A copy with every token's bytes filled in from the vocabulary (the head's job)."""
+        return TokenLogprobs.model_construct(
+            token=self.token, logprob=self.logprob, bytes=list(token_bytes(self.token)),
+            top=[LogprobCandidate.model_construct(token=c.token, logprob=c.logprob, bytes=list(token_bytes(c.token)))
+                 for c in self.top])
+
+
 class TokenEvent(WireModel):
     """A sampled token on its way back from the tail to the head, and from the head to the gateway (NATS).
 
     ``text`` is the new, complete UTF-8 text this token finishes (possibly empty while a character is incomplete,
-    or while a stop string might still be forming).
+    or while a stop string might still be forming). ``seq`` counts the tokens of choice ``index``.
     """
 
     type: Literal["token"] = "token"
@@ -105,6 +177,8 @@ class TokenEvent(WireModel):
     text: str = ""
     finish_reason: FinishReason | None = None
     hop_timings: list[HopTiming] = Field(default_factory=list)
+    index: int = Field(default=0, ge=0, lt=MAX_CHOICES, exclude_if=_zero, description="the choice (n > 1)")
+    logprobs: TokenLogprobs | None = Field(default=None, exclude_if=_none)
 
 
 class HopTiming(WireModel):
@@ -129,8 +203,19 @@ class FailureReason(WireModel):
         return f"{who} failed during {self.phase.value} ({self.kind}): {self.message}"
 
 
+class ChoiceEnd(WirePart):
+    """How one choice of an n > 1 session ended."""
+
+    index: int = Field(ge=0)
+    finish_reason: FinishReason | None = None
+    completion_tokens: int = Field(default=0, ge=0)
+
+
 class SessionEnd(WireModel):
-    """Published on the token subject when a session ends for any reason; the gateway stops reading then."""
+    """Published on the token subject when a session ends for any reason; the gateway stops reading then.
+
+    With n > 1, ``completion_tokens`` counts every choice and ``choices`` says how each ended (its
+    ``completion_tokens`` lets the gateway see a lost last token of any choice); ``finish_reason`` is choice 0's."""
 
     type: Literal["end"] = "end"
     """The tag that tells it from a ``TokenEvent`` on the session's token subject."""
@@ -140,6 +225,7 @@ class SessionEnd(WireModel):
     failure: FailureReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    choices: list[ChoiceEnd] = Field(default_factory=list, exclude_if=_empty)
 
 
 TokenEvent.model_rebuild()

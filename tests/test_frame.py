@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 import uuid
 
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 from bus import frame as frames
 from bus.frame import FrameDecodeError
 from schemas.frame import MAGIC, MAX_DIMS, FrameHeader, FrameKind, HopStamp, SampledToken, WireDType
+from schemas.session import MAX_TOP_LOGPROBS, LogprobCandidate, TokenLogprobs
 
 SID = uuid.UUID("0123456789abcdef0123456789abcdef").bytes
 FIXED = 40  # documented size of the fixed header
@@ -291,3 +293,98 @@ def test_token_frame_layout_is_fixed() -> None:
 def test_bad_token_frames_are_named(mutate, message) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(FrameDecodeError, match=message):
         frames.decode_token(mutate(frames.encode_token(sampled(text="ok"))))
+
+
+# ---- token frames: choices and logprobs (issue #19) --------------------------------------------------------------
+
+def top5_logprobs(token: int = 262143) -> TokenLogprobs:
+    # f32-exact values: the frame carries f32, and these survive the round trip bit for bit.
+    top = [LogprobCandidate(token=t, logprob=lp) for t, lp in
+           [(token, -0.25), (17, -1.5), (262000, -2.75), (0, -3.0), (99, -10.5)]]
+    return TokenLogprobs(token=token, logprob=-0.25, top=top)
+
+
+@pytest.mark.parametrize("token", [
+    sampled(logprobs=top5_logprobs()),
+    sampled(logprobs=TokenLogprobs(token=262143, logprob=-0.125)),  # the sampled token's logprob only
+    sampled(choice=7, seq=0, text="", logprobs=top5_logprobs()),
+    sampled(choice=255),
+    sampled(logprobs=TokenLogprobs(token=262143, logprob=-0.5, top=[
+        LogprobCandidate(token=i, logprob=-float(i)) for i in range(MAX_TOP_LOGPROBS)])),
+], ids=["top5", "token-only", "choice-7", "choice-255", "top20"])
+def test_token_frames_with_choices_and_logprobs_round_trip(token: SampledToken) -> None:
+    back = frames.decode_token(frames.encode_token(token))
+    assert back == token
+    assert back.logprobs == token.logprobs and back.choice == token.choice
+
+
+def test_a_token_frame_without_logprobs_is_the_pre_issue_19_frame() -> None:
+    # Not asking for logprobs costs nothing: flags and choice sit in what were reserved zero bytes, and no section
+    # follows the text, so the frame is byte for byte what an old tail sent (and an old head can parse it).
+    token = sampled(text="ab", stamps=(HopStamp(2, 3, 4),))
+    data = frames.encode_token(token)
+    old = struct.pack("<4sBB2x16sIII", b"SRT1", 2, 1, bytes(range(16)), 41, 262143, 2) + struct.pack(
+        "<III", 2, 3, 4) + b"ab"
+    assert data == old
+    assert frames.decode_token(old) == token
+
+
+def test_logprobs_cost_five_bytes_plus_eight_per_alternative() -> None:
+    plain = frames.encode_token(sampled())
+    only = frames.encode_token(sampled(logprobs=TokenLogprobs(token=262143, logprob=-0.125)))
+    top5 = frames.encode_token(sampled(logprobs=top5_logprobs()))
+    assert len(only) - len(plain) == 5
+    assert len(top5) - len(plain) == 5 + 8 * 5
+    assert top5[6] == 1 and plain[6] == 0  # the flag
+
+
+def test_encode_token_refuses_what_the_frame_cannot_carry() -> None:
+    with pytest.raises(ValueError, match="choice 256"):
+        frames.encode_token(sampled(choice=256))
+    too_many = [LogprobCandidate.model_construct(token=i, logprob=-1.0) for i in range(MAX_TOP_LOGPROBS + 1)]
+    with pytest.raises(ValueError, match="at most 20"):
+        frames.encode_token(sampled(logprobs=TokenLogprobs.model_construct(token=1, logprob=-1.0, top=too_many)))
+
+
+def _with_logprob_bytes(section: bytes) -> bytes:
+    data = bytearray(frames.encode_token(sampled(text="ok")))
+    data[6] = 1
+    return bytes(data) + section
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    (lambda: _with_logprob_bytes(b""), r"flagged logprobs section missing"),
+    (lambda: _with_logprob_bytes(struct.pack("<fB", -1.0, 21)), r"lists 21 alternatives, more than 20"),
+    (lambda: _with_logprob_bytes(struct.pack("<fB", -1.0, 2) + struct.pack("<If", 5, -2.0)), r"top logprobs need"),
+    (lambda: _with_logprob_bytes(struct.pack("<fB", -1.0, 1) + struct.pack("<If", 5, -2.0) + b"x"), r"need"),
+    (lambda: _with_logprob_bytes(struct.pack("<fB", float("nan"), 0)), r"finite and <= 0"),
+    (lambda: _with_logprob_bytes(struct.pack("<fB", -1.0, 1) + struct.pack("<If", 5, 0.5)), r"finite and <= 0"),
+    (lambda: frames.encode_token(sampled(text="ok"))[:6] + b"\x02" + frames.encode_token(sampled(text="ok"))[7:],
+     r"unknown token frame flags 0x02"),
+], ids=["missing", "too-many", "short-top", "trailing", "nan", "positive", "unknown-flag"])
+def test_bad_logprobs_sections_are_named(data, message) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(FrameDecodeError, match=message):
+        frames.decode_token(data())
+
+
+def test_bytes_per_token_with_top5_logprobs(capsys: pytest.CaptureFixture[str]) -> None:
+    """The number in docs/protocol.md: a typical 2-hop decode token frame, without and with top-5 logprobs."""
+    stamps = (HopStamp(0, 16000, 20), HopStamp(1, 17000, 30))
+    plain = len(frames.encode_token(sampled(text=" the", stamps=stamps)))
+    top5 = len(frames.encode_token(sampled(text=" the", stamps=stamps, logprobs=top5_logprobs())))
+    with capsys.disabled():
+        print(f"\ntoken frame, 2 hops, 4 text bytes: {plain} B plain, {top5} B with top-5 logprobs (+{top5 - plain})")
+    assert (plain, top5) == (36 + 24 + 4, 36 + 24 + 4 + 45)
+
+
+def test_activation_frames_carry_their_choice_in_a_reserved_byte() -> None:
+    h = header(stamps=(HopStamp(0, 1, 2),))
+    plain = frames.encode(h, hidden_for(h))
+    assert plain[37:40] == bytes(3)  # unused, the frame is the pre-issue-19 frame
+    chosen = dataclasses.replace(h, choice=200)
+    data = frames.encode(chosen, hidden_for(h))
+    assert data[37] == 200 and data[:37] == plain[:37] and data[38:] == plain[38:]
+    back, _ = frames.decode(data)
+    assert back == chosen
+    with pytest.raises(ValueError, match="choice 256"):
+        frames.encode(dataclasses.replace(h, choice=256), hidden_for(h))

@@ -383,3 +383,150 @@ def _decodes(piece: bytes) -> bool:
     except UnicodeDecodeError:
         return False
     return True
+
+
+# --- n > 1: forks of a session's KV (issue #19) -------------------------------------------------------------------
+
+FORK_PROMPT = "Once upon a time, in a land far away,"
+
+
+def run_choices(backend: LlamaCppBackend, tokens: list[int], n: int, sampling: SamplingParams,
+                steps: int = N_TOKENS, forced: list[int] | None = None,
+                ) -> tuple[list[list[int]], list[list[np.ndarray]]]:
+    """One prefill forked into ``n`` choices inside its step, then every choice decoded in one batch per step (fed
+    its own picks, or ``forced`` tokens). Returns each choice's picks and the logits of each pick."""
+    ids = ["c0", *(f"c{i}" for i in range(1, n))]
+    backend.open_session("c0", prompt_tokens=tokens, sampling=sampling)
+    try:
+        out = backend.step([StepInput("c0", 0, tokens=tokens, sample=True, forks=tuple(ids[1:]))])[0]
+        assert out.token is not None and len(out.forks) == n - 1
+        picks = [[out.token], *([f.token] for f in out.forks)]  # type: ignore[list-item]
+        logits = [[backend.last_logits(sid)] for sid in ids]
+        while len(picks[0]) < steps:
+            i = len(picks[0])
+            fed = [[forced[i - 1]] if forced is not None else [p[-1]] for p in picks]
+            outs = backend.step([StepInput(sid, len(tokens) + i - 1, tokens=f, sample=True)
+                                 for sid, f in zip(ids, fed, strict=True)])
+            for sid, p, lg, o in zip(ids, picks, logits, outs, strict=True):
+                assert o.token is not None
+                p.append(o.token)
+                lg.append(backend.last_logits(sid))
+        return picks, logits
+    finally:
+        for sid in ids:
+            backend.close_session(sid)
+
+
+def test_forks_at_temperature_zero_decode_what_the_unforked_session_decodes(backend: LlamaCppBackend) -> None:
+    # Three choices decoded in one batch compute what the unforked session computes alone, up to the rounding
+    # of ggml's batch-shape- and cell-placement-dependent kernels (see TIE): teacher-forced with the lone run's
+    # tokens, every pick is the same except at near-ties, and free-running they agree up to a near-tie.
+    tokens = backend.tokenize(Prompt(text=FORK_PROMPT))
+    (alone,), (alone_logits,) = run_alone(backend, [tokens])
+    forced, forced_logits = run_choices(backend, tokens, 3, GREEDY, forced=alone)
+    flips = 0
+    for choice, logits in zip(forced, forced_logits, strict=True):
+        for i, (a, b) in enumerate(zip(alone, choice, strict=True)):
+            la, lb = alone_logits[i], logits[i]
+            assert float(la @ lb / np.linalg.norm(la) / np.linalg.norm(lb)) > 0.99
+            if a != b:
+                flips += 1
+                assert margin(la, a, b) < TIE and margin(lb, b, a) < TIE, f"step {i}: not a near-tie"
+    assert flips <= 2
+    free, _ = run_choices(backend, tokens, 3, GREEDY)
+    for choice in free:
+        first = next((i for i, (a, b) in enumerate(zip(alone, choice, strict=True)) if a != b), None)
+        if first is not None:
+            assert margin(alone_logits[first], alone[first], choice[first]) < TIE
+    # The prefill's logits are shared, not recomputed: every choice's first pick is the lone run's.
+    assert {c[0] for c in free} == {alone[0]}
+    assert free[0] == alone  # choice 0 is the session itself, decoded at its own cells
+
+
+def test_seeded_choices_are_reproducible_and_choice_i_draws_with_seed_plus_i(backend: LlamaCppBackend) -> None:
+    tokens = backend.tokenize(Prompt(text=FORK_PROMPT))
+    hot = SamplingParams(temperature=1.0, seed=42)
+    first, _ = run_choices(backend, tokens, 3, hot)
+    assert run_choices(backend, tokens, 3, hot)[0] == first  # reproducible across runs
+    assert len({tuple(c) for c in first}) == 3  # three different draws
+    # Choice i samples its first token with seed + i from the prompt's logits: what an unforked session with that
+    # seed samples first, so choice 0 of n = 3 starts as n = 1 with the same seed. Later tokens are decoded in a
+    # batch of three, whose logits differ from a lone run's at the rounding level (see TIE): a hot sampler's draw
+    # can then land on the other side of a boundary, so only the first token is compared.
+    for i, choice in enumerate(first):
+        assert generate(backend, "seeded", tokens, 1, SamplingParams(temperature=1.0, seed=42 + i)) == choice[:1]
+
+
+def test_forks_share_the_prompt_cells_and_grow_their_own(backend: LlamaCppBackend) -> None:
+    tokens = backend.tokenize(Prompt(text=FORK_PROMPT))
+    p = len(tokens)
+    backend.open_session("src", prompt_tokens=tokens, sampling=GREEDY)
+    out = backend.step([StepInput("src", 0, tokens=tokens, sample=True)])[0]
+    assert out.token is not None
+    forks = backend.fork_session("src", ["f1", "f2"])
+    seqs = [backend.seq_id_of(s) for s in ("src", "f1", "f2")]
+    try:
+        assert len(set(seqs)) == 3
+        assert [f.token for f in forks] == [out.token, out.token]  # greedy: the same first token
+        for sid in ("src", "f1", "f2"):
+            assert backend.kv_cells(sid) == (0, p - 1) and backend.session_position(sid) == p
+        # Decode two steps of f1 only: its cells grow, the others' do not.
+        backend.step([StepInput("f1", p, tokens=[out.token], sample=True)])
+        backend.step([StepInput("f1", p + 1, tokens=[out.token], sample=True)])
+        assert backend.kv_cells("f1") == (0, p + 1)
+        assert backend.kv_cells("src") == backend.kv_cells("f2") == (0, p - 1)
+        # Closing the source leaves the forks' copies of the prompt intact.
+        backend.close_session("src")
+        assert backend.seq_cells(seqs[0]) == (-1, -1)
+        assert backend.kv_cells("f2") == (0, p - 1) and backend.kv_cells("f1") == (0, p + 1)
+        out = backend.step([StepInput("f2", p, tokens=[out.token], sample=True)])[0]
+        assert out.token is not None
+    finally:
+        for sid in ("src", "f1", "f2"):
+            backend.close_session(sid)
+    assert all(backend.seq_cells(s) == (-1, -1) for s in seqs)
+
+
+def test_forks_carry_logprobs_and_constraints(backend: LlamaCppBackend) -> None:
+    from schemas.constraint import JsonSchemaConstraint
+
+    schema = {"type": "object", "required": ["ok"], "properties": {"ok": {"type": "boolean"}}}
+    sampling = SamplingParams(temperature=0.0, logprobs=2, constraint=JsonSchemaConstraint(json_schema=schema))
+    tokens = backend.tokenize(Prompt(text=FORK_PROMPT))
+    backend.open_session("src", prompt_tokens=tokens, sampling=sampling)
+    try:
+        out = backend.step([StepInput("src", 0, tokens=tokens, sample=True, forks=("f1",))])[0]
+        fork = out.forks[0]
+        assert out.logprobs is not None and fork.logprobs is not None and len(fork.logprobs.top) == 2
+        assert fork.token == out.token and fork.logprobs == out.logprobs
+        assert backend.token_bytes(fork.token or 0).startswith(b"{")  # the fork's own grammar holds from token one
+    finally:
+        backend.close_session("src")
+        backend.close_session("f1")
+
+
+def test_forks_are_all_or_nothing(backend: LlamaCppBackend) -> None:
+    tokens = backend.tokenize(Prompt(text=FORK_PROMPT))
+    backend.open_session("src", prompt_tokens=tokens, sampling=GREEDY)
+    try:
+        free = backend.max_sessions - len(backend.open_sessions)
+        with pytest.raises(CapacityError, match="forks 4 sessions"):
+            backend.step([StepInput("src", 0, tokens=tokens, sample=True, forks=("a", "b", "c", "d"))])
+        assert backend.session_position("src") == 0  # refused before the forward pass
+        with pytest.raises(BadRequestError, match="new and distinct"):
+            backend.step([StepInput("src", 0, tokens=tokens, sample=True, forks=("a", "a"))])
+        with pytest.raises(BadRequestError, match="must sample"):
+            backend.step([StepInput("src", 0, tokens=tokens, sample=False, forks=("a",))])
+        backend.step([StepInput("src", 0, tokens=tokens, sample=True)])
+        with pytest.raises(CapacityError, match="need as many free sequences"):
+            backend.fork_session("src", [f"x{i}" for i in range(free + 1)])
+        assert backend.open_sessions == ["src"] and free == backend.max_sessions - 1
+        # The forks sample from the logits of the session's own last step: not after another decode.
+        backend.open_session("other", prompt_tokens=tokens, sampling=GREEDY)
+        backend.step([StepInput("other", 0, tokens=tokens[:3], sample=True)])
+        with pytest.raises(BadRequestError, match="right after the step"):
+            backend.fork_session("src", ["late"])
+    finally:
+        for sid in ("src", "other"):
+            backend.close_session(sid)
+    assert backend.open_sessions == []

@@ -66,7 +66,7 @@ def run_step(hops: Sequence[LlamaCppBackend], items: list[StepInput]) -> list[St
     """One step through every hop: the head gets the items, each later hop the previous hop's hidden rows."""
     outputs = hops[0].step(items)
     for hop in hops[1:]:
-        items = [StepInput(i.session_id, i.start_position, hidden=o.hidden, sample=i.sample)
+        items = [StepInput(i.session_id, i.start_position, hidden=o.hidden, sample=i.sample, forks=i.forks)
                  for i, o in zip(items, outputs, strict=True)]
         outputs = hop.step(items)
     return outputs
@@ -207,3 +207,37 @@ def test_a_shared_shard_directory_never_hands_one_models_layers_to_another(tmp_p
             tail.close()
     assert outputs[0][0] != outputs[1][0] and outputs[0][0].parent == outputs[1][0].parent == shared
     assert not np.array_equal(outputs[0][1], outputs[1][1])
+
+
+def generate_choices(hops: Sequence[LlamaCppBackend], tokens: list[int], n: int,
+                     ) -> tuple[list[list[int]], list[list[np.ndarray]]]:
+    """n > 1 through the hops: the prompt's step forks every hop's session into n choices, which then decode in
+    one batch per step; the tail's picks and logits per choice."""
+    ids = ["c0", *(f"c{i}" for i in range(1, n))]
+    for hop in hops:
+        hop.open_session("c0", prompt_tokens=tokens, sampling=GREEDY)
+    try:
+        out = run_step(hops, [StepInput("c0", 0, tokens=tokens, sample=True, forks=tuple(ids[1:]))])[0]
+        picks = [[out.token], *([f.token] for f in out.forks)]
+        logits = [[hops[-1].last_logits(sid)] for sid in ids]
+        for hop in hops:  # every hop holds the prompt for every choice
+            assert [hop.kv_cells(sid) for sid in ids] == [(0, len(tokens) - 1)] * n
+        while len(picks[0]) < N:
+            at = len(tokens) + len(picks[0]) - 1
+            outs = run_step(hops, [StepInput(sid, at, tokens=[p[-1]], sample=True)  # type: ignore[list-item]
+                                   for sid, p in zip(ids, picks, strict=True)])
+            for sid, p, lg, o in zip(ids, picks, logits, outs, strict=True):
+                p.append(o.token)
+                lg.append(hops[-1].last_logits(sid))
+        return picks, logits  # type: ignore[return-value]
+    finally:
+        for hop in hops:
+            for sid in ids:
+                hop.close_session(sid)
+
+
+def test_choices_fork_on_every_hop_and_equal_the_whole_model(chain: list[LlamaCppBackend],
+                                                            full: LlamaCppBackend) -> None:
+    tokens = full.tokenize(Prompt(text="The capital of France is"))
+    full_run = generate_choices([full], tokens, 3)
+    assert_same(full_run, generate_choices(chain, tokens, 3))

@@ -82,6 +82,12 @@ def test_route_context_is_the_smallest_hop_context() -> None:
     assert route.context_length == 2048
 
 
+def test_route_choices_are_bounded_by_the_smallest_hop() -> None:
+    # n > 1 holds one sequence per choice on every hop: the gateway refuses n above this (issue #19).
+    route = select_route([node("a", 0, 9, max_sessions=8), node("b", 9, 18, max_sessions=3)], MODEL, "s1")
+    assert route.max_sessions == 3
+
+
 def test_uncovered_layers_named_in_the_error() -> None:
     adverts = [node("a", 0, 6), node("b", 6, 12)]
     with pytest.raises(NoRouteError) as info:

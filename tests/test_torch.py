@@ -12,6 +12,7 @@ import torch
 
 from actors.backend import Backend, StepInput
 from actors.backends import load_backend
+from actors.backends.torch import TorchBackend
 from bus import frame as frames
 from schemas.errors import (
     BadRequestError,
@@ -187,3 +188,69 @@ def test_load_backend_builds_a_torch_backend_that_satisfies_the_contract() -> No
     chat = backend.tokenize(Prompt(messages=[{"role": "user", "content": "hi"}]))
     assert bytes(b for t in chat for b in backend.token_bytes(t)) == b"<user>hi\n<assistant>"
     assert backend.is_end_of_generation(1) and not backend.is_end_of_generation(chat[-1])
+
+
+# ---- issue #19: n > 1 forks, logprobs, constraints refused --------------------------------------------------------
+
+def _choices(backends: list[TorchBackend], ids: list[int], n: int, sampling: SamplingParams,
+             steps: int = 12) -> list[list[int | None]]:
+    names = ["c0", *(f"c{i}" for i in range(1, n))]
+    for b in reversed(backends):
+        b.open_session("c0", prompt_tokens=ids, sampling=sampling)
+    items = [StepInput("c0", 0, tokens=ids, sample=True, forks=tuple(names[1:]))]
+    for b in backends:
+        outs = b.step(items)
+        items = [StepInput(i.session_id, i.start_position, hidden=o.hidden, sample=i.sample, forks=i.forks)
+                 for i, o in zip(items, outs, strict=True)]
+    picks: list[list[int | None]] = [[outs[0].token], *([f.token] for f in outs[0].forks)]
+    while len(picks[0]) < steps:
+        at = len(ids) + len(picks[0]) - 1
+        items = [StepInput(name, at, tokens=[p[-1]], sample=True) for name, p in zip(names, picks, strict=True)]
+        for b in backends:
+            outs = b.step(items)
+            items = [StepInput(i.session_id, i.start_position, hidden=o.hidden, sample=True)
+                     for i, o in zip(items, outs, strict=True)]
+        for p, o in zip(picks, outs, strict=True):
+            p.append(o.token)
+    for b in backends:
+        for name in names:
+            b.close_session(name)
+    return picks
+
+
+def test_forked_choices_equal_unforked_runs() -> None:
+    route = WireRoute(build_route("tiny-llama", (0, 3, 6), max_sessions=4))
+    ids = route.backends[0].tokenize(Prompt(text=LONG_PROMPT))
+    greedy = route.generate(ids, 12)[1]
+    assert _choices(route.backends, ids, 3, GREEDY) == [greedy] * 3
+    hot = _choices(route.backends, ids, 3, SamplingParams(temperature=1.5, seed=11))
+    assert len({tuple(c) for c in hot}) == 3
+    # Sessions never share a forward pass here, so each choice is exactly the unforked run with seed + i.
+    for i, choice in enumerate(hot):
+        assert route.generate(ids, 12, sampling=SamplingParams(temperature=1.5, seed=11 + i))[1] == choice
+
+
+def test_logprobs_are_the_reference_models_log_softmax() -> None:
+    ref = reference("tiny-llama")
+    (backend,) = build_route("tiny-llama", (0, 6))
+    ids = backend.tokenize(Prompt(text=LONG_PROMPT))
+    backend.open_session("s", prompt_tokens=ids, sampling=SamplingParams(temperature=0.0, logprobs=4))
+    out = backend.step([StepInput("s", 0, tokens=ids, sample=True)])[0]
+    with torch.no_grad():
+        expected = torch.log_softmax(ref(torch.tensor([ids])).logits[0, -1].float(), dim=-1)
+    lp = out.logprobs
+    assert lp is not None and lp.token == out.token == int(expected.argmax())
+    assert abs(lp.logprob - float(expected[out.token])) < 1e-4
+    assert [c.token for c in lp.top] == [int(i) for i in torch.topk(expected, 4).indices]
+    assert all(abs(c.logprob - float(expected[c.token])) < 1e-4 for c in lp.top)
+
+
+def test_output_constraints_are_refused_naming_the_backend() -> None:
+    from schemas.constraint import JsonObjectConstraint
+
+    head, tail = build_route("tiny-llama", (0, 3, 6))
+    ids = head.tokenize(Prompt(text="hello"))
+    head.open_session("s", prompt_tokens=ids, sampling=SamplingParams(constraint=JsonObjectConstraint()))
+    with pytest.raises(BadRequestError, match="torch backend does not enforce") as info:
+        tail.open_session("s", prompt_tokens=ids, sampling=SamplingParams(constraint=JsonObjectConstraint()))
+    assert info.value.param == "response_format"

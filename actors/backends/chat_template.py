@@ -4,6 +4,11 @@ A GGUF normally carries its Hugging Face chat template in ``tokenizer.chat_templ
 Transformers and llama-cpp-python render it (sandboxed Jinja2, ``trim_blocks``/``lstrip_blocks``, ``bos_token``,
 ``eos_token``, ``raise_exception``, ``strftime_now``). Some conversions drop it (the bundled Gemma 3 270M has
 none); for those the family's official template stands in, chosen by ``general.architecture``.
+
+Tools (issue #19): a template that renders ``tools`` and ``<tool_call>`` blocks gets them natively (``hermes``);
+every other template gets the generic fallback of ``actors/backends/tool_prompt.py`` (``generic``). Which one a
+template uses is ``ChatTemplate.tool_format``; the head reports it to the gateway, which constrains and parses
+replies in that format.
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from actors.backends.tool_prompt import generic_messages, native_messages, tool_dicts
 from schemas.errors import BadRequestError
+from schemas.tools import HERMES_OPEN, ToolCallFormat, ToolSet
 
 GEMMA_TEMPLATE = (
     # Google's Gemma 3 instruction template (text parts only): no system role, so a system message becomes the
@@ -91,14 +98,30 @@ class ChatTemplate:
             raise BadRequestError(f"chat template ({self.origin}) does not compile: {e}") from e
         object.__setattr__(self, "_compiled", compiled)
 
-    def render(self, messages: Sequence[Mapping[str, object]], *, add_generation_prompt: bool = True) -> str:
-        """The prompt text, BOS text included when the template writes it. Raises ``BadRequestError``."""
+    @property
+    def tool_format(self) -> ToolCallFormat:
+        """``hermes`` when the template renders ``tools`` and writes ``<tool_call>`` blocks itself (read from its
+        source, as llama.cpp's server detects template capabilities), else ``generic``."""
+        return "hermes" if "tools" in self.source and HERMES_OPEN in self.source else "generic"
+
+    def render(self, messages: Sequence[Mapping[str, object]], *, add_generation_prompt: bool = True,
+               tools: ToolSet | None = None) -> str:
+        """The prompt text, BOS text included when the template writes it. Raises ``BadRequestError``.
+
+        ``tools``, and tool calls and results in the history, are rendered in ``tool_format``."""
         normalized = [_normalize(m) for m in messages]
         if not normalized:
             raise BadRequestError("messages must not be empty")
+        extra: dict[str, object] = {}
+        if self.tool_format == "hermes":
+            normalized = native_messages(normalized)
+            if tools is not None:
+                extra["tools"] = tool_dicts(tools)
+        else:
+            normalized = generic_messages(normalized, tools, parallel=tools.parallel if tools else True)
         try:
             return self._compiled.render(messages=normalized, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token, eos_token=self.eos_token)
+                                         bos_token=self.bos_token, eos_token=self.eos_token, **extra)
         except BadRequestError:
             raise
         except (jinja2.TemplateError, TypeError, KeyError, IndexError, ValueError) as e:

@@ -49,6 +49,7 @@ from schemas.errors import (
 )
 from schemas.node import BackendInfo, LayerRange
 from schemas.session import CONTEXT_CAP, Prompt, SamplingParams
+from schemas.tools import ToolCallFormat, ToolSet
 
 __all__ = ["LlamaCppBackend", "LlamaCppConfig", "ModelLoadError", "load_llamacpp"]
 
@@ -142,6 +143,12 @@ class _Session:
     sampler: Sampler | None = None
     sampled_row: int = -1
     """Batch row whose logits the last sample read (the row ``last_logits`` returns)."""
+    sampled_in: int = -1
+    """Which decode call ``sampled_row`` belongs to (``LlamaCppBackend._decodes``)."""
+    sampling: SamplingParams | None = None
+    """Tail: what forks of this session sample with."""
+    penalty_window: list[int] = dataclasses.field(default_factory=list)
+    """Tail: the prompt's last ``penalty_last_n`` tokens, for the penalty samplers of forks."""
 
 
 def _init_llama(verbose: bool) -> None:
@@ -220,6 +227,7 @@ class LlamaCppBackend:
         self._piece_cache: dict[int, bytes] = {}
         self._kv_bytes = 0
         self._kv_refreshed = 0.0
+        self._decodes = 0
         self._model: Any = None
         self._ctx: Any = None
         try:
@@ -336,7 +344,9 @@ class LlamaCppBackend:
         if not self.is_head:
             raise BadRequestError("only the head node tokenizes")
         if prompt.messages is not None:
-            text = self._render(prompt.messages, prompt.add_generation_prompt)
+            text = self._render(prompt.messages, prompt.add_generation_prompt, prompt.tools)
+        elif prompt.tools is not None:
+            raise BadRequestError("tools need chat messages", param="tools")
         elif prompt.text is not None:
             text = prompt.text
         else:
@@ -346,11 +356,19 @@ class LlamaCppBackend:
             raise BadRequestError("the prompt is empty")
         return tokens
 
-    def _render(self, messages: Sequence[dict[str, object]], add_generation_prompt: bool) -> str:
+    def tool_format(self) -> ToolCallFormat:
+        """Head: how this model is asked to write tool calls (``ChatTemplate.tool_format``); the node reports it in
+        ``TokenizeReply.tool_format`` for prompts with tools."""
+        if self._template is None:
+            raise BadRequestError(f"{self._info.model_name} has no chat template: no tools", param="tools")
+        return self._template.tool_format
+
+    def _render(self, messages: Sequence[dict[str, object]], add_generation_prompt: bool,
+                tools: ToolSet | None = None) -> str:
         if self._template is None:
             raise BadRequestError(f"{self._info.model_name} has no chat template and no known fallback for "
                                   f"architecture {self._info.architecture!r}; use the completions endpoint")
-        text = self._template.render(messages, add_generation_prompt=add_generation_prompt)
+        text = self._template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
         # Templates write BOS themselves; tokenizing adds it again when the vocabulary wants one, so drop the
         # written one rather than send it twice (llama.cpp's server does the same).
         bos = self._template.bos_token
@@ -411,11 +429,64 @@ class LlamaCppBackend:
             session = _Session(seq_id)
             if self.is_tail:
                 try:
-                    session.sampler = Sampler(sampling, n_vocab=self._n_vocab, prompt_tokens=prompt_tokens)
+                    session.sampler = Sampler(sampling, n_vocab=self._n_vocab, prompt_tokens=prompt_tokens,
+                                              vocab=self._vocab)
                 except BaseException:
                     self._free_seqs.append(seq_id)
                     raise
+                session.sampling = sampling
+                session.penalty_window = list(prompt_tokens[-sampling.penalty_last_n:]) if sampling.penalty_last_n \
+                    else []
             self._sessions[session_id] = session
+
+    def fork_session(self, session_id: str, fork_ids: list[str]) -> list[StepOutput]:
+        """n > 1: see ``actors.backend.ForkingBackend.fork_session``. The forks' sequences share the session's KV
+        cells (``llama_memory_seq_cp`` on the unified cache tags the cells with the new sequence ids; nothing is
+        copied) until each writes its own positions."""
+        with self._lock:
+            self._require_open()
+            return self._fork(self._session(session_id), fork_ids)
+
+    def _fork(self, source: _Session, fork_ids: Sequence[str]) -> list[StepOutput]:
+        if len(set(fork_ids)) != len(fork_ids) or any(f in self._sessions for f in fork_ids):
+            raise BadRequestError(f"fork ids must be new and distinct, got {list(fork_ids)}")
+        if len(fork_ids) > len(self._free_seqs):
+            raise CapacityError(f"{len(fork_ids)} forks need as many free sequences; {len(self._free_seqs)} of "
+                                f"{self.config.max_sessions} are free")
+        if self.is_tail and (source.sampled_row < 0 or source.sampled_in != self._decodes):
+            raise BadRequestError("a session forks on the tail right after the step that sampled its first token "
+                                  "(the forks sample theirs from the same logits)")
+        forks: list[_Session] = []
+        try:
+            for i, _ in enumerate(fork_ids, start=1):
+                fork = _Session(self._free_seqs.pop(), position=source.position)
+                forks.append(fork)
+                llama_cpp.llama_memory_seq_rm(self._memory, fork.seq_id, -1, -1)
+                llama_cpp.llama_memory_seq_cp(self._memory, source.seq_id, fork.seq_id, -1, -1)
+                if self.is_tail:
+                    assert source.sampling is not None
+                    seed = None if source.sampling.seed is None else source.sampling.seed + i
+                    fork.sampling, fork.penalty_window = source.sampling, source.penalty_window
+                    fork.sampler = Sampler(source.sampling, n_vocab=self._n_vocab, vocab=self._vocab,
+                                           prompt_tokens=source.penalty_window, seed=seed)
+        except BaseException:
+            for fork in forks:
+                llama_cpp.llama_memory_seq_rm(self._memory, fork.seq_id, -1, -1)
+                if fork.sampler is not None:
+                    fork.sampler.close()
+                self._free_seqs.append(fork.seq_id)
+            raise
+        outputs = []
+        for fork_id, fork in zip(fork_ids, forks, strict=True):
+            self._sessions[fork_id] = fork
+            if fork.sampler is None:
+                outputs.append(StepOutput())
+                continue
+            token, logprobs = fork.sampler.sample(self._ctx, source.sampled_row)
+            fork.sampled_row, fork.sampled_in = source.sampled_row, self._decodes
+            outputs.append(StepOutput(token=token, logprobs=logprobs))
+        self._refresh_kv_bytes(force=True)
+        return outputs
 
     def close_session(self, session_id: str) -> None:
         with self._lock:
@@ -493,11 +564,15 @@ class LlamaCppBackend:
             if self._capture is not None:
                 self._capture.arm(self._batch.n)
             rc = llama_cpp.llama_decode(self._ctx, self._batch.struct())
+            self._decodes += 1
             if rc != 0:
                 self._after_failed_decode(rc, sessions, batch)
             outputs = self._collect(batch, sessions, spans)
             for item, session in zip(batch, sessions, strict=True):
                 session.position = item.start_position + item.n_positions
+            for item, session, output in zip(batch, sessions, outputs, strict=True):
+                if item.forks:
+                    output.forks = self._fork(session, item.forks)
             self._refresh_kv_bytes()
             return outputs
 
@@ -523,6 +598,14 @@ class LlamaCppBackend:
                 raise BadRequestError(f"token id outside the vocabulary (0..{self._n_vocab - 1})")
         if total > self.config.n_batch:
             raise BadRequestError(f"step carries {total} positions, more than {self.config.n_batch}")
+        forks = [f for item in batch for f in item.forks]
+        if len(forks) > len(self._free_seqs):
+            # Refused before the forward pass, so a failed fork never leaves a step half applied.
+            raise CapacityError(f"this step forks {len(forks)} sessions; {len(self._free_seqs)} sequences are free")
+        if any(f in self._sessions for f in forks) or len(set(forks)) != len(forks):
+            raise BadRequestError(f"fork ids must be new and distinct, got {forks}")
+        if self.is_tail and any(item.forks and not item.sample for item in batch):
+            raise BadRequestError("on the tail, a step that forks must sample (the forks sample from its logits)")
         return sessions
 
     def _fill(self, batch: list[StepInput], sessions: list[_Session]) -> list[tuple[int, int]]:
@@ -553,13 +636,13 @@ class LlamaCppBackend:
             return [StepOutput(hidden=hidden[lo:hi]) for lo, hi in spans]
         outputs = []
         for item, session, (_lo, hi) in zip(batch, sessions, spans, strict=True):
-            token = None
+            token, logprobs = None, None
             session.sampled_row = -1
             if item.sample:
                 assert session.sampler is not None
-                token = session.sampler.sample(self._ctx, hi - 1)
-                session.sampled_row = hi - 1
-            outputs.append(StepOutput(token=token))
+                token, logprobs = session.sampler.sample(self._ctx, hi - 1)
+                session.sampled_row, session.sampled_in = hi - 1, self._decodes
+            outputs.append(StepOutput(token=token, logprobs=logprobs))
         return outputs
 
     def last_logits(self, session_id: str) -> np.ndarray[Any, np.dtype[np.float32]]:

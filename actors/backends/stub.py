@@ -8,20 +8,26 @@ token stream, which is what the protocol tests look for. ``positions_computed`` 
 can tell a real local cache (prompt + generated positions) from a recompute (quadratic).
 
 Vocabulary: 256 byte tokens, then BOS (256) and EOS (257). Tokenization is UTF-8 bytes.
+
+Issue #19: logprobs (log-softmax of the stub's logits) and n > 1 forks (the running sums are copied; choice ``i``
+draws with ``seed + i``) behave as on llama.cpp, so the protocol tests can exercise them. Output constraints are
+refused: a grammar over this toy vocabulary would test nothing real.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import threading
 
 import numpy as np
+import numpy.typing as npt
 
 from actors.backend import Hidden, StepInput, StepOutput
 from schemas.errors import BadRequestError, CapacityError, SessionNotFoundError
 from schemas.node import BackendInfo, LayerRange
-from schemas.session import Prompt, SamplingParams
+from schemas.session import LogprobCandidate, Prompt, SamplingParams, TokenLogprobs
 
 BOS, EOS, VOCAB = 256, 257, 258
 
@@ -67,6 +73,8 @@ class _Session:
     rng: np.random.Generator | None = None
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
     positions_computed: int = 0
+    last_logits: npt.NDArray[np.float64] | None = None
+    """The logits the last sample was drawn from (forks draw their first token from them)."""
 
 
 class StubBackend:
@@ -118,6 +126,9 @@ class StubBackend:
         return self.config.max_batch_tokens
 
     def tokenize(self, prompt: Prompt) -> list[int]:
+        if prompt.tools is not None:
+            raise BadRequestError("the stub backend does not render tools; serve a llamacpp model for them",
+                                  param="tools")
         if prompt.messages is not None:
             text = "".join(f"<{m.get('role')}>{m.get('content')}\n" for m in prompt.messages)
             text += "<assistant>" if prompt.add_generation_prompt else ""
@@ -128,6 +139,10 @@ class StubBackend:
         return [BOS, *text.encode()]
 
     def open_session(self, session_id: str, *, prompt_tokens: list[int], sampling: SamplingParams) -> None:
+        if sampling.constraint is not None and self.is_tail:
+            field = "tools" if sampling.constraint.type == "tool_call" else "response_format"
+            raise BadRequestError("the stub backend does not enforce output constraints (response_format, tools); "
+                                  "serve a llamacpp model for them", param=field)
         with self._lock:
             if session_id in self._sessions:
                 raise BadRequestError(f"session {session_id} is already open on this node")
@@ -135,6 +150,34 @@ class StubBackend:
                 raise CapacityError(f"stub node holds {len(self._sessions)} sessions (max {self.config.max_sessions})")
             rng = np.random.default_rng(sampling.seed) if sampling.seed is not None else np.random.default_rng()
             self._sessions[session_id] = _Session(rng=rng, sampling=sampling)
+
+    def fork_session(self, session_id: str, fork_ids: list[str]) -> list[StepOutput]:
+        """n > 1 (``actors.backend.ForkingBackend``): each fork gets a copy of the running sums; on the tail, choice
+        ``i`` draws with ``seed + i`` and samples its first token from the session's last logits."""
+        with self._lock:
+            return self._fork(self._session(session_id), fork_ids)
+
+    def _fork(self, source: _Session, fork_ids: list[str] | tuple[str, ...]) -> list[StepOutput]:
+        if len(set(fork_ids)) != len(fork_ids) or any(f in self._sessions for f in fork_ids):
+            raise BadRequestError(f"fork ids must be new and distinct, got {list(fork_ids)}")
+        if len(self._sessions) + len(fork_ids) > self.config.max_sessions:
+            raise CapacityError(f"{len(fork_ids)} forks do not fit: the stub node holds {len(self._sessions)} "
+                                f"sessions (max {self.config.max_sessions})")
+        if self.is_tail and source.last_logits is None:
+            raise BadRequestError("a session forks on the tail after the step that sampled its first token")
+        outputs = []
+        for i, fork_id in enumerate(fork_ids, start=1):
+            seed = source.sampling.seed
+            rng = np.random.default_rng(seed + i) if seed is not None else np.random.default_rng()
+            fork = _Session(position=source.position, sums=copy.deepcopy(source.sums), rng=rng,
+                            sampling=source.sampling)
+            self._sessions[fork_id] = fork
+            if self.is_tail:
+                assert source.last_logits is not None
+                outputs.append(self._pick(fork, source.last_logits))
+            else:
+                outputs.append(StepOutput())
+        return outputs
 
     def _session(self, session_id: str) -> _Session:
         try:
@@ -147,7 +190,12 @@ class StubBackend:
             import time
 
             time.sleep(self.config.delay_s)
-        return [self._step_one(item) for item in batch]
+        outputs = [self._step_one(item) for item in batch]
+        for item, out in zip(batch, outputs, strict=True):
+            if item.forks:
+                with self._lock:
+                    out.forks = self._fork(self._session(item.session_id), item.forks)
+        return outputs
 
     def _step_one(self, item: StepInput) -> StepOutput:
         s = self._session(item.session_id)
@@ -173,10 +221,23 @@ class StubBackend:
         s.positions_computed += x.shape[0]
         if not self.is_tail:
             return StepOutput(hidden=out.reshape((x.shape[0], *self.config.hidden_shape)))
-        return StepOutput(token=self._sample(s, out[-1]) if item.sample else None)
+        if not item.sample:
+            return StepOutput()
+        s.last_logits = (out[-1] @ self._unembed).astype(np.float64) + self._mask
+        return self._pick(s, s.last_logits)
 
-    def _sample(self, s: _Session, h: Hidden) -> int:
-        logits = (h @ self._unembed).astype(np.float64) + self._mask
+    def _pick(self, s: _Session, logits: npt.NDArray[np.float64]) -> StepOutput:
+        token = self._sample(s, logits)
+        n_top = s.sampling.logprobs
+        if n_top is None:
+            return StepOutput(token=token)
+        lp = logits - logits.max()
+        lp = lp - np.log(np.exp(lp).sum())
+        top = [LogprobCandidate(token=int(t), logprob=float(lp[t]))
+               for t in np.lexsort((np.arange(VOCAB), -lp))[:n_top]]
+        return StepOutput(token=token, logprobs=TokenLogprobs(token=token, logprob=float(lp[token]), top=top))
+
+    def _sample(self, s: _Session, logits: npt.NDArray[np.float64]) -> int:
         p = s.sampling
         if p.temperature == 0.0:
             return int(np.argmax(logits))
@@ -189,6 +250,13 @@ class StubBackend:
             probs = np.where(probs >= cutoff, probs, 0.0)
             probs /= probs.sum()
         return int(s.rng.choice(VOCAB, p=probs))
+
+    def last_logits(self, session_id: str) -> npt.NDArray[np.float64]:
+        """The logits the session's last sample was drawn from (tests compare logprobs against them)."""
+        logits = self._session(session_id).last_logits
+        if logits is None:
+            raise BadRequestError(f"session {session_id} has sampled nothing")
+        return logits.copy()
 
     def positions_computed(self, session_id: str) -> int:
         return self._session(session_id).positions_computed

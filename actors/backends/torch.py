@@ -4,10 +4,15 @@ Each node holds one layer range (``Shard``) and, per Route Session, a transforme
 A prefill chunk or a decode step runs its positions through the range once, appending to that cache; the wire
 carries float32 hidden states of just those positions. The tail turns the last position into logits and samples.
 Items of a batch run one after another: sessions never share a forward pass, so they cannot leak into each other.
+
+Issue #19: n > 1 forks deep-copy the session's cache (choice ``i`` samples with ``seed + i``), and logprobs are the
+log-softmax of the raw logits. Output constraints (grammars) are refused: llama.cpp's grammar sampler is the only
+one swarmroute has.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import threading
 import time
@@ -19,7 +24,7 @@ from transformers.cache_utils import DynamicCache
 
 from actors.backend import Hidden, StepInput, StepOutput
 from actors.backends.torch_models import PreparedModel, prepare
-from actors.backends.torch_sampler import Sampler
+from actors.backends.torch_sampler import Sampler, token_logprobs
 from actors.backends.torch_shard import Shard, cache_bytes
 from actors.backends.torch_tokens import TokenCodec
 from schemas.errors import (
@@ -86,6 +91,10 @@ class _Session:
     cache: DynamicCache
     position: int = 0
     sampler: Sampler | None = None
+    sampling: SamplingParams | None = None
+    prompt_tokens: list[int] = dataclasses.field(default_factory=list)
+    last_logits: torch.Tensor | None = None
+    """Tail: the logits the last sample was drawn from (forks draw their first token from them)."""
 
 
 class TorchBackend:
@@ -150,18 +159,52 @@ class TorchBackend:
     def tokenize(self, prompt: Prompt) -> list[int]:
         if not self.is_head:
             raise BadRequestError("only the head node tokenizes")
+        if prompt.tools is not None:
+            raise BadRequestError("the torch backend does not render tools; serve a llamacpp model for them",
+                                  param="tools")
         return self._codec().tokenize(prompt)
 
     def open_session(self, session_id: str, *, prompt_tokens: list[int], sampling: SamplingParams) -> None:
         if len(prompt_tokens) >= self._context:
             raise ContextLengthError(f"prompt has {len(prompt_tokens)} tokens; this node serves {self._context}")
+        if sampling.constraint is not None and self.is_tail:
+            field = "tools" if sampling.constraint.type == "tool_call" else "response_format"
+            raise BadRequestError("the torch backend does not enforce output constraints (response_format, tools); "
+                                  "serve a llamacpp model for them", param=field)
         with self._lock:
             if session_id in self._sessions:
                 raise BadRequestError(f"session {session_id} is already open on this node")
             if len(self._sessions) >= self.config.max_sessions:
                 raise CapacityError(f"torch node holds {len(self._sessions)} sessions (max {self.config.max_sessions})")
             sampler = Sampler(sampling, prompt_tokens) if self.is_tail else None
-            self._sessions[session_id] = _Session(cache=self.shard.new_cache(), sampler=sampler)
+            self._sessions[session_id] = _Session(cache=self.shard.new_cache(), sampler=sampler, sampling=sampling,
+                                                  prompt_tokens=list(prompt_tokens) if self.is_tail else [])
+
+    def fork_session(self, session_id: str, fork_ids: list[str]) -> list[StepOutput]:
+        """n > 1 (``actors.backend.ForkingBackend``): each fork gets a deep copy of the session's cache; on the tail,
+        choice ``i`` samples with ``seed + i``, its first token from the session's last logits."""
+        with self._lock:
+            source = self._session(session_id)
+            if len(set(fork_ids)) != len(fork_ids) or any(f in self._sessions for f in fork_ids):
+                raise BadRequestError(f"fork ids must be new and distinct, got {list(fork_ids)}")
+            if len(self._sessions) + len(fork_ids) > self.config.max_sessions:
+                raise CapacityError(f"{len(fork_ids)} forks do not fit: the torch node holds {len(self._sessions)} "
+                                    f"sessions (max {self.config.max_sessions})")
+            if self.is_tail and source.last_logits is None:
+                raise BadRequestError("a session forks on the tail after the step that sampled its first token")
+            outputs = []
+            for i, fork_id in enumerate(fork_ids, start=1):
+                fork = _Session(cache=copy.deepcopy(source.cache), position=source.position,
+                                sampling=source.sampling, prompt_tokens=source.prompt_tokens)
+                if self.is_tail:
+                    assert source.sampling is not None and source.last_logits is not None
+                    seed = None if source.sampling.seed is None else source.sampling.seed + i
+                    fork.sampler = Sampler(source.sampling, source.prompt_tokens, seed=seed)
+                    outputs.append(self._pick(fork, source.last_logits))
+                else:
+                    outputs.append(StepOutput())
+                self._sessions[fork_id] = fork
+            return outputs
 
     def _session(self, session_id: str) -> _Session:
         try:
@@ -179,7 +222,15 @@ class TorchBackend:
         # Validate everything first: a bad item must not leave other sessions' caches advanced without output.
         for item, s in zip(batch, sessions, strict=True):
             self._check(item, s)
-        return [self._step_one(item, s) for item, s in zip(batch, sessions, strict=True)]
+        forks = [f for item in batch for f in item.forks]
+        if len(self._sessions) + len(forks) > self.config.max_sessions:
+            raise CapacityError(f"this step forks {len(forks)} sessions; the torch node holds {len(self._sessions)} "
+                                f"(max {self.config.max_sessions})")
+        outputs = [self._step_one(item, s) for item, s in zip(batch, sessions, strict=True)]
+        for item, out in zip(batch, outputs, strict=True):
+            if item.forks:
+                out.forks = self.fork_session(item.session_id, list(item.forks))
+        return outputs
 
     def _step_one(self, item: StepInput, s: _Session) -> StepOutput:
         try:
@@ -201,8 +252,14 @@ class TorchBackend:
             return StepOutput(hidden=out)
         if not item.sample:
             return StepOutput()
+        s.last_logits = self.shard.logits(hidden[0, -1])
+        return self._pick(s, s.last_logits)
+
+    def _pick(self, s: _Session, logits: torch.Tensor) -> StepOutput:
         assert s.sampler is not None
-        return StepOutput(token=s.sampler.sample(self.shard.logits(hidden[0, -1])))
+        token = s.sampler.sample(logits)
+        n_top = s.sampler.params.logprobs
+        return StepOutput(token=token, logprobs=None if n_top is None else token_logprobs(logits, token, n_top))
 
     def _check(self, item: StepInput, s: _Session) -> None:
         if item.start_position != s.position:

@@ -12,13 +12,15 @@ import secrets
 
 import torch
 
-from schemas.session import SamplingParams
+from schemas.session import LogprobCandidate, SamplingParams, TokenLogprobs
 
 
 class Sampler:
-    def __init__(self, params: SamplingParams, prompt_tokens: list[int]) -> None:
+    """``seed`` overrides ``params.seed`` (choice ``i`` of an n > 1 session samples with ``seed + i``)."""
+
+    def __init__(self, params: SamplingParams, prompt_tokens: list[int], seed: int | None = None) -> None:
         self.params = params
-        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        seed = seed if seed is not None else params.seed if params.seed is not None else secrets.randbits(63)
         self.generator = torch.Generator().manual_seed(seed)
         # Penalties see the prompt too, as in llama.cpp; only the last ``penalty_last_n`` tokens matter.
         self._recent: collections.deque[int] = collections.deque(prompt_tokens, maxlen=max(params.penalty_last_n, 1))
@@ -67,3 +69,15 @@ class Sampler:
         probs = torch.softmax(logits / p.temperature, dim=-1)
         choice = torch.multinomial(probs, 1, generator=self.generator)
         return int(candidates[choice])
+
+
+def token_logprobs(logits: torch.Tensor, token: int, n_top: int) -> TokenLogprobs:
+    """log-softmax of the raw ``logits`` at ``token`` and the ``n_top`` most likely tokens (as the llama.cpp
+    backend reports them: before penalties and temperature; equal logprobs in id order)."""
+    lp = torch.log_softmax(logits.to(torch.float32), dim=-1)
+    top: list[LogprobCandidate] = []
+    if n_top:
+        values, ids = torch.topk(lp, min(n_top, lp.shape[0]))
+        pairs = sorted(zip(values.tolist(), ids.tolist(), strict=True), key=lambda vi: (-vi[0], vi[1]))
+        top = [LogprobCandidate(token=int(i), logprob=float(v)) for v, i in pairs]
+    return TokenLogprobs(token=token, logprob=float(lp[token]), top=top)

@@ -119,4 +119,5 @@ def select_route(adverts: list[NodeAdvertisement], model: str, session_id: str, 
     return Route(session_id=session_id, model_id=chain[0].model_id, n_layers=n_layers,
                  hidden_shape=list(chain[0].backend.hidden_shape),
                  context_length=min(a.capacity.max_context for a in chain),
+                 max_sessions=min(a.capacity.max_sessions for a in chain),
                  hops=[Hop(node_id=a.node_id, endpoint=a.endpoint, layers=a.layers) for a in chain])

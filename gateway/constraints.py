@@ -1,0 +1,157 @@
+"""What a request asks the route to enforce: its tools (for the head to render) and its output constraint (for the
+tail to sample under), checked at the edge so that bad input is a 400 naming the field before any node is asked.
+
+JSON Schemas (``response_format``, each tool's ``parameters``) are checked here with ``jsonschema`` against their
+own metaschema, and for keywords the tail's grammar cannot enforce (``schemas.constraint``); the tail turns what
+passes into a grammar. The tool-call format comes from the head (``TokenizeReply.tool_format``), so the constraint
+is built after tokenizing: ``tools_of`` -> tokenize -> ``constraint_for``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any, Literal
+
+import jsonschema
+
+from schemas.constraint import (
+    UNENFORCED_SCHEMA_KEYWORDS,
+    JsonObjectConstraint,
+    JsonSchemaConstraint,
+    OutputConstraint,
+    ToolCallConstraint,
+)
+from schemas.errors import BadRequestError
+from schemas.openai import (
+    ChatCompletionRequest,
+    JsonObjectFormat,
+    JsonSchemaResponseFormat,
+    NamedToolChoice,
+    ResponseFormat,
+)
+from schemas.tools import FunctionSpec, ToolCallFormat, ToolMode, ToolSet
+
+FormatKind = Literal["text", "json_object", "json_schema"]
+
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_VALUES = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+                  "unevaluatedItems", "unevaluatedProperties", "additionalItems")
+
+
+def _subschemas(schema: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
+    for key in _SCHEMA_MAPS:
+        value = schema.get(key)
+        if isinstance(value, Mapping):
+            yield from (v for v in value.values() if isinstance(v, Mapping))
+    for key in _SCHEMA_LISTS:
+        value = schema.get(key)
+        if isinstance(value, list):
+            yield from (v for v in value if isinstance(v, Mapping))
+    for key in _SCHEMA_VALUES:
+        value = schema.get(key)
+        if isinstance(value, Mapping):
+            yield value
+        elif isinstance(value, list):  # draft 4's tuple "items"
+            yield from (v for v in value if isinstance(v, Mapping))
+
+
+def _unenforced(schema: Mapping[str, Any]) -> str | None:
+    """The first keyword of ``schema`` (or a subschema) the grammar would ignore. Property names are not keywords:
+    only schema positions are searched."""
+    for key in schema:
+        if key in UNENFORCED_SCHEMA_KEYWORDS:
+            return key
+    for sub in _subschemas(schema):
+        found = _unenforced(sub)
+        if found:
+            return found
+    return None
+
+
+def check_schema(schema: object, param: str) -> dict[str, Any]:
+    """A JSON Schema the tail can enforce, or a 400 naming ``param``: it must be an object, valid against its
+    metaschema (``$schema``, else draft 2020-12), and free of keywords the grammar cannot enforce."""
+    if not isinstance(schema, dict):
+        raise BadRequestError(f"the JSON Schema must be an object, got {type(schema).__name__}", param=param)
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.path) or "the root"
+        raise BadRequestError(f"invalid JSON Schema at {where}: {exc.message}", param=param) from None
+    keyword = _unenforced(schema)
+    if keyword:
+        raise BadRequestError(f"JSON Schema keyword {keyword!r} cannot be enforced while sampling; the reply could "
+                              f"break it, so it is refused", param=param)
+    return schema
+
+
+def tool_set(tools: list[FunctionSpec] | None, choice: Literal["auto", "required", "none", "function"] | None, *,
+             function: str | None = None,
+             parallel: bool | None = None) -> ToolSet | None:
+    """The tools the head renders, or ``None`` (no tools, or ``tool_choice: none``). ``choice`` is ``auto``,
+    ``required``, ``none``, ``function`` (with ``function``) or ``None`` (auto when there are tools)."""
+    if not tools or choice == "none":
+        return None
+    for tool in tools:
+        check_schema(tool.parameters, "tools")
+    if choice == "function" and function not in {t.name for t in tools}:
+        raise BadRequestError(f"tool_choice names {function!r}, which is not among the tools", param="tool_choice")
+    mode: ToolMode = "auto" if choice is None else choice
+    return ToolSet(tools=tools, mode=mode, function=function if mode == "function" else None,
+                   parallel=True if parallel is None else parallel)
+
+
+def constraint_for(kind: FormatKind, schema: dict[str, Any] | None, tools: ToolSet | None,
+                   tool_format: ToolCallFormat | None) -> OutputConstraint | None:
+    """The tail's constraint for a reply format (``text``, ``json_object``, ``json_schema`` with ``schema``) and the
+    rendered tools (in the head's ``tool_format``). ``None``: sample freely."""
+    if kind == "json_schema":
+        schema = check_schema(schema, "response_format")
+    if tools is not None:
+        if tool_format is None:
+            raise BadRequestError("the model rendered no tool format for these tools", param="tools")
+        if kind != "text" and (tool_format != "generic" or tools.mode != "auto"):
+            # Only the generic format's text reply is JSON the grammar can shape; elsewhere the two would conflict.
+            raise BadRequestError("response_format other than text cannot be combined with tool_choice "
+                                  f"{tools.mode!r} for this model's {tool_format} tool-call format",
+                                  param="response_format")
+        response_schema = schema if kind == "json_schema" else ({"type": "object"} if kind == "json_object" else None)
+        return ToolCallConstraint(**tools.model_dump(), format=tool_format, response_schema=response_schema)
+    if kind == "json_object":
+        return JsonObjectConstraint()
+    if kind == "json_schema":
+        assert schema is not None
+        return JsonSchemaConstraint(json_schema=schema)
+    return None
+
+
+def response_format_of(fmt: ResponseFormat | None) -> tuple[FormatKind, dict[str, Any] | None]:
+    """Chat/completions ``response_format`` as ``(kind, schema)``; the schema is checked."""
+    if isinstance(fmt, JsonSchemaResponseFormat):
+        return "json_schema", check_schema(fmt.json_schema.schema_, "response_format")
+    if isinstance(fmt, JsonObjectFormat):
+        return "json_object", None
+    return "text", None
+
+
+def chat_tools(req: ChatCompletionRequest) -> ToolSet | None:
+    """A chat request's tools, as the head renders them (``Prompt.tools``)."""
+    choice = req.tool_choice
+    if isinstance(choice, NamedToolChoice):
+        return tool_set([t.function for t in req.tools or []], "function", function=choice.function.name,
+                        parallel=req.parallel_tool_calls)
+    return tool_set([t.function for t in req.tools or []], choice, parallel=req.parallel_tool_calls)
+
+
+def chat_logprobs(req: ChatCompletionRequest) -> int | None:
+    """``SamplingParams.logprobs`` for a chat request: off, the sampled token's only (0), or the top N."""
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+def check_choices(n: int, max_sessions: int | None) -> None:
+    """``n`` against the route: every hop holds one sequence per choice, so more choices than the smallest hop's
+    ``max_sessions`` can never be served (400; a busy route is a 429 from the nodes instead)."""
+    if max_sessions is not None and n > max_sessions:
+        raise BadRequestError(f"n={n} is more than this model's route can hold at once ({max_sessions} choices)",
+                              param="n")
