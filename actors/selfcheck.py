@@ -1,13 +1,13 @@
 """A node proves its backend before it advertises: one tiny prefill and one decode step, first in a child process,
 then in the node itself (the warm-up llama-server also does at start).
 
-Why a child: a native library that crashes on this CPU (llama.cpp's AMX kernels, ``actors/backends/cpu_buffers.py``)
-kills the process with a signal, and a process killed by a signal cannot say why. So the node first loads the same
-backend with the same options in a fresh interpreter and runs the warm-up there; if that child dies, the node exits
-with a message naming the signal instead of crashing on a user's first request. The child runs before the node
-loads anything, so the weights are never held twice. A forked copy of the loaded node would be cheaper but is not
-safe: ggml's AMX weight conversion starts OpenMP's thread pool at load time, and a fork inherits its locks (the
-forked child hung, measured).
+Why a child: a native library that crashes on this CPU (llama.cpp's AMX kernels,
+``actors/backends/llamacpp/cpu_buffers.py``) kills the process with a signal, and a process killed by a signal
+cannot say why. So the node first loads the same backend with the same options in a fresh interpreter and runs the
+warm-up there; if that child dies, the node exits with a message naming the signal instead of crashing on a user's
+first request. The child runs before the node loads anything, so the weights are never held twice. A forked copy of
+the loaded node would be cheaper but is not safe: ggml's AMX weight conversion starts OpenMP's thread pool at load
+time, and a fork inherits its locks (the forked child hung, measured).
 
 Invariant: ``warm_up`` leaves the backend as it found it (no session open, no KV held).
 """

@@ -1,7 +1,7 @@
 """Output constraints: what the tail enforces while sampling, with llama.cpp's grammar sampler.
 
 The gateway builds a constraint from ``response_format`` and ``tools`` and sends it in ``SamplingParams``; only the
-tail reads it and turns it into a GBNF grammar (``actors/backends/grammar.py``: llama-cpp-python's JSON Schema
+tail reads it and turns it into a GBNF grammar (``actors/backends/llamacpp/grammar.py``: llama-cpp-python's JSON Schema
 converter), because the grammar needs the node's llama.cpp and the gateway must not import it. The gateway checks
 JSON Schemas itself (``jsonschema``) so that an invalid schema is a 400 at the edge, and refuses keywords the
 converter would silently ignore (``UNENFORCED_SCHEMA_KEYWORDS``): every reply then validates against its schema,

@@ -37,7 +37,7 @@ def _model_layers(args: argparse.Namespace, settings: Settings) -> tuple[str, in
     if args.backend == "stub":
         return args.model or "stub-model", args.n_layers
     if args.backend == "torch" and args.model:
-        from actors.backends.torch_models import TINY_MODELS
+        from actors.backends.torch.models import TINY_MODELS
 
         if args.model in TINY_MODELS:
             return args.model_id or args.model, int(TINY_MODELS[args.model]().num_hidden_layers)

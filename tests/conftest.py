@@ -14,12 +14,12 @@ GEMMA_PATH = Path.home() / ".cache" / "swarmroute" / "models" / "gemma-3-270m-q4
 @pytest.fixture(scope="session", autouse=True)
 def llama_cpp_without_amx() -> None:
     """llama-cpp-python's own ``Llama``, the tests' reference, loads with the CPU buffer types swarmroute's backend
-    uses: without AMX, which crashes on some CPUs (actors/backends/cpu_buffers.py)."""
+    uses: without AMX, which crashes on some CPUs (actors/backends/llamacpp/cpu_buffers.py)."""
     try:
         import llama_cpp
     except ImportError:
         return
-    from actors.backends.cpu_buffers import buffer_types
+    from actors.backends.llamacpp.cpu_buffers import buffer_types
 
     llama_cpp.llama_backend_init()
     buffer_types().allow_amx(False)

@@ -393,7 +393,7 @@ async def test_nats_down_fails_sessions_cleanly_and_recovers(nats_fleet: Fleet, 
 
 @pytest.mark.slow
 async def test_llamacpp_tail_killed_mid_decode(fleet: Fleet, gemma_path: Path) -> None:
-    pytest.importorskip("actors.backends.llamacpp")
+    pytest.importorskip("actors.backends.llamacpp.backend")
     fleet.tracker()
     common = ["--backend", "llamacpp", "--model", str(gemma_path), "--threads", "1", "--ctx", "512",
               "--max-sessions", "2"]

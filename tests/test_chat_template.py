@@ -6,7 +6,7 @@ import ctypes
 
 import pytest
 
-from actors.backends.chat_template import FAMILY_TEMPLATES, ChatTemplate, select_template
+from actors.backends.llamacpp.chat_template import FAMILY_TEMPLATES, ChatTemplate, select_template
 from schemas.errors import BadRequestError
 
 llama_cpp = pytest.importorskip("llama_cpp")

@@ -11,7 +11,7 @@ import pytest
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
-from actors.backends.cpu_buffers import AMX, buffer_types, filter_buffer_types  # noqa: E402
+from actors.backends.llamacpp.cpu_buffers import AMX, buffer_types, filter_buffer_types  # noqa: E402
 
 
 def test_filter_rewrites_the_null_terminated_array_in_place() -> None:
@@ -41,7 +41,7 @@ def test_the_build_reports_amx_exactly_when_it_offers_the_amx_buffer_type() -> N
 
 _LOAD = """
 import sys, llama_cpp
-from actors.backends.cpu_buffers import buffer_types
+from actors.backends.llamacpp.cpu_buffers import buffer_types
 llama_cpp.llama_backend_init()
 buffer_types().allow_amx(sys.argv[2] == "allow")
 llama_cpp.Llama(sys.argv[1], n_ctx=64, verbose=True)

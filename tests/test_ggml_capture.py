@@ -247,7 +247,7 @@ def test_without_kv_unified_rows_come_grouped_by_sequence(gemma_path: Path) -> N
 
 
 def test_the_native_callback_captures_the_same_bits_as_the_python_one(gemma_path: Path, full: Stage) -> None:
-    import actors.backends.ggml_capture as capture_module
+    import actors.backends.llamacpp.ggml_capture as capture_module
 
     if capture_module._native(capture_module.default_native_dir()) is None:
         pytest.skip("no working C compiler on this machine: the Python callback is the only one")
@@ -267,7 +267,7 @@ def test_the_native_callback_captures_the_same_bits_as_the_python_one(gemma_path
 
 def test_the_native_callback_is_built_under_the_given_directory_and_home(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import actors.backends.ggml_capture as capture_module
+    import actors.backends.llamacpp.ggml_capture as capture_module
 
     if capture_module._native(capture_module.default_native_dir()) is None:
         pytest.skip("no working C compiler on this machine: the Python callback is the only one")
@@ -280,7 +280,7 @@ def test_the_native_callback_is_built_under_the_given_directory_and_home(
 
 def test_without_a_compiler_the_python_callback_is_used_with_a_warning(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    import actors.backends.ggml_capture as capture_module
+    import actors.backends.llamacpp.ggml_capture as capture_module
 
     monkeypatch.setattr(capture_module.sysconfig, "get_config_var", lambda name: "/nonexistent/cc")
     capture_module._native.cache_clear()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.backends.gguf_check import inspect_gguf
+from actors.backends.llamacpp.gguf_check import inspect_gguf
 from artifacts.gguf_layout import read_layout
 from schemas.errors import BackendError, ModelLoadError
 

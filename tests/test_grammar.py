@@ -1,4 +1,4 @@
-"""actors.backends.grammar: constraints become grammars llama.cpp accepts, and on the real model the reply holds.
+"""actors.backends.llamacpp.grammar: constraints become grammars llama.cpp accepts; on the real model the reply holds.
 
 The tool-call tests run the bundled Gemma 3 270M (pretrained, no chat tuning) with the head's rendering, the
 tail's grammar and the gateway's parser: with ``tool_choice`` ``required`` or a named function the reply is a
@@ -19,9 +19,9 @@ llama_cpp = pytest.importorskip("llama_cpp")
 
 from actors.backend import StepInput  # noqa: E402
 from actors.backends import load_backend  # noqa: E402
-from actors.backends.grammar import JSON_CHAR_RULE, MAX_PARALLEL_CALLS, grammar_for  # noqa: E402
-from actors.backends.llamacpp import LlamaCppBackend  # noqa: E402
-from actors.backends.sampling import Sampler  # noqa: E402
+from actors.backends.llamacpp.backend import LlamaCppBackend  # noqa: E402
+from actors.backends.llamacpp.grammar import JSON_CHAR_RULE, MAX_PARALLEL_CALLS, grammar_for  # noqa: E402
+from actors.backends.llamacpp.sampling import Sampler  # noqa: E402
 from gateway.tools import parse_reply  # noqa: E402
 from schemas.constraint import (  # noqa: E402
     GrammarConstraint,

@@ -24,7 +24,7 @@ llama_cpp = pytest.importorskip("llama_cpp")
 
 from actors.backend import Backend, StepInput  # noqa: E402
 from actors.backends import load_backend  # noqa: E402
-from actors.backends.llamacpp import LlamaCppBackend  # noqa: E402
+from actors.backends.llamacpp.backend import LlamaCppBackend  # noqa: E402
 from artifacts.gguf_layout import read_layout  # noqa: E402
 from schemas.errors import (  # noqa: E402
     BadRequestError,

@@ -18,7 +18,7 @@ llama_cpp = pytest.importorskip("llama_cpp")
 
 from actors.backend import StepInput  # noqa: E402
 from actors.backends import load_backend  # noqa: E402
-from actors.backends.llamacpp import LlamaCppBackend  # noqa: E402
+from actors.backends.llamacpp.backend import LlamaCppBackend  # noqa: E402
 from schemas.session import Prompt, SamplingParams  # noqa: E402
 
 PROMPT = "The capital of France is"

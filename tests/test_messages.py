@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from actors.backends.chat_template import select_template
+from actors.backends.llamacpp.chat_template import select_template
 from gateway.messages import head_messages
 from schemas.errors import BadRequestError
 from schemas.openai import ChatCompletionRequest

@@ -17,7 +17,7 @@ from openai.types.responses import Response as SDKResponse
 from openai.types.responses import ResponseStreamEvent
 from pydantic import ValidationError
 
-from actors.backends.chat_template import select_template
+from actors.backends.llamacpp.chat_template import select_template
 from gateway.responses import ResponseBuilder, chat_messages, request_logprobs, request_tools, sse_event, text_format
 from gateway.tools import ToolCallParser
 from schemas.errors import validation_error

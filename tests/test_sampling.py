@@ -16,8 +16,8 @@ llama_cpp = pytest.importorskip("llama_cpp")
 
 from actors.backend import StepInput  # noqa: E402
 from actors.backends import load_backend  # noqa: E402
-from actors.backends.grammar import grammar_for  # noqa: E402
-from actors.backends.llamacpp import LlamaCppBackend  # noqa: E402
+from actors.backends.llamacpp.backend import LlamaCppBackend  # noqa: E402
+from actors.backends.llamacpp.grammar import grammar_for  # noqa: E402
 from schemas.constraint import GrammarConstraint, JsonObjectConstraint, JsonSchemaConstraint  # noqa: E402
 from schemas.session import Prompt, SamplingParams  # noqa: E402
 
@@ -310,7 +310,7 @@ def test_hot_sampling_under_a_grammar_draws_from_the_restricted_distribution(bac
     # Plain temperature sampling under a grammar draws by rejection (Sampler._draw_constrained): its first tokens,
     # over many seeds, must follow softmax(logits / T) restricted to what the grammar allows, computed here from the
     # raw logits and a separate llama.cpp grammar sampler applied to the whole vocabulary.
-    from actors.backends.sampling import Sampler
+    from actors.backends.llamacpp.sampling import Sampler
 
     constraint = GrammarConstraint(grammar='root ::= ("Red" | "Green" | "Blue" | "Yellow" | "red" | "green" | "blue" '
                                            '| "yellow" | "The colour is " [a-z]+)')

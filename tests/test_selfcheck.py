@@ -66,7 +66,7 @@ def test_a_llamacpp_shard_proves_itself_and_amx_is_caught_where_it_crashes(gemma
     """On this machine's real build: the guarded backend passes its check. With AMX allowed, an AMX build either
     decodes or is caught by the check with the signal named, never a silent crash."""
     pytest.importorskip("llama_cpp")
-    from actors.backends.cpu_buffers import AMX, buffer_types
+    from actors.backends.llamacpp.cpu_buffers import AMX, buffer_types
 
     options = {"model_path": gemma_path, "layer_start": 0, "layer_end": 9, "shard_dir": tmp_path, "threads": 1,
                "native_dir": tmp_path / "native"}

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from actors.backends.chat_template import select_template
-from actors.backends.tool_prompt import generic_messages, instructions
+from actors.backends.llamacpp.chat_template import select_template
+from actors.backends.llamacpp.tool_prompt import generic_messages, instructions
 from gateway.tools import parse_reply
 from schemas.errors import BadRequestError
 from schemas.tools import FunctionSpec, ToolSet

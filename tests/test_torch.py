@@ -12,7 +12,7 @@ import torch
 
 from actors.backend import Backend, StepInput
 from actors.backends import load_backend
-from actors.backends.torch import TorchBackend
+from actors.backends.torch.backend import TorchBackend
 from bus import frame as frames
 from schemas.errors import (
     BadRequestError,

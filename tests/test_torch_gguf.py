@@ -21,8 +21,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from actors.backends.torch import TorchConfig, load_torch
-from actors.backends.torch_gguf import GGUFModel, cache_dir_for
+from actors.backends.torch.backend import TorchConfig, load_torch
+from actors.backends.torch.gguf import GGUFModel, cache_dir_for
 from schemas.session import Prompt
 from tests.support.gguf_factory import write_tiny_gguf
 from tests.support.torch_route import WireRoute, build_route, generate_reference
@@ -114,8 +114,8 @@ def test_parts_are_converted_only_for_the_layers_a_node_serves(gemma_path: Path,
 PEAK_SCRIPT = textwrap.dedent("""
     import json, pathlib, sys
     import torch, transformers  # imported before the baseline: the same for every shard
-    from actors.backends.torch_models import prepare
-    from actors.backends.torch import load_torch
+    from actors.backends.torch.models import prepare
+    from actors.backends.torch.backend import load_torch
 
     def status_kib(field):
         line = next(l for l in open("/proc/self/status") if l.startswith(field + ":"))

@@ -13,9 +13,9 @@ import httpx
 import openai
 import pytest
 
-from actors.backends.torch import load_torch
-from actors.backends.torch_models import tiny_model_dir
-from actors.backends.torch_tokens import TokenCodec
+from actors.backends.torch.backend import load_torch
+from actors.backends.torch.models import tiny_model_dir
+from actors.backends.torch.tokens import TokenCodec
 from actors.tracker import Tracker
 from bus import frame as frames
 from gateway.app import Gateway

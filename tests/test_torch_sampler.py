@@ -7,7 +7,7 @@ import collections
 import pytest
 import torch
 
-from actors.backends.torch_sampler import Sampler
+from actors.backends.torch.sampler import TorchSampler
 from schemas.session import SamplingParams
 
 
@@ -18,14 +18,14 @@ def logits_of(seed: int, vocab: int = 50) -> torch.Tensor:
 def test_greedy_is_exactly_argmax() -> None:
     for seed in range(20):
         logits = logits_of(seed)
-        assert Sampler(SamplingParams(temperature=0.0), []).sample(logits) == int(torch.argmax(logits))
+        assert TorchSampler(SamplingParams(temperature=0.0), []).sample(logits) == int(torch.argmax(logits))
 
 
 def test_same_seed_same_draws_other_seed_other_draws() -> None:
     logits = logits_of(0)
 
     def draws(seed: int) -> list[int]:
-        sampler = Sampler(SamplingParams(temperature=1.0, seed=seed), [])
+        sampler = TorchSampler(SamplingParams(temperature=1.0, seed=seed), [])
         return [sampler.sample(logits) for _ in range(64)]
 
     assert draws(1) == draws(1)
@@ -35,7 +35,7 @@ def test_same_seed_same_draws_other_seed_other_draws() -> None:
 def test_temperature_sampling_follows_softmax() -> None:
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
     temperature, n = 0.8, 20_000
-    sampler = Sampler(SamplingParams(temperature=temperature, seed=3), [])
+    sampler = TorchSampler(SamplingParams(temperature=temperature, seed=3), [])
     counts = collections.Counter(sampler.sample(logits) for _ in range(n))
     expected = torch.softmax(logits / temperature, dim=-1)
     for token in range(4):
@@ -52,19 +52,19 @@ def test_temperature_sampling_follows_softmax() -> None:
 def test_truncation_to_one_candidate_is_greedy(params: SamplingParams) -> None:
     for seed in range(10):
         logits = logits_of(seed)
-        assert Sampler(params, []).sample(logits) == int(torch.argmax(logits))
+        assert TorchSampler(params, []).sample(logits) == int(torch.argmax(logits))
 
 
 def test_top_k_and_top_p_only_draw_from_the_kept_set() -> None:
     logits = logits_of(5) / 3  # flat enough that the 0.6 nucleus holds several tokens
     top3 = set(torch.topk(logits, 3).indices.tolist())
-    sampler = Sampler(SamplingParams(temperature=1.5, top_k=3, seed=4), [])
+    sampler = TorchSampler(SamplingParams(temperature=1.5, top_k=3, seed=4), [])
     assert {sampler.sample(logits) for _ in range(300)} <= top3
     probs = torch.softmax(logits, dim=-1)
     order = torch.argsort(probs, descending=True)
     mass = torch.cumsum(probs[order], dim=-1)
     nucleus = set(order[: int((mass < 0.6).sum()) + 1].tolist())
-    sampler = Sampler(SamplingParams(temperature=1.5, top_p=0.6, seed=4), [])
+    sampler = TorchSampler(SamplingParams(temperature=1.5, top_p=0.6, seed=4), [])
     drawn = {sampler.sample(logits) for _ in range(300)}
     assert len(nucleus) > 1 and drawn <= nucleus and len(drawn) > 1
 
@@ -78,7 +78,7 @@ def test_penalties_follow_llama_cpp_arithmetic() -> None:
         value = expected[token]
         value = value / p.repeat_penalty if value > 0 else value * p.repeat_penalty
         expected[token] = value - count * p.frequency_penalty - p.presence_penalty
-    sampler = Sampler(p, history)
+    sampler = TorchSampler(p, history)
     assert torch.allclose(sampler._penalize(logits), expected)
     # Token 0 led before the penalty; after it the next best, token 1, wins the greedy pick.
     assert int(torch.argmax(logits)) == 0 and sampler.sample(logits) == int(torch.argmax(expected)) == 1
@@ -87,5 +87,5 @@ def test_penalties_follow_llama_cpp_arithmetic() -> None:
 def test_penalty_window_forgets_old_tokens() -> None:
     logits = torch.tensor([3.0, 2.9])
     p = SamplingParams(temperature=0.0, repeat_penalty=2.0, penalty_last_n=1)
-    assert Sampler(p, [1, 0]).sample(logits) == 1  # token 0 is in the last-1 window: 3.0 / 2 < 2.9
-    assert Sampler(p, [0, 1]).sample(logits) == 0  # now it fell out, and token 1 is penalized
+    assert TorchSampler(p, [1, 0]).sample(logits) == 1  # token 0 is in the last-1 window: 3.0 / 2 < 2.9
+    assert TorchSampler(p, [0, 1]).sample(logits) == 0  # now it fell out, and token 1 is penalized

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from actors.backends.torch import TorchConfig
-from actors.backends.torch_gguf import GGUFModel
-from actors.backends.torch_tokens import TokenCodec, build_tiny_tokenizer
+from actors.backends.torch.backend import TorchConfig
+from actors.backends.torch.gguf import GGUFModel
+from actors.backends.torch.tokens import TokenCodec, build_tiny_tokenizer
 from schemas.errors import BadRequestError
 from schemas.session import Prompt
 

@@ -14,12 +14,12 @@ def load_backend(kind: str, **options: Any) -> Backend:
 
         return StubBackend(StubConfig(**options))
     if kind == "llamacpp":
-        from actors.backends.llamacpp import load_llamacpp
+        from actors.backends.llamacpp.backend import load_llamacpp
 
         backend: Backend = load_llamacpp(**options)
         return backend
     if kind == "torch":
-        from actors.backends.torch import load_torch
+        from actors.backends.torch.backend import load_torch
 
         torch_backend: Backend = load_torch(**options)
         return torch_backend

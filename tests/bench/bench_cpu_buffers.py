@@ -8,7 +8,7 @@ Configurations, each in its own process (a crash is a result, not the end of the
 270M Q4_K_M and every core:
 
 * ``guard``           the native build (what pip builds) with AMX kept out: CPU_REPACK holds the Q4_K weights
-                      (swarmroute's default, ``actors/backends/cpu_buffers.py``);
+                      (swarmroute's default, ``actors/backends/llamacpp/cpu_buffers.py``);
 * ``no extra bufts``  the native build with ``use_extra_bufts = False``: plain CPU buffers, no repacking;
 * ``amx allowed``     the native build as llama-cpp-python loads it: on an AMX CPU the weights go to AMX;
 * ``portable build``  llama-cpp-python built with ``GGML_NATIVE=OFF`` and AVX2/AVX-512 on but no AMX flags (built
@@ -43,7 +43,7 @@ def _worker(config: str, model: str, tokens: int) -> None:
 
     llama_cpp.llama_backend_init()
     if config in ("guard", "portable build"):
-        from actors.backends.cpu_buffers import buffer_types
+        from actors.backends.llamacpp.cpu_buffers import buffer_types
 
         buffer_types().allow_amx(config == "portable build")  # the portable build has no AMX to keep out
     if config == "no extra bufts":

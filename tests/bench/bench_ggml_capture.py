@@ -41,7 +41,7 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
-from actors.backends.ggml_capture import LayerCapture, tensor_name
+from actors.backends.llamacpp.ggml_capture import LayerCapture, tensor_name
 from tests.support.llama_stage import Stage, open_chain, open_stage, run_chain, tokenize
 
 PROMPT = "<start_of_turn>user\nWrite a short story about a lighthouse keeper.<end_of_turn>\n<start_of_turn>model\n"

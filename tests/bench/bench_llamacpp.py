@@ -223,7 +223,7 @@ class SwarmrouteServer:
 def batching_ceiling(model: Path, threads: int, sessions: int, steps: int = 40) -> tuple[float, float]:
     """Seconds per decode step with 1 row and with ``sessions`` rows, swarmroute's backend alone (no HTTP, no NATS)."""
     from actors.backend import StepInput, StepOutput
-    from actors.backends.llamacpp import LlamaCppBackend, LlamaCppConfig
+    from actors.backends.llamacpp.backend import LlamaCppBackend, LlamaCppConfig
     from schemas.session import Prompt, SamplingParams
 
     backend = LlamaCppBackend(LlamaCppConfig(model_path=model, n_ctx=1024, max_sessions=sessions, threads=threads))

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from actors.backend import StepInput
 from actors.backends import load_backend
-from actors.backends.llamacpp import LlamaCppBackend
+from actors.backends.llamacpp.backend import LlamaCppBackend
 from schemas.constraint import JsonSchemaConstraint
 from schemas.session import Prompt, SamplingParams
 

@@ -37,8 +37,8 @@ import torch
 from transformers import PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 
-from actors.backends.torch import TorchBackend
-from actors.backends.torch_shard import Shard
+from actors.backends.torch.backend import TorchBackend
+from actors.backends.torch.shard import Shard
 from bus import frame as frames
 from bus.server import EmbeddedNats, NatsServerConfig
 from schemas.frame import FrameKind

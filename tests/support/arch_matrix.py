@@ -20,7 +20,7 @@ import openai
 
 from actors.backend import StepInput, StepOutput
 from actors.backends import load_backend
-from actors.backends.llamacpp import LlamaCppBackend
+from actors.backends.llamacpp.backend import LlamaCppBackend
 from actors.node import Node, NodeConfig
 from actors.tracker import Tracker
 from artifacts.synthetic.matrix import Bounds, MatrixCase, ranges

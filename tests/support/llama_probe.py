@@ -21,10 +21,10 @@ def probe(path: str) -> dict[str, object]:
     import llama_cpp
     from llama_cpp import Llama
 
-    from actors.backends.cpu_buffers import buffer_types
+    from actors.backends.llamacpp.cpu_buffers import buffer_types
 
     llama_cpp.llama_backend_init()
-    buffer_types().allow_amx(False)  # as the node loads it (actors/backends/cpu_buffers.py)
+    buffer_types().allow_amx(False)  # as the node loads it (actors/backends/llamacpp/cpu_buffers.py)
 
     log = io.StringIO()
     with contextlib.redirect_stderr(log):

@@ -19,8 +19,8 @@ import numpy as np
 import numpy.typing as npt
 from llama_cpp import _logger
 
-from actors.backends.cpu_buffers import buffer_types
-from actors.backends.ggml_capture import LayerCapture
+from actors.backends.llamacpp.cpu_buffers import buffer_types
+from actors.backends.llamacpp.ggml_capture import LayerCapture
 
 F32 = npt.NDArray[np.float32]
 
@@ -83,7 +83,7 @@ def open_stage(path: Path, *, capture_layer: int | None = None, capture_last: bo
     """Load ``path`` into a context; capture ``capture_layer`` (or the file's last layer with ``capture_last``)."""
     _logger.set_verbose(False)
     llama_cpp.llama_backend_init()
-    buffer_types().allow_amx(False)  # as the node loads it (actors/backends/cpu_buffers.py)
+    buffer_types().allow_amx(False)  # as the node loads it (actors/backends/llamacpp/cpu_buffers.py)
     model = llama_cpp.llama_model_load_from_file(str(path).encode(), llama_cpp.llama_model_default_params())
     if not model:
         raise RuntimeError(f"llama.cpp could not load {path}")

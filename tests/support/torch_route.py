@@ -11,9 +11,9 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from actors.backend import StepInput
-from actors.backends.torch import TorchBackend, TorchConfig, load_torch
-from actors.backends.torch_models import tiny_model_dir
-from actors.backends.torch_tokens import TokenCodec
+from actors.backends.torch.backend import TorchBackend, TorchConfig, load_torch
+from actors.backends.torch.models import tiny_model_dir
+from actors.backends.torch.tokens import TokenCodec
 from bus import frame as frames
 from schemas.frame import FrameHeader, FrameKind, WireDType
 from schemas.session import SamplingParams
@@ -104,7 +104,7 @@ def generate_reference(ref: PreTrainedModel, ids: list[int], n_tokens: int) -> l
 
 def whole_gguf_model(gguf_path: Path) -> PreTrainedModel:
     """The float32 weights every route node reads (the per-part cache), as one transformers model in one process."""
-    from actors.backends.torch_gguf import GGUFModel
+    from actors.backends.torch.gguf import GGUFModel
 
     source = GGUFModel(gguf_path, cache_root())
     config = source.config()

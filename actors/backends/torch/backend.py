@@ -23,10 +23,10 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from actors.backend import Hidden, StepInput, StepOutput
-from actors.backends.torch_models import PreparedModel, prepare
-from actors.backends.torch_sampler import Sampler, token_logprobs
-from actors.backends.torch_shard import Shard, cache_bytes
-from actors.backends.torch_tokens import TokenCodec
+from actors.backends.torch.models import PreparedModel, prepare
+from actors.backends.torch.sampler import TorchSampler, token_logprobs
+from actors.backends.torch.shard import Shard, cache_bytes
+from actors.backends.torch.tokens import TokenCodec
 from schemas.errors import (
     BackendError,
     BadRequestError,
@@ -90,7 +90,7 @@ class TorchConfig:
 class _Session:
     cache: DynamicCache
     position: int = 0
-    sampler: Sampler | None = None
+    sampler: TorchSampler | None = None
     sampling: SamplingParams | None = None
     prompt_tokens: list[int] = dataclasses.field(default_factory=list)
     last_logits: torch.Tensor | None = None
@@ -176,7 +176,7 @@ class TorchBackend:
                 raise BadRequestError(f"session {session_id} is already open on this node")
             if len(self._sessions) >= self.config.max_sessions:
                 raise CapacityError(f"torch node holds {len(self._sessions)} sessions (max {self.config.max_sessions})")
-            sampler = Sampler(sampling, prompt_tokens) if self.is_tail else None
+            sampler = TorchSampler(sampling, prompt_tokens) if self.is_tail else None
             self._sessions[session_id] = _Session(cache=self.shard.new_cache(), sampler=sampler, sampling=sampling,
                                                   prompt_tokens=list(prompt_tokens) if self.is_tail else [])
 
@@ -199,7 +199,7 @@ class TorchBackend:
                 if self.is_tail:
                     assert source.sampling is not None and source.last_logits is not None
                     seed = None if source.sampling.seed is None else source.sampling.seed + i
-                    fork.sampler = Sampler(source.sampling, source.prompt_tokens, seed=seed)
+                    fork.sampler = TorchSampler(source.sampling, source.prompt_tokens, seed=seed)
                     outputs.append(self._pick(fork, source.last_logits))
                 else:
                     outputs.append(StepOutput())

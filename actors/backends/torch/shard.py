@@ -22,7 +22,7 @@ from transformers.masking_utils import (
     create_sliding_window_causal_mask,
 )
 
-from actors.backends.torch_store import TensorSource
+from actors.backends.torch.store import TensorSource
 from schemas.errors import BackendError
 
 _MASKS: dict[str, Any] = {

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, PretrainedConfig
 
-from actors.backends.torch_gguf import GGUFModel
-from actors.backends.torch_store import SafetensorsSource, TensorSource, ensure_dir
-from actors.backends.torch_tokens import TINY_SPECIALS, build_tiny_tokenizer
+from actors.backends.torch.gguf import GGUFModel
+from actors.backends.torch.store import SafetensorsSource, TensorSource, ensure_dir
+from actors.backends.torch.tokens import TINY_SPECIALS, build_tiny_tokenizer
 from schemas.errors import ModelNotFoundError
 
 TINY_VOCAB = len(TINY_SPECIALS) + 256

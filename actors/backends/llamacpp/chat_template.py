@@ -6,7 +6,7 @@ Transformers and llama-cpp-python render it (sandboxed Jinja2, ``trim_blocks``/`
 none); for those the family's official template stands in, chosen by ``general.architecture``.
 
 Tools (issue #19): a template that renders ``tools`` and ``<tool_call>`` blocks gets them natively (``hermes``);
-every other template gets the generic fallback of ``actors/backends/tool_prompt.py`` (``generic``). Which one a
+every other template gets the generic fallback of ``actors/backends/llamacpp/tool_prompt.py`` (``generic``). Which one a
 template uses is ``ChatTemplate.tool_format``; the head reports it to the gateway, which constrains and parses
 replies in that format.
 """
@@ -23,7 +23,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from actors.backends.tool_prompt import generic_messages, native_messages, tool_dicts
+from actors.backends.llamacpp.tool_prompt import generic_messages, native_messages, tool_dicts
 from schemas.errors import BadRequestError
 from schemas.tools import HERMES_OPEN, ToolCallFormat, ToolSet
 

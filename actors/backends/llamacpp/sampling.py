@@ -5,14 +5,14 @@ the seeded random pick; temperature 0 is the greedy sampler, the same one llama-
 The penalty sampler keeps its own window of recent tokens: the prompt is fed to it up front (as llama.cpp's
 server does), and every sampled token is accepted into it.
 
-A grammar (``SamplingParams.constraint``, see ``actors/backends/grammar.py``) is kept out of the chain and applied
-the way llama.cpp's ``common_sampler`` does: sample without it, check only the picked token against it, and only
-when the grammar rejects that token apply it to the candidates and sample again. Checking one token costs
-microseconds; applying a grammar to this 262k-token vocabulary costs tens of milliseconds. Two exact shortcuts
-avoid most of those: greedy's constrained pick is the best-scoring token the grammar accepts, so the grammar is
-applied to the 64 (then 4096) best tokens first; plain temperature sampling (no top-k/top-p/min-p, no penalties,
-the OpenAI default) draws by rejection with its own seeded numpy generator (``Sampler._draw_constrained``), so
-its tokens for a given seed are not llama.cpp's ``dist`` sampler's, but the distribution is the same.
+A grammar (``SamplingParams.constraint``, see ``grammar.py``) is kept out of the chain and applied the way
+llama.cpp's ``common_sampler`` does: sample without it, check only the picked token against it, and only when the
+grammar rejects that token apply it to the candidates and sample again. Checking one token costs microseconds;
+applying a grammar to this 262k-token vocabulary costs tens of milliseconds. Two exact shortcuts avoid most of
+those: greedy's constrained pick is the best-scoring token the grammar accepts, so the grammar is applied to the 64
+(then 4096) best tokens first; plain temperature sampling (no top-k/top-p/min-p, no penalties, the OpenAI default)
+draws by rejection with its own seeded numpy generator (``Sampler._draw_constrained``), so its tokens for a given
+seed are not llama.cpp's ``dist`` sampler's, but the distribution is the same.
 
 Logprobs (``SamplingParams.logprobs``) come from the raw logits row (log-softmax over the vocabulary, before
 penalties, temperature and grammar), as llama-cpp-python's ``logprobs`` and vLLM's default do, and are computed
@@ -30,7 +30,7 @@ import llama_cpp
 import numpy as np
 import numpy.typing as npt
 
-from actors.backends.grammar import Grammar, grammar_for, param_of
+from actors.backends.llamacpp.grammar import Grammar, grammar_for, param_of
 from schemas.errors import BackendError, BadRequestError
 from schemas.session import LogprobCandidate, SamplingParams, TokenLogprobs
 

@@ -21,8 +21,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
-from actors.backends.torch_store import ensure_dir, ensure_file
-from actors.backends.torch_tokens import GEMMA_CHAT_TEMPLATE
+from actors.backends.torch.store import ensure_dir, ensure_file
+from actors.backends.torch.tokens import GEMMA_CHAT_TEMPLATE
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 

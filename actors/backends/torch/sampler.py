@@ -15,7 +15,7 @@ import torch
 from schemas.session import LogprobCandidate, SamplingParams, TokenLogprobs
 
 
-class Sampler:
+class TorchSampler:
     """``seed`` overrides ``params.seed`` (choice ``i`` of an n > 1 session samples with ``seed + i``)."""
 
     def __init__(self, params: SamplingParams, prompt_tokens: list[int], seed: int | None = None) -> None:

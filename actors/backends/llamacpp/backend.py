@@ -32,12 +32,12 @@ import llama_cpp
 import numpy as np
 
 from actors.backend import Hidden, StepInput, StepOutput
-from actors.backends.chat_template import ChatTemplate, select_template
-from actors.backends.cpu_buffers import buffer_types
-from actors.backends.ggml_capture import LayerCapture
-from actors.backends.gguf_check import GGUFFacts, inspect_gguf
-from actors.backends.llama_batch import Batch
-from actors.backends.sampling import Sampler
+from actors.backends.llamacpp.batch import Batch
+from actors.backends.llamacpp.chat_template import ChatTemplate, select_template
+from actors.backends.llamacpp.cpu_buffers import buffer_types
+from actors.backends.llamacpp.ggml_capture import LayerCapture
+from actors.backends.llamacpp.gguf_check import GGUFFacts, inspect_gguf
+from actors.backends.llamacpp.sampling import Sampler
 from artifacts.gguf_split import part_name, split_prefix
 from schemas.errors import (
     BackendError,
@@ -106,7 +106,7 @@ class LlamaCppConfig:
 
     allow_amx: bool = False
     """Let ggml put weights in its AMX buffer type. Off: on some AMX CPUs the first matrix multiply there crashes
-    the process (``actors/backends/cpu_buffers.py``); the CPU_REPACK path stays on either way."""
+    the process (``actors/backends/llamacpp/cpu_buffers.py``); the CPU_REPACK path stays on either way."""
 
     def __post_init__(self) -> None:
         self.model_path = Path(self.model_path)

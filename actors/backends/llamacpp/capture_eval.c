@@ -1,4 +1,4 @@
-/* The eval callback of actors.backends.ggml_capture.LayerCapture, in C.
+/* The eval callback of actors.backends.llamacpp.ggml_capture.LayerCapture, in C.
  *
  * llama.cpp's scheduler calls the eval callback with ask=true for every node of the graph (about 40 per layer) to
  * learn which ones the caller wants to read. A Python (ctypes) callback costs ~8 us per call plus a GIL acquisition,
