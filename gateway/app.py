@@ -38,7 +38,7 @@ from gateway import sse
 from gateway.limits import ConcurrencyCounter, ConcurrencyLimitMiddleware, ConcurrencyLimits
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import RequestCounter
-from gateway.route_session import SessionManager
+from gateway.live_session import SessionManager
 from gateway.serving import OpenAIServing
 from gateway.tracker_client import TrackerClient
 from schemas.errors import AuthenticationError, NotFoundError

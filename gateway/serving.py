@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from gateway import sse
 from gateway.metrics import GatewayMetrics, RequestClock
-from gateway.route_session import Event, GenerationRequest, LiveSession, SessionManager
+from gateway.live_session import Event, GenerationRequest, LiveSession, SessionManager
 from schemas.errors import BadRequestError, RouteFailedError
 from schemas.openai import (
     TELEMETRY_KEY,
