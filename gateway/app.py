@@ -36,9 +36,9 @@ from bus.service import register
 from bus.subjects import Subjects
 from gateway import sse
 from gateway.limits import ConcurrencyCounter, ConcurrencyLimitMiddleware, ConcurrencyLimits
+from gateway.live_session import SessionManager
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import RequestCounter
-from gateway.live_session import SessionManager
 from gateway.serving import OpenAIServing
 from gateway.tracker_client import TrackerClient
 from schemas.errors import AuthenticationError, NotFoundError

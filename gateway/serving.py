@@ -19,8 +19,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from gateway import sse
-from gateway.metrics import GatewayMetrics, RequestClock
 from gateway.live_session import Event, GenerationRequest, LiveSession, SessionManager
+from gateway.metrics import GatewayMetrics, RequestClock
 from schemas.errors import BadRequestError, RouteFailedError
 from schemas.openai import (
     TELEMETRY_KEY,
