@@ -15,7 +15,6 @@ import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
-from types import TracebackType
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -28,7 +27,7 @@ from starlette.routing import Route as HttpRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from bus import codec
-from bus.connection import connect_settings
+from bus.actor import NatsActor
 from bus.http_edge import EXCEPTION_HANDLERS, error_response, read_model
 from bus.httpserver import HttpServer
 from bus.nodeclient import NodeClient
@@ -169,51 +168,37 @@ async def _telemetry_events(nc: NATS, subjects: Subjects, sid: str, live: object
             await sub.unsubscribe()
 
 
-class Gateway:
-    """The gateway actor; ``stop()`` is safe to call twice."""
+class Gateway(NatsActor):
+    """The gateway actor: an async context manager (``bus.actor.NatsActor``); ``stop()`` is safe to call twice."""
 
     def __init__(self, settings: Settings, *, host: str | None = None, port: int | None = None,
                  nc: NATS | None = None) -> None:
-        self.settings = settings
+        super().__init__(settings, nc=nc, name="gateway")
         self._host = host or settings.bind_host
         self._port = settings.gateway_port if port is None else port
-        self._nc = nc
-        self._own_nc = nc is None
         self.server: HttpServer | None = None
         self.serving: OpenAIServing | None = None
         self._nodes: NodeClient | None = None
         self._service: Service | None = None
-        self._started = False
-        self._stopped = False
 
     @property
     def url(self) -> str:
         assert self.server is not None
         return self.server.url
 
-    async def start(self) -> Gateway:
-        if self._started:
-            return self
-        self._started = True
-        if self._nc is None:
-            self._nc = await connect_settings(self.settings, name="gateway")
+    async def _on_start(self) -> None:
         subjects = Subjects(self.settings.namespace)
         self._nodes = NodeClient(timeout_s=self.settings.hop_timeout_s)
-        manager = SessionManager(self._nc, TrackerClient(self._nc, subjects), self._nodes, self.settings)
+        manager = SessionManager(self.nc, TrackerClient(self.nc, subjects), self._nodes, self.settings)
         self.serving = OpenAIServing(manager)
         self.server = HttpServer(build_app(self.serving, self.settings), self._host, self._port)
         await self.server.start()
-        self._service = await register(self._nc, namespace=subjects.namespace, role="gateway",
+        self._service = await register(self.nc, namespace=subjects.namespace, role="gateway",
                                        member=self.settings.member_name or "gateway", extra={"url": self.server.url},
                                        description="swarmroute gateway: OpenAI-compatible API")
         log.info("gateway listening on %s", self.server.url)
-        return self
 
-    async def stop(self) -> None:
-        if self._stopped or not self._started:
-            self._stopped = True
-            return
-        self._stopped = True
+    async def _on_stop(self) -> None:
         if self._service is not None:
             with contextlib.suppress(Exception):
                 await self._service.stop()
@@ -225,9 +210,6 @@ class Gateway:
             await self.serving.aclose()
         if self._nodes is not None:
             await self._nodes.aclose()
-        if self._own_nc and self._nc is not None:
-            with contextlib.suppress(Exception):
-                await self._nc.drain()
 
     async def _end_streams(self) -> None:
         """Every client still streaming gets an error chunk and ``[DONE]`` (not a bare ``[DONE]`` that reads like
@@ -242,10 +224,3 @@ class Gateway:
             await asyncio.sleep(0.02)
         for session in live:
             await session.close(cancelled=True)
-
-    async def __aenter__(self) -> Gateway:
-        return await self.start()
-
-    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
-                        tb: TracebackType | None) -> None:
-        await self.stop()

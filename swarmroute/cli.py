@@ -41,9 +41,6 @@ def _logging(level: str) -> None:
 def _run(main: Awaitable[T]) -> T:
     """``asyncio.run`` on uvloop where it is installed: its loop costs about half of asyncio's per event, and every
     token crosses several event loops (node, gateway) on its way to the client."""
-    # The backend's worker thread needs the GIL back the moment a forward pass returns; with the default 5 ms switch
-    # interval a busy event loop can hold it that long.
-    sys.setswitchinterval(0.0001)
     try:
         import uvloop
     except ImportError:

@@ -64,9 +64,7 @@ async def test_decode_hops_carry_one_position_and_prompt_crosses_once(settings: 
     swarm = await start_swarm(settings, [head, tail], model_id=MODEL)
     tail_node = swarm.nodes[1]
     proxy = await CountingProxy.start(tail_node.server.port)
-    tail_node.config.advertise_url = proxy.url  # the tracker routes through the proxy from the next heartbeat
-    await tail_node._heartbeat_once()
-    await asyncio.sleep(0.2)
+    await swarm.route_through(tail_node, proxy.url)
     frames_seen: list[tuple[FrameKind, int, int, int]] = []
 
     try:
@@ -135,9 +133,7 @@ async def test_multi_stream_hidden_shape_travels_through_the_route(settings: Set
     head, tail = stub(0, 5, hidden_shape=shape), stub(5, 8, hidden_shape=shape)
     swarm = await start_swarm(settings, [head, tail], model_id=MODEL)
     proxy = await CountingProxy.start(swarm.nodes[1].server.port)
-    swarm.nodes[1].config.advertise_url = proxy.url
-    await swarm.nodes[1]._heartbeat_once()
-    await asyncio.sleep(0.2)
+    await swarm.route_through(swarm.nodes[1], proxy.url)
     try:
         assert (await complete(swarm.base_url, "streams", 12)).choices[0].text == expected
         headers = [frames.decode(b)[0] for b in proxy.request_bodies() if b[:4] == b"SRF1"]
@@ -153,9 +149,7 @@ async def test_multi_stream_hidden_shape_travels_through_the_route(settings: Set
 async def test_f16_wire_halves_decode_payload(settings: Settings) -> None:
     swarm = await start_swarm(settings, [stub(0, 4), stub(4, 8)], model_id=MODEL, wire_dtype="f16")
     proxy = await CountingProxy.start(swarm.nodes[1].server.port)
-    swarm.nodes[1].config.advertise_url = proxy.url
-    await swarm.nodes[1]._heartbeat_once()
-    await asyncio.sleep(0.2)
+    await swarm.route_through(swarm.nodes[1], proxy.url)
     try:
         result = await complete(swarm.base_url, "half precision", 8)
         assert result.usage is not None and result.usage.completion_tokens == 8

@@ -69,13 +69,7 @@ async def test_decode_frames_over_http_carry_one_position_whatever_the_context(s
     swarm = await start_swarm(settings, build_route(TINY, (0, 3, 6)), model_id=TINY)
     proxy = await CountingProxy.start(swarm.nodes[1].server.port)
     try:
-        swarm.nodes[1].config.advertise_url = proxy.url  # frames into the tail cross the proxy from now on
-        await swarm.nodes[1]._heartbeat_once()
-        assert swarm.tracker.registry is not None
-        deadline = time.monotonic() + 10
-        while proxy.url not in {a.endpoint for a in swarm.tracker.registry.live()}:
-            assert time.monotonic() < deadline, "the tracker never saw the proxied tail"
-            await asyncio.sleep(0.05)
+        await swarm.route_through(swarm.nodes[1], proxy.url)  # frames into the tail cross the proxy from now on
         client = openai.AsyncOpenAI(base_url=swarm.base_url, api_key="unused", max_retries=0)
         decode_sizes, payloads = {}, set()
         for length in (20, 300):

@@ -19,8 +19,8 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import sys
 import time
-from types import TracebackType
 from typing import TypeVar
 
 from nats.aio.client import Client as NATS
@@ -46,8 +46,9 @@ from actors.node.spin import LoopPoller
 from actors.registry import open_registry
 from actors.services import node_service
 from bus import codec
+from bus.actor import NatsActor
 from bus.capability import HEADER_CAPABILITY, HEADER_SESSION_TOKEN, verifier_from_settings
-from bus.connection import connect_settings, keep_cancellation
+from bus.connection import keep_cancellation
 from bus.http_edge import EXCEPTION_HANDLERS, read_model
 from bus.httpserver import HttpServer
 from bus.nodeclient import NodeClient
@@ -65,6 +66,8 @@ from schemas.settings import Settings
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
+SWITCH_INTERVAL_S = 0.0001
+"""``sys.setswitchinterval`` of a node process (see ``Node._on_start``)."""
 MIN_BEAT_SPACING_S = 0.05
 """Heartbeats triggered by freed sessions are coalesced to at most one per this interval."""
 CLIENT_PROBE_TIMEOUT_S = 2.0
@@ -101,27 +104,23 @@ class NodeConfig:
     """Other names clients may use for the model (the id stays content-derived for GGUF artifacts)."""
 
 
-class Node:
-    """An async context manager; ``stop()`` is safe to call twice."""
+class Node(NatsActor):
+    """An async context manager (``bus.actor.NatsActor``); ``stop()`` is safe to call twice."""
 
     def __init__(self, config: NodeConfig, backend: Backend, settings: Settings, *, nc: NATS | None = None) -> None:
+        super().__init__(settings, nc=nc, name=f"node-{config.node_id}")
         self.config = config
         self.backend = backend
-        self.settings = settings
         self.subjects = Subjects(settings.namespace)
         self.engine = StepEngine(backend)
         self.sessions: dict[str, NodeSession] = {}
         hop_api = HopApi(self._app(), self._session_for, max_frame_bytes=settings.max_frame_bytes,
                          max_body_bytes=settings.max_body_bytes)
         self.server = HttpServer(hop_api, config.host, config.port, hot=hop_api)
-        self._nc = nc
-        self._own_nc = nc is None
         self._client = NodeClient(timeout_s=settings.hop_timeout_s)
         self._tasks: list[asyncio.Task[None]] = []
         self._rebinding: asyncio.Task[None] | None = None
         self._kv: KeyValue | None = None
-        self._started = False
-        self._stopped = False
         self.runtime: NodeRuntime | None = None
         self.hidden_shape = tuple(backend.info.hidden_shape)
         self.metrics = NodeMetrics()
@@ -140,12 +139,11 @@ class Node:
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
 
-    async def start(self) -> Node:
-        if self._started:
-            return self
-        self._started = True
-        if self._nc is None:
-            self._nc = await connect_settings(self.settings, name=f"node-{self.config.node_id}")
+    async def _on_start(self) -> None:
+        # The process tuning a node needs, here rather than in the CLI so that in-process tests run what
+        # production runs: the backend's worker thread needs the GIL back the moment a forward pass returns, and
+        # with the default 5 ms switch interval a busy event loop can hold it that long.
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.runtime = NodeRuntime(node_id=self.config.node_id, engine=self.engine, client=self._client,
                                    publish=self._publish, subjects=self.subjects, settings=self.settings,
                                    wire_dtype=WireDType.parse(self.config.wire_dtype), metrics=self.metrics,
@@ -153,20 +151,19 @@ class Node:
                                    client_present=self._client_present)
         await self.engine.start()
         await self.server.start()
-        self._kv = await open_registry(self._nc, self.subjects, self.settings.registry_ttl_s,
+        self._kv = await open_registry(self.nc, self.subjects, self.settings.registry_ttl_s,
                                        replicas=self.settings.registry_replicas)
-        await self._heartbeat_once()
-        self._service = await node_service(self._nc, self.subjects, self.advertisement)
+        await self.advertise_now()
+        self._service = await node_service(self.nc, self.subjects, self.advertisement)
         self._tasks = [asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
                        asyncio.create_task(self._sweep_loop(), name="idle-sweep")]
         log.info("node %s serving layers %s of %s at %s", self.config.node_id, self.backend.layers,
                  self.config.model_id, self.endpoint)
-        return self
 
     async def drain(self, timeout_s: float) -> int:
         """Stop advertising (trackers route no new session here), then wait up to ``timeout_s`` for the open
         sessions to finish. Returns how many are still open; ``stop()`` afterwards frees them."""
-        if not self._started or self._stopped:
+        if not self.running:
             return len(self.sessions)
         self.draining = True
         await self._withdraw()
@@ -176,11 +173,7 @@ class Node:
             await asyncio.sleep(0.05)
         return len(self.sessions)
 
-    async def stop(self) -> None:
-        if self._stopped or not self._started:
-            self._stopped = True
-            return
-        self._stopped = True
+    async def _on_stop(self) -> None:
         tasks = [*self._tasks, *([self._rebinding] if self._rebinding is not None else [])]
         for task in tasks:
             task.cancel()
@@ -194,22 +187,11 @@ class Node:
         await self.server.stop()
         await self.engine.stop()
         await self._client.aclose()
-        if self._own_nc and self._nc is not None:
-            with contextlib.suppress(Exception):
-                await self._nc.drain()
-
-    async def __aenter__(self) -> Node:
-        return await self.start()
-
-    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
-                        tb: TracebackType | None) -> None:
-        await self.stop()
 
     # ---- NATS --------------------------------------------------------------------------------------------------
 
     async def _publish(self, subject: str, model: BaseModel) -> None:
-        assert self._nc is not None
-        await self._nc.publish(subject, codec.encode(model))
+        await self.nc.publish(subject, codec.encode(model))
         keep_cancellation()
 
     def advertisement(self) -> NodeAdvertisement:
@@ -233,9 +215,8 @@ class Node:
     async def _client_present(self, session_id: str) -> bool | None:
         """Whether a session's client (its gateway) still listens: NATS answers "no responders" at once when
         nobody subscribes to the session's subjects any more. No answer in time says nothing either way."""
-        assert self._nc is not None
         try:
-            await self._nc.request(self.subjects.client(session_id), b"", timeout=CLIENT_PROBE_TIMEOUT_S)
+            await self.nc.request(self.subjects.client(session_id), b"", timeout=CLIENT_PROBE_TIMEOUT_S)
             keep_cancellation()
         except NoRespondersError:
             return False
@@ -243,7 +224,13 @@ class Node:
             return None
         return True
 
-    async def _heartbeat_once(self) -> None:
+    async def advertise_at(self, url: str | None) -> None:
+        """Advertise another base URL for peers (e.g. a proxy in front of this node), at once."""
+        self.config.advertise_url = url
+        await self.advertise_now()
+
+    async def advertise_now(self) -> None:
+        """Publish this node's advertisement into the registry now (heartbeats do it every ``heartbeat_s``)."""
         assert self._kv is not None
         await self._kv.put(self.config.node_id, codec.encode(self.advertisement()))
         keep_cancellation()
@@ -267,7 +254,7 @@ class Node:
                 continue  # a draining node stays out of the registry
             try:
                 async with asyncio.timeout(self._registry_timeout_s):
-                    await self._heartbeat_once()
+                    await self.advertise_now()
             except Exception as exc:  # noqa: BLE001 - a NATS outage must not kill the node; retry next beat
                 # No ack: a stream electing a leader, or a restarted server without the bucket (NATS says "no
                 # responders" only when nobody at all listens, and trackers listen to these subjects). The put
@@ -287,10 +274,9 @@ class Node:
     async def _rebind_registry(self) -> None:
         """A NATS server restarted without its (in-memory) registry bucket: create it again, so heartbeats land
         in the KV once more instead of failing until some tracker restarts. Binds the bucket if it still exists."""
-        assert self._nc is not None
         with contextlib.suppress(Exception):
             async with asyncio.timeout(self._registry_timeout_s + self.settings.heartbeat_s):
-                self._kv = await open_registry(self._nc, self.subjects, self.settings.registry_ttl_s,
+                self._kv = await open_registry(self.nc, self.subjects, self.settings.registry_ttl_s,
                                                replicas=self.settings.registry_replicas,
                                                unavailable_wait_s=self.settings.heartbeat_s)
 

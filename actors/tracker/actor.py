@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from types import TracebackType
 
 from nats.aio.client import Client as NATS
 from nats.micro.service import Service
@@ -20,7 +19,7 @@ from actors.registry import RegistryView, open_registry
 from actors.services import tracker_service
 from actors.tracker.routes import has_full_chain, routable, select_route, uncovered_layers
 from bus import capability, codec
-from bus.connection import connect_settings
+from bus.actor import NatsActor
 from bus.subjects import Subjects
 from schemas.errors import CapacityError, SwarmrouteError
 from schemas.node import LayerRange
@@ -31,59 +30,37 @@ log = logging.getLogger(__name__)
 QUEUE_GROUP = "tracker"
 
 
-class Tracker:
+class Tracker(NatsActor):
+    """An async context manager (``bus.actor.NatsActor``); ``stop()`` is safe to call twice."""
+
     def __init__(self, settings: Settings, *, nc: NATS | None = None) -> None:
-        self.settings = settings
+        super().__init__(settings, nc=nc, name="tracker")
         self.subjects = Subjects(settings.namespace)
-        self._nc = nc
-        self._own_nc = nc is None
         self._service: Service | None = None
         self.registry: RegistryView | None = None
         self._pending: dict[str, list[tuple[float, int]]] = {}
         """node id -> (when a route was handed out, the node's sessions_opened then), oldest first."""
         self._signer = capability.signer_from_settings(settings)
-        self._started = False
-        self._stopped = False
 
-    async def start(self) -> Tracker:
-        if self._started:
-            return self
-        self._started = True
-        if self._nc is None:
-            self._nc = await connect_settings(self.settings, name="tracker")
-        kv = await open_registry(self._nc, self.subjects, self.settings.registry_ttl_s,
+    async def _on_start(self) -> None:
+        kv = await open_registry(self.nc, self.subjects, self.settings.registry_ttl_s,
                                  replicas=self.settings.registry_replicas)
-        self.registry = RegistryView(kv, self.settings.registry_ttl_s, nc=self._nc, subjects=self.subjects)
+        self.registry = RegistryView(kv, self.settings.registry_ttl_s, nc=self.nc, subjects=self.subjects)
         await self.registry.start()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.registry.ready.wait(), 5.0)
         # Route and models requests are micro-service endpoints (same subjects, queue group "tracker"), so $SRV
         # discovery lists every tracker and $SRV.STATS counts its requests.
-        self._service = await tracker_service(self._nc, self.subjects, member=self.settings.member_name or "tracker",
+        self._service = await tracker_service(self.nc, self.subjects, member=self.settings.member_name or "tracker",
                                               route=self._handle_route, models=self._handle_models)
         log.info("tracker ready on %s", self.subjects.route_request)
-        return self
 
-    async def stop(self) -> None:
-        if self._stopped or not self._started:
-            self._stopped = True
-            return
-        self._stopped = True
+    async def _on_stop(self) -> None:
         if self._service is not None:
             with contextlib.suppress(Exception):
                 await self._service.stop()
         if self.registry is not None:
             await self.registry.stop()
-        if self._own_nc and self._nc is not None:
-            with contextlib.suppress(Exception):
-                await self._nc.drain()
-
-    async def __aenter__(self) -> Tracker:
-        return await self.start()
-
-    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
-                        tb: TracebackType | None) -> None:
-        await self.stop()
 
     def _pending_counts(self) -> dict[str, int]:
         # A route handed out counts against its nodes until the node reports the session opened (its

@@ -230,14 +230,7 @@ async def wire_bytes(server: EmbeddedNats, home: Path, tokens: int) -> WireBytes
     proxies = [await CountingProxy.start(n.server.port) for n in swarm.nodes]
     try:
         for node, proxy in zip(swarm.nodes, proxies, strict=True):
-            node.config.advertise_url = proxy.url  # the tracker routes through the proxies from these heartbeats
-            await node._heartbeat_once()
-        deadline = time.monotonic() + 5
-        assert swarm.tracker.registry is not None
-        while {a.endpoint for a in swarm.tracker.registry.live()} != {p.url for p in proxies}:
-            if time.monotonic() > deadline:
-                raise RuntimeError("the tracker never saw the proxied endpoints")
-            await asyncio.sleep(0.05)
+            await swarm.route_through(node, proxy.url, timeout=5)
         await one_generation(swarm.base_url, tokens, BusClock(), Samples())
         into_tail = requests_of(bytes(proxies[1].upstream))
         into_head = requests_of(bytes(proxies[0].upstream))

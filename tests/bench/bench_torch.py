@@ -168,14 +168,7 @@ async def http_decode(head: TorchBackend, tail: TorchBackend, prompts: dict[int,
         swarm = await start_swarm(settings, [head, tail], model_id="gemma-bench")
         proxy = await CountingProxy.start(swarm.nodes[1].server.port)
         try:
-            swarm.nodes[1].config.advertise_url = proxy.url  # frames into the tail now cross the proxy
-            await swarm.nodes[1]._heartbeat_once()
-            assert swarm.tracker.registry is not None
-            deadline = time.monotonic() + 10
-            while proxy.url not in {a.endpoint for a in swarm.tracker.registry.live()}:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the tracker never saw the proxied tail")
-                await asyncio.sleep(0.05)
+            await swarm.route_through(swarm.nodes[1], proxy.url)  # frames into the tail now cross the proxy
             client = openai.AsyncOpenAI(base_url=swarm.base_url, api_key="bench", max_retries=0, timeout=900)
             for _ in range(rounds):
                 for n, ids in prompts.items():

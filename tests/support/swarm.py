@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -15,6 +13,7 @@ from actors.tracker import Tracker
 from gateway.app import Gateway
 from schemas.settings import Settings
 from tests.support.actors import ActorProcess
+from tests.support.waiting import eventually
 
 
 @dataclasses.dataclass
@@ -35,6 +34,14 @@ class Swarm:
     async def wait_model(self, model: str, timeout: float = 10.0) -> None:
         await wait_model(self.tracker, model, timeout)
 
+    async def route_through(self, node: Node, url: str, timeout: float = 10.0) -> None:
+        """Have ``node`` advertise ``url`` (a proxy in front of it) and wait until the tracker routes there."""
+        await node.advertise_at(url)
+        registry = self.tracker.registry
+        assert registry is not None
+        await eventually(lambda: url in {a.endpoint for a in registry.live()}, timeout=timeout,
+                         what=f"the tracker routing to {node.config.node_id} through {url}")
+
     async def stop(self) -> None:
         await self.gateway.stop()
         for node in self.nodes:
@@ -44,13 +51,11 @@ class Swarm:
 
 async def wait_model(tracker: Tracker, model: str, timeout: float = 10.0, n_nodes: int | None = None) -> None:
     """Until the tracker sees a complete route for ``model`` (and ``n_nodes`` nodes serving it, if given)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for m in tracker.models().models:
-            if model in (m.id, m.name, *m.aliases) and m.complete and (n_nodes is None or len(m.nodes) >= n_nodes):
-                return
-        await asyncio.sleep(0.05)
-    raise TimeoutError(f"model {model} never became routable")
+    def routable() -> bool:
+        return any(model in (m.id, m.name, *m.aliases) and m.complete and (n_nodes is None or len(m.nodes) >= n_nodes)
+                   for m in tracker.models().models)
+
+    await eventually(routable, timeout=timeout, what=f"model {model} becoming routable")
 
 
 async def start_swarm(settings: Settings, backends: Sequence[Backend], *, model_id: str,
