@@ -1,18 +1,32 @@
-"""The node registry in JetStream KV: advertisements keyed by node id, expiring when heartbeats stop."""
+"""The node registry in JetStream KV: advertisements keyed by node id, expiring when heartbeats stop.
+
+The one place that reads it: ``open_registry`` binds (or creates) the bucket for the actors that write or watch it;
+``registry_snapshot`` reads it once with only what the read-only ``monitor`` role may do (stream info, direct
+gets: no consumer); ``RegistryView`` keeps a live copy, fed by a KV watcher (trackers) or, for monitors, by the
+snapshot plus the puts on core NATS.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
+from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import KeyValueConfig, StorageType
-from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError, ServiceUnavailableError
+from nats.js.errors import (
+    BadRequestError,
+    BucketNotFoundError,
+    KeyNotFoundError,
+    NotFoundError,
+    ServiceUnavailableError,
+)
 from nats.js.kv import KeyValue
 
 from bus import codec
@@ -52,6 +66,38 @@ async def open_registry(nc: NATS, subjects: Subjects, ttl_s: float, *, replicas:
             await asyncio.sleep(0.1)
 
 
+@dataclasses.dataclass
+class RegistrySnapshot:
+    adverts: dict[str, NodeAdvertisement]
+    """Node id -> its last advertisement, as the bucket holds it."""
+    replication: dict[str, Any]
+    """The bucket's replication (replicas, leader, replicas current), or ``error`` if it could not be read."""
+
+
+async def registry_snapshot(nc: NATS, subjects: Subjects) -> RegistrySnapshot:
+    """Every advertisement and the bucket's replication, with reads the read-only monitor role may make: stream
+    info (which lists the keys) and direct gets, no consumer. An empty or unreachable registry is a finding."""
+    js = nc.jetstream()
+    stream = f"KV_{subjects.registry_bucket}"
+    adverts: dict[str, NodeAdvertisement] = {}
+    replication: dict[str, Any] = {}
+    try:
+        info = await js.stream_info(stream, subjects_filter=subjects.registry_key_subject(">"))
+        cluster = info.cluster
+        replication.update(replicas=info.config.num_replicas, leader=cluster.leader if cluster else None,
+                           current=sum(1 for r in (cluster.replicas or []) if r.current) + 1 if cluster else 1)
+        kv = await js.key_value(subjects.registry_bucket)
+        for subject in sorted(info.state.subjects or {}):
+            key = subject.rsplit(".", 1)[-1]
+            with contextlib.suppress(KeyNotFoundError, codec.DecodeError):  # expired or deleted since listed
+                entry = await kv.get(key)
+                if entry.value:
+                    adverts[key] = codec.decode(entry.value, NodeAdvertisement)
+    except Exception as exc:  # noqa: BLE001 - reported to the operator, not raised
+        replication["error"] = f"{type(exc).__name__}: {exc}"
+    return RegistrySnapshot(adverts, replication)
+
+
 class RegistryView:
     """A live, local copy of the registry, fed by a KV watcher. A node counts as live while its last heartbeat,
     as received here, is younger than the TTL (KV expiry does not notify watchers).
@@ -62,7 +108,10 @@ class RegistryView:
     for every node to look expired.
     """
 
-    def __init__(self, kv: KeyValue, ttl_s: float, *, nc: NATS | None = None, subjects: Subjects | None = None) -> None:
+    def __init__(self, kv: KeyValue | None, ttl_s: float, *, nc: NATS | None = None,
+                 subjects: Subjects | None = None) -> None:
+        """Without ``kv`` (a monitor, which may not create consumers) it starts from ``registry_snapshot`` and
+        follows the puts on core NATS (``nc`` and ``subjects`` required)."""
         self._kv = kv
         self._ttl = ttl_s
         self._nodes: dict[str, tuple[NodeAdvertisement, float]] = {}
@@ -76,6 +125,12 @@ class RegistryView:
     async def start(self) -> None:
         if self._nc is not None and self._subjects is not None:
             self._sub = await self._nc.subscribe(self._subjects.registry_key_subject(), cb=self._on_put)
+        if self._kv is None:
+            assert self._nc is not None and self._subjects is not None, "a monitor's view needs nc and subjects"
+            for key, advert in (await registry_snapshot(self._nc, self._subjects)).adverts.items():
+                self._apply(key, codec.encode(advert), None)
+            self.ready.set()
+            return
         watcher = await self._kv.watchall()
         self._task = asyncio.create_task(self._watch(watcher), name="registry-watch")
 
@@ -120,6 +175,10 @@ class RegistryView:
             return  # a replay of an advertisement its node has since deleted (drain, clean stop)
         self._retired.pop(key, None)
         self._nodes[key] = (advert, time.monotonic())
+
+    def all(self) -> dict[str, NodeAdvertisement]:
+        """Every advertisement seen and not deleted, fresh or not (a monitor shows stale ones too)."""
+        return {key: advert for key, (advert, _) in self._nodes.items()}
 
     def live(self) -> list[NodeAdvertisement]:
         cutoff = time.monotonic() - self._ttl

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import json
 import sys
@@ -23,10 +22,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from nats.aio.client import Client as NATS
-from nats.js.errors import KeyNotFoundError
 
+from actors.registry import registry_snapshot
 from actors.tracker.routes import uncovered_layers
-from bus import codec
 from bus.connection import connect_settings
 from bus.service import discover
 from bus.subjects import Subjects
@@ -222,30 +220,6 @@ class FleetReport:
                 "models": self.models, "registry": self.registry}
 
 
-async def _registry(nc: NATS, subjects: Subjects) -> tuple[dict[str, NodeAdvertisement], dict[str, Any]]:
-    """Every advertisement and the bucket's replication, with reads the read-only monitor role may make: stream
-    info (which lists the keys) and direct gets, no consumer."""
-    js = nc.jetstream()
-    stream = f"KV_{subjects.registry_bucket}"
-    adverts: dict[str, NodeAdvertisement] = {}
-    replication: dict[str, Any] = {}
-    try:
-        info = await js.stream_info(stream, subjects_filter=subjects.registry_key_subject(">"))
-        cluster = info.cluster
-        replication.update(replicas=info.config.num_replicas, leader=cluster.leader if cluster else None,
-                           current=sum(1 for r in (cluster.replicas or []) if r.current) + 1 if cluster else 1)
-        kv = await js.key_value(subjects.registry_bucket)
-        for subject in sorted(info.state.subjects or {}):
-            key = subject.rsplit(".", 1)[-1]
-            with contextlib.suppress(KeyNotFoundError, codec.DecodeError):
-                entry = await kv.get(key)
-                if entry.value:
-                    adverts[key] = codec.decode(entry.value, NodeAdvertisement)
-    except Exception as exc:  # noqa: BLE001 - an empty or unreachable registry is a finding, not a crash
-        replication["error"] = f"{type(exc).__name__}: {exc}"
-    return adverts, replication
-
-
 def _models(adverts: list[NodeAdvertisement], ttl_s: float) -> dict[str, bool]:
     """Model id -> every layer served by a fresh, verified advertisement (what a tracker could route)."""
     fresh = [a for a in adverts if a.verified and time.time() - a.sent_at <= ttl_s]
@@ -274,7 +248,8 @@ async def fleet_report(nc: NATS, namespace: str, fleet: Fleet | None, *, ttl_s: 
         meta = ping.get("metadata")
         if isinstance(meta, dict) and meta.get("namespace") == namespace:
             seen.setdefault((str(meta.get("role")), str(meta.get("member"))), meta)
-    adverts, replication = await _registry(nc, subjects)
+    snapshot = await registry_snapshot(nc, subjects)
+    adverts, replication = snapshot.adverts, snapshot.replication
     expected: list[tuple[str, str]] = [(r, m.name) for r, m in fleet.members()] if fleet else []
     if fleet is None:  # no file: whatever answers is the fleet
         expected = sorted(set(seen) | {("node", k) for k in adverts})

@@ -8,6 +8,7 @@ import time
 
 from nats.aio.msg import Msg
 
+from actors.registry import RegistryView
 from bus import codec
 from bus.connection import connect_settings
 from bus.subjects import Subjects
@@ -35,40 +36,26 @@ def render(nodes: dict[str, NodeAdvertisement], sessions: dict[str, GenerationTe
 async def watch(settings: Settings, *, once: bool = False, duration: float | None = None) -> int:
     nc = await connect_settings(settings, name="watch")
     subjects = Subjects(settings.namespace)
-    nodes: dict[str, NodeAdvertisement] = {}
+    registry = RegistryView(None, settings.registry_ttl_s, nc=nc, subjects=subjects)
     sessions: dict[str, GenerationTelemetry] = {}
-
-    async def on_node(msg: Msg) -> None:
-        key = msg.subject.rsplit(".", 1)[-1]
-        if not msg.data:
-            nodes.pop(key, None)
-            return
-        with contextlib.suppress(codec.DecodeError):
-            nodes[key] = codec.decode(msg.data, NodeAdvertisement)
 
     async def on_telemetry(msg: Msg) -> None:
         with contextlib.suppress(codec.DecodeError):
             snap = codec.decode(msg.data, GenerationTelemetry)
             sessions[snap.session_id] = snap
 
-    await nc.subscribe(subjects.registry_key_subject(), cb=on_node)
     await nc.subscribe(subjects.telemetry_all, cb=on_telemetry)
-    with contextlib.suppress(Exception):
-        kv = await nc.jetstream().key_value(subjects.registry_bucket)
-        for key in await kv.keys():
-            with contextlib.suppress(Exception):  # a key deleted or expired since keys() was listed
-                entry = await kv.get(key)
-                if entry.value:
-                    nodes[key] = codec.decode(entry.value, NodeAdvertisement)
+    await registry.start()
     started = time.monotonic()
     try:
         while True:
             if once:
-                print(render(nodes, sessions))
+                print(render(registry.all(), sessions))
                 return 0
-            print("\x1b[2J\x1b[H" + render(nodes, sessions), flush=True)
+            print("\x1b[2J\x1b[H" + render(registry.all(), sessions), flush=True)
             if duration is not None and time.monotonic() - started > duration:
                 return 0
             await asyncio.sleep(1.0)
     finally:
+        await registry.stop()
         await nc.drain()
