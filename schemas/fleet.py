@@ -12,14 +12,13 @@ or the memory planner when every auto node of the model gives ``memory``), becau
 
 from __future__ import annotations
 
-import os
 import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from schemas.errors import BadRequestError
 from schemas.node import LayerRange
@@ -88,19 +87,6 @@ class SecretRef(_Spec):
         if (self.env is None) == (self.file is None):
             raise ValueError("give exactly one of env or file")
         return self
-
-    def resolve(self) -> SecretStr:
-        """Read the secret now; raises BadRequestError naming the variable or file (never the value)."""
-        if self.env is not None:
-            value = os.environ.get(self.env)
-            if value is None:
-                raise BadRequestError(f"environment variable {self.env} (a secret reference) is not set")
-            return SecretStr(value)
-        assert self.file is not None
-        try:
-            return SecretStr(self.file.read_text().rstrip("\r\n"))
-        except OSError as exc:
-            raise BadRequestError(f"cannot read secret file {self.file}: {exc.strerror}") from None
 
 
 class SecretSetting(SecretRef):
@@ -476,12 +462,3 @@ def parse_fleet(text: str, *, source: str = "fleet", toml: bool = False) -> Flee
     except ValidationError as exc:
         raise BadRequestError(f"{source}: " + "\n  ".join(["invalid fleet file:", *_messages(exc)]),
                               code="invalid_fleet") from None
-
-
-def load_fleet(path: Path) -> Fleet:
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise BadRequestError(f"cannot read fleet file {path}: {exc.strerror}", code="invalid_fleet") from None
-    fleet = parse_fleet(text, source=str(path), toml=path.suffix == ".toml")
-    return fleet.with_base(path.resolve().parent)

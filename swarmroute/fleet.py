@@ -29,10 +29,11 @@ from bus.connection import connect_settings
 from bus.service import discover
 from bus.subjects import Subjects
 from schemas.errors import BadRequestError, SwarmrouteError
-from schemas.fleet import Fleet, GatewaySpec, NodeSpec, load_fleet, parse_listen
+from schemas.fleet import Fleet, GatewaySpec, NodeSpec, parse_listen
 from schemas.node import NodeAdvertisement
 from schemas.settings import Settings
 from swarmroute import argtypes
+from swarmroute.fleet_file import load_fleet, resolve_secret
 from swarmroute.launcher import keep_nats, split_layers
 from swarmroute.supervisor import ChildSpec, Supervisor, on_stop_signal
 
@@ -112,14 +113,14 @@ def member_settings(fleet: Fleet, role: MemberRole, name: str, *, nats_url: str 
     auth = fleet.nats.auth.get(role)
     if auth is not None:
         values.update(nats_user=auth.user, nats_creds=auth.creds,
-                      nats_password=auth.password.resolve() if auth.password else None,
-                      nats_token=auth.token.resolve() if auth.token else None,
+                      nats_password=resolve_secret(auth.password) if auth.password else None,
+                      nats_token=resolve_secret(auth.token) if auth.token else None,
                       nats_inbox_prefix=auth.inbox_prefix or f"_INBOX_{role}")
     for setting, ref in fleet.secrets.items():
         if ref.roles is None or role in ref.roles:
-            values[setting] = ref.resolve()
+            values[setting] = resolve_secret(ref)
     if isinstance(member, GatewaySpec):
-        values["api_keys"] = [k.resolve() for k in member.api_keys]
+        values["api_keys"] = [resolve_secret(k) for k in member.api_keys]
     if home is not None:
         values["home"] = home
     if log_level is not None:
@@ -135,8 +136,8 @@ def monitor_settings(fleet: Fleet, *, nats_url: str | None = None) -> Settings:
     auth = fleet.nats.auth.get(role)
     if auth is not None:
         values.update(nats_user=auth.user, nats_creds=auth.creds,
-                      nats_password=auth.password.resolve() if auth.password else None,
-                      nats_token=auth.token.resolve() if auth.token else None,
+                      nats_password=resolve_secret(auth.password) if auth.password else None,
+                      nats_token=resolve_secret(auth.token) if auth.token else None,
                       nats_inbox_prefix=auth.inbox_prefix or f"_INBOX_{role}")
     return Settings(**values)
 

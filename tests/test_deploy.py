@@ -16,8 +16,9 @@ import pytest
 import yaml
 
 from bus.server import find_binary
-from schemas.fleet import Fleet, GatewaySpec, NodeSpec, load_fleet, parse_listen
+from schemas.fleet import Fleet, GatewaySpec, NodeSpec, parse_listen
 from swarmroute.cli import build_parser
+from swarmroute.fleet_file import load_fleet
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 ROOT = DEPLOY.parent

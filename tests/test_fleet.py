@@ -14,9 +14,10 @@ import pytest
 
 from bus.server import EmbeddedNats
 from schemas.errors import BadRequestError
-from schemas.fleet import Fleet, load_fleet, parse_fleet
+from schemas.fleet import Fleet, parse_fleet
 from schemas.session import Prompt
 from swarmroute.fleet import member_argv, member_settings, resolve_layers
+from swarmroute.fleet_file import load_fleet
 from tests.support.fleet import Proc, stub_reference, write_fleet
 from tests.support.nats_cluster import free_port
 
