@@ -66,10 +66,12 @@ class Settings(BaseSettings):
     the session (restarted) fails it at once, naming the node, instead of after ``token_timeout_s``. 0 turns it
     off."""
 
-    hop_spin_grace_s: float = Field(default=0.002, ge=0, le=1.0)
-    """Between decode steps a node busy-polls (yielding its CPU to anything runnable) until the session's next
-    frame or token comes, or this long after it was due: it saves an idle CPU's wake-up on every hop, for a CPU that
-    looks busy while decoding. 0 turns polling off (actors/spin.py)."""
+    hop_spin_grace_s: float = Field(default=0.0, ge=0, le=1.0)
+    """Opt-in: between decode steps a node busy-polls (yielding its CPU to anything runnable) until the session's
+    next frame or token comes, or this long after it was due (e.g. 0.002). It saves an idle CPU's wake-up on every
+    hop (~0.1 ms per link on a VM where wake-ups are expensive, nothing measurable elsewhere: tests/bench/
+    bench_gguf_route.py) for a core that stays busy while the node decodes; nodes that share a machine lose more
+    than they gain. 0, the default, turns polling off (actors/node/spin.py)."""
 
     session_idle_ttl_s: float = Field(default=120.0, gt=0)
     """A node frees a session's KV after this long without frames."""

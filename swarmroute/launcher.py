@@ -99,11 +99,12 @@ def _wait_ready(url: str, model_id: str, supervisor: Supervisor, timeout: float)
     raise RuntimeError(f"the swarm did not become ready within {timeout:g}s")
 
 
-LOCAL_NODE_ENV = {"OMP_WAIT_POLICY": "passive", "SWARMROUTE_HOP_SPIN_GRACE_S": "0"}
+LOCAL_NODE_ENV = {"OMP_WAIT_POLICY": "passive"}
 """Nodes sharing one machine. A single session computes on one node at a time, so each node may use every core,
-provided the idle ones leave them alone: OpenMP threads that spin after a graph (its default) or an event loop
-polling for the next frame take cores from the node that is computing (tests/bench/bench_up.py measures it). The
-operator's own environment wins (for OpenMP, either of its wait settings)."""
+provided the idle ones leave them alone: OpenMP threads that spin after a graph (its default) take cores from the
+node that is computing (and so would an event loop polling for its next frame, which is off by default)
+(tests/bench/bench_up.py measures it). The operator's own environment wins (for OpenMP, either of its wait
+settings)."""
 
 
 def _local_node_env() -> dict[str, str]:

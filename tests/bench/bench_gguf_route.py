@@ -13,6 +13,8 @@ Configurations, each with the bundled Gemma 3 270M Q4_K_M and the same thread co
   per-hop overhead on loopback are the unproxied rows;
 * ``route-2 +Nms``  the 2-node route with a TCP proxy adding N ms one-way delay on every link of the ring, each proxy
   its own process (tests/support/delay_proxy.py); its relay still costs a little on top of the delay;
+* ``route-2 polling`` the 2-node route with its nodes busy-polling between decode steps (``hop_spin_grace_s``
+  2 ms; off by default since issue #15): what polling buys per link, and costs in CPU;
 * ``route-2 bf16``  the 2-node route with bf16 activations: payload halves; divergence from f32 is counted in text
   pieces (f16 cannot carry Gemma 3's residual stream: its values pass 65504, and nodes refuse to send it).
 
@@ -56,7 +58,7 @@ class Route:
     adds its own relay to every link, so speed and per-hop overhead on loopback are measured without it."""
 
     def __init__(self, model: Path, n_nodes: int, threads: int, home: Path, *, delay_s: float = 0.0,
-                 wire_dtype: str = "f32", proxied: bool = False) -> None:
+                 wire_dtype: str = "f32", proxied: bool = False, polling_s: float = 0.0) -> None:
         self.nats = EmbeddedNats(NatsServerConfig(store_dir=home / "nats")).start()
         self.port = free_port()
         common = ["--nats", self.nats.url, "--home", str(home), "--log-level", "warning"]
@@ -76,7 +78,8 @@ class Route:
             self.procs.append(subprocess.Popen(
                 [*swarm, "node", *common, "--backend", "llamacpp", "--model", str(model), "--layers", f"{a}:{b}",
                  "--threads", str(threads), "--node-id", f"bench-{i}", "--port", str(port), *advertise,
-                 "--wire-dtype", wire_dtype], stdout=subprocess.DEVNULL))
+                 "--wire-dtype", wire_dtype], stdout=subprocess.DEVNULL,
+                env={**os.environ, "SWARMROUTE_HOP_SPIN_GRACE_S": str(polling_s)}))
         self.procs.append(subprocess.Popen([*swarm, "gateway", *common, "--port", str(self.port)],
                                            stdout=subprocess.DEVNULL))
         try:
@@ -166,6 +169,7 @@ def measure_round(route: Route, samples: Samples, n_tokens: int, i: int) -> None
 
 
 CONFIGS = [("route-1", 1, False, "f32", False), ("route-2", 2, False, "f32", False),
+           ("route-2 polling", 2, False, "f32", False),
            ("route-3", 3, False, "f32", False), ("route-2 proxied", 2, False, "f32", True),
            ("route-2 +{d}ms", 2, True, "f32", False), ("route-2 bf16", 2, False, "bf16", True)]
 """(name, nodes, delayed, wire dtype, behind counting proxies)."""
@@ -195,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
             for template, n, delayed, dtype, proxied in CONFIGS:
                 name = template.format(d=f"{args.delay_ms:g}")
                 routes[name] = Route(model, n, args.threads, home / name.replace(" ", "_"),
-                                     delay_s=args.delay_ms / 1e3 if delayed else 0.0, wire_dtype=dtype, proxied=proxied)
+                                     delay_s=args.delay_ms / 1e3 if delayed else 0.0, wire_dtype=dtype, proxied=proxied,
+                                     polling_s=0.002 if "polling" in name else 0.0)
                 samples[name] = Samples()
                 loop.run_until_complete(stream(routes[name].url, routes[name].model, "Warm up.", 4))
             for route in routes.values():
