@@ -13,13 +13,14 @@ lm_head never runs. The tail samples with each session's llama.cpp sampler chain
 
 Every public method takes ``_lock``: the node drives ``step`` from one worker thread, but a close arriving from
 elsewhere must never run ``llama_memory_seq_rm`` in the middle of a decode.
+
+Why one module of ~490 lines: one class over one llama.cpp context, whose loading, sessions, forks and batched
+step share the same lock and C objects; the config, placement and vocabulary live beside it.
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import hashlib
 import logging
 import os
 import threading
@@ -33,12 +34,13 @@ import numpy as np
 
 from actors.backend import Hidden, StepInput, StepOutput
 from actors.backends.llamacpp.batch import Batch
-from actors.backends.llamacpp.chat_template import ChatTemplate, select_template
+from actors.backends.llamacpp.chat_template import ChatTemplate
+from actors.backends.llamacpp.config import LlamaCppConfig
 from actors.backends.llamacpp.cpu_buffers import buffer_types
 from actors.backends.llamacpp.ggml_capture import LayerCapture
-from actors.backends.llamacpp.gguf_check import GGUFFacts, inspect_gguf
+from actors.backends.llamacpp.placement import file_sha256, place
 from actors.backends.llamacpp.sampling import Sampler
-from artifacts.gguf_split import part_name, split_prefix
+from actors.backends.llamacpp.vocabulary import Vocabulary
 from schemas.errors import (
     BackendError,
     BadRequestError,
@@ -49,7 +51,7 @@ from schemas.errors import (
 )
 from schemas.node import BackendInfo, LayerRange
 from schemas.session import CONTEXT_CAP, Prompt, SamplingParams
-from schemas.tools import ToolCallFormat, ToolSet
+from schemas.tools import ToolCallFormat
 
 __all__ = ["LlamaCppBackend", "LlamaCppConfig", "ModelLoadError", "load_llamacpp"]
 
@@ -60,80 +62,6 @@ _KV_REFRESH_S = 0.5
 
 _backend_ready = False
 _backend_lock = threading.Lock()
-
-
-@dataclasses.dataclass
-class LlamaCppConfig:
-    """How to load and run one GGUF."""
-
-    model_path: Path
-    """A whole-model GGUF, or a shard GGUF written by ``artifacts.shard.write_shard``."""
-
-    n_ctx: int = 4096
-    """Context per session (prompt + generated tokens); capped at the model's training context."""
-
-    max_sessions: int = 4
-    """Sessions holding KV at once: llama.cpp sequences in the shared context."""
-
-    threads: int = 0
-    """CPU threads for decode and prefill; 0 means every core."""
-
-    n_batch: int = 512
-    """Most positions one step may carry across its sessions (one ubatch, so one graph per step)."""
-
-    layer_start: int | None = None
-    layer_end: int | None = None
-    """Serve layers ``[layer_start, layer_end)`` of a whole-model file: the shard GGUF is cut (once) into
-    ``shard_dir``. ``None`` means the file's own range (the whole model, or what a shard file holds)."""
-
-    shard_dir: Path | None = None
-    """Where cut shards go; default ``<model dir>/<model stem>.shards``."""
-
-    allow_unproven: bool = False
-    """Cut an architecture ``artifacts.arch_support`` has not proven bit-exact (the user accepts the risk)."""
-
-    flash_attn: bool = False
-    """llama.cpp flash attention; off by default like llama-cpp-python's ``Llama``."""
-
-    sha256: str | None = None
-    """The loaded file's sha256 when already known (a verified artifact); otherwise it is computed at load."""
-
-    verbose: bool = False
-    """Let llama.cpp's own log through (it is chatty: off by default)."""
-
-    native_dir: Path | None = None
-    """Where the layer-capture callback is compiled and cached; default ``<SWARMROUTE_HOME>/native``."""
-
-    allow_amx: bool = False
-    """Let ggml put weights in its AMX buffer type. Off: on some AMX CPUs the first matrix multiply there crashes
-    the process (``actors/backends/llamacpp/cpu_buffers.py``); the CPU_REPACK path stays on either way."""
-
-    def __post_init__(self) -> None:
-        self.model_path = Path(self.model_path)
-        self.shard_dir = Path(self.shard_dir) if self.shard_dir is not None else None
-        self.native_dir = Path(self.native_dir) if self.native_dir is not None else None
-        if self.n_ctx < 1 or self.max_sessions < 1 or self.n_batch < 1 or self.threads < 0:
-            raise ValueError("n_ctx, max_sessions and n_batch must be positive and threads non-negative")
-        if self.max_sessions > llama_cpp.llama_max_parallel_sequences():
-            raise ValueError(f"max_sessions {self.max_sessions} exceeds llama.cpp's "
-                             f"{llama_cpp.llama_max_parallel_sequences()} sequences")
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Placement:
-    """Which file is loaded and which layers of the whole model it holds."""
-
-    facts: GGUFFacts
-    layers: LayerRange
-    n_layers_total: int
-
-    @property
-    def is_head(self) -> bool:
-        return self.layers.start == 0
-
-    @property
-    def is_tail(self) -> bool:
-        return self.layers.end == self.n_layers_total
 
 
 @dataclasses.dataclass
@@ -160,71 +88,17 @@ def _init_llama(verbose: bool) -> None:
             _backend_ready = True
 
 
-def _place(config: LlamaCppConfig) -> _Placement:
-    """Inspect the file and, when asked for a sub-range of a whole model, cut (or reuse) the shard GGUF."""
-    facts = inspect_gguf(config.model_path)
-    shard = facts.shard
-    if shard is not None:
-        own = (shard.start, shard.end)
-        wanted = (config.layer_start if config.layer_start is not None else shard.start,
-                  config.layer_end if config.layer_end is not None else shard.end)
-        if wanted != own:
-            raise ModelLoadError(f"{config.model_path} is a shard of layers [{own[0]}, {own[1]}), "
-                                 f"not [{wanted[0]}, {wanted[1]})")
-        return _Placement(facts, LayerRange(start=shard.start, end=shard.end), shard.n_layers_total)
-    n = facts.layout.n_layers
-    start = config.layer_start if config.layer_start is not None else 0
-    end = config.layer_end if config.layer_end is not None else n
-    if not 0 <= start < end <= n:
-        raise ModelLoadError(f"layer range [{start}, {end}) is not within the {n} layers of {config.model_path}")
-    if (start, end) == (0, n):
-        return _Placement(facts, LayerRange(start=0, end=n), n)
-    return _Placement(inspect_gguf(_cut_shard(config, start, end)), LayerRange(start=start, end=end), n)
-
-
-def _cut_shard(config: LlamaCppConfig, start: int, end: int) -> Path:
-    from artifacts.shard import shard_file_name, write_shard
-
-    directory = config.shard_dir or config.model_path.parent / f"{config.model_path.stem}.shards"
-    # Named after the source's identity too: a shard directory shared by several models (or a model file replaced
-    # in place) must never hand one model's layers to another.
-    stat = config.model_path.stat()
-    source = hashlib.sha256(f"{config.model_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
-    path = directory / shard_file_name(start, end).replace(".gguf", f"-{source[:12]}.gguf")
-    if not path.exists():
-        log.info("cutting layers [%d, %d) of %s into %s", start, end, config.model_path, path)
-        write_shard(config.model_path, path, start, end, allow_unproven=config.allow_unproven)
-    return path
-
-
-def _file_sha256(path: Path) -> str:
-    """sha256 of the model's bytes: the file, or for the first part of a split set the concatenation of its parts
-    (what its manifest's id is)."""
-    parsed = split_prefix(path)
-    if parsed is None or parsed[1] != 1 or parsed[2] < 2:
-        with path.open("rb") as f:
-            return hashlib.file_digest(f, "sha256").hexdigest()
-    prefix, _, count = parsed
-    digest = hashlib.sha256()
-    for i in range(1, count + 1):
-        with path.with_name(part_name(prefix, i, count)).open("rb") as f:
-            while chunk := f.read(8 << 20):
-                digest.update(chunk)
-    return digest.hexdigest()
-
-
 class LlamaCppBackend:
     """A ``Backend`` over one llama.cpp model and context. Build it with ``load_llamacpp``."""
 
     def __init__(self, config: LlamaCppConfig) -> None:
         _init_llama(config.verbose)
         self.config = config
-        self._placement = _place(config)
+        self._placement = place(config)
         self._path = self._placement.facts.path
         self._lock = threading.RLock()
         self._sessions: dict[str, _Session] = {}
         self._free_seqs = list(range(config.max_sessions - 1, -1, -1))
-        self._piece_cache: dict[int, bytes] = {}
         self._kv_bytes = 0
         self._kv_refreshed = 0.0
         self._decodes = 0
@@ -245,8 +119,11 @@ class LlamaCppBackend:
         if not self._model:
             raise ModelLoadError(f"llama.cpp could not load model file {self._path} (see its log with verbose=True)")
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
+        facts = self._placement.facts
+        self._text = Vocabulary(self._vocab, model_name=facts.name, architecture=facts.architecture,
+                                chat_template=facts.chat_template, with_template=self.is_head)
         self._n_embd = int(llama_cpp.llama_model_n_embd(self._model))
-        self._n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
+        self._n_vocab = self._text.n_vocab
         self._n_ctx = min(self.config.n_ctx, int(llama_cpp.llama_model_n_ctx_train(self._model)), CONTEXT_CAP)
         self._threads = self.config.threads or os.cpu_count() or 1
         self._capture = None if self.is_tail else LayerCapture(
@@ -257,7 +134,6 @@ class LlamaCppBackend:
                                  f"({self.config.max_sessions} x {self._n_ctx} tokens)")
         self._memory = llama_cpp.llama_get_memory(self._ctx)
         self._batch = Batch(self.config.n_batch, 0 if self.is_head else self._n_embd)
-        self._template = self._chat_template() if self.is_head else None
         self._info = self._make_info()
 
     def _context_params(self) -> llama_cpp.llama_context_params:
@@ -281,17 +157,6 @@ class LlamaCppBackend:
             self._capture.install(p)
         return p
 
-    def _chat_template(self) -> ChatTemplate | None:
-        bos, eos = llama_cpp.llama_vocab_bos(self._vocab), llama_cpp.llama_vocab_eos(self._vocab)
-        return select_template(self._placement.facts.chat_template, self._placement.facts.architecture,
-                               bos_token=self._token_text(bos), eos_token=self._token_text(eos))
-
-    def _token_text(self, token: int) -> str:
-        if token < 0:
-            return ""
-        text = llama_cpp.llama_vocab_get_text(self._vocab, token)
-        return text.decode("utf-8", errors="replace") if text else ""
-
     def _make_info(self) -> BackendInfo:
         facts = self._placement.facts
         version = llama_cpp.llama_version().decode()
@@ -301,7 +166,7 @@ class LlamaCppBackend:
             n_vocab=self._n_vocab, context_length=self._n_ctx, threads=self._threads,
             version=f"llama.cpp {version} (llama-cpp-python {llama_cpp.__version__}; CPU buffers: "
                     f"{', '.join(self._cpu_buffers) or 'plain'})",
-            artifact_sha256=self.config.sha256 or _file_sha256(self._path), wire_dtype="f32")
+            artifact_sha256=self.config.sha256 or file_sha256(self._path), wire_dtype="f32")
 
     # --- Backend properties -------------------------------------------------------------------------------------
 
@@ -336,80 +201,25 @@ class LlamaCppBackend:
 
     @property
     def chat_template(self) -> ChatTemplate | None:
-        return self._template
+        return self._text.template
 
-    # --- tokens -------------------------------------------------------------------------------------------------
+    # --- tokens (the head renders and tokenizes; every node turns tokens into bytes) ----------------------------
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         if not self.is_head:
             raise BadRequestError("only the head node tokenizes")
-        if prompt.messages is not None:
-            text = self._render(prompt.messages, prompt.add_generation_prompt, prompt.tools)
-        elif prompt.tools is not None:
-            raise BadRequestError("tools need chat messages", param="tools")
-        elif prompt.text is not None:
-            text = prompt.text
-        else:
-            raise BadRequestError("prompt has neither text nor messages")
-        tokens = self._tokenize(text)
-        if not tokens:
-            raise BadRequestError("the prompt is empty")
-        return tokens
+        return self._text.tokenize(prompt)
 
     def tool_format(self) -> ToolCallFormat:
-        """Head: how this model is asked to write tool calls (``ChatTemplate.tool_format``); the node reports it in
-        ``TokenizeReply.tool_format`` for prompts with tools."""
-        if self._template is None:
-            raise BadRequestError(f"{self._info.model_name} has no chat template: no tools", param="tools")
-        return self._template.tool_format
-
-    def _render(self, messages: Sequence[dict[str, object]], add_generation_prompt: bool,
-                tools: ToolSet | None = None) -> str:
-        if self._template is None:
-            raise BadRequestError(f"{self._info.model_name} has no chat template and no known fallback for "
-                                  f"architecture {self._info.architecture!r}; use the completions endpoint")
-        text = self._template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
-        # Templates write BOS themselves; tokenizing adds it again when the vocabulary wants one, so drop the
-        # written one rather than send it twice (llama.cpp's server does the same).
-        bos = self._template.bos_token
-        if bos and text.startswith(bos) and llama_cpp.llama_vocab_get_add_bos(self._vocab):
-            text = text[len(bos):]
-        return text
-
-    def _tokenize(self, text: str) -> list[int]:
-        raw = text.encode("utf-8")
-        room = len(raw) + 8
-        buf = (llama_cpp.llama_token * room)()
-        n = llama_cpp.llama_tokenize(self._vocab, raw, len(raw), buf, room, True, True)
-        if n < 0:
-            room = -n
-            buf = (llama_cpp.llama_token * room)()
-            n = llama_cpp.llama_tokenize(self._vocab, raw, len(raw), buf, room, True, True)
-        if n < 0:
-            raise BackendError(f"llama.cpp failed to tokenize a {len(raw)}-byte prompt")
-        return list(buf[:n])
+        """Head: how this model is asked to write tool calls; the node reports it in ``TokenizeReply.tool_format``
+        for prompts with tools."""
+        return self._text.tool_format()
 
     def token_bytes(self, token: int) -> bytes:
-        piece = self._piece_cache.get(token)
-        if piece is None:
-            piece = self._piece(token)
-            self._piece_cache[token] = piece
-        return piece
-
-    def _piece(self, token: int) -> bytes:
-        if not 0 <= token < self._n_vocab:
-            raise BadRequestError(f"token {token} is outside the vocabulary (0..{self._n_vocab - 1})")
-        # special=False: control tokens render as nothing, as in llama.cpp's server and llama-cpp-python output.
-        size = 64
-        while True:
-            buf = ctypes.create_string_buffer(size)
-            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, size, 0, False)
-            if n >= 0:
-                return buf.raw[:n]
-            size = -n
+        return self._text.token_bytes(token)
 
     def is_end_of_generation(self, token: int) -> bool:
-        return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
+        return self._text.is_end_of_generation(token)
 
     # --- sessions -----------------------------------------------------------------------------------------------
 

@@ -1,0 +1,67 @@
+"""How to load and run one GGUF with llama.cpp: ``LlamaCppConfig``, the options of ``load_backend("llamacpp")``."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import llama_cpp
+
+__all__ = ["LlamaCppConfig"]
+
+
+@dataclasses.dataclass
+class LlamaCppConfig:
+    """How to load and run one GGUF."""
+
+    model_path: Path
+    """A whole-model GGUF, or a shard GGUF written by ``artifacts.shard.write_shard``."""
+
+    n_ctx: int = 4096
+    """Context per session (prompt + generated tokens); capped at the model's training context."""
+
+    max_sessions: int = 4
+    """Sessions holding KV at once: llama.cpp sequences in the shared context."""
+
+    threads: int = 0
+    """CPU threads for decode and prefill; 0 means every core."""
+
+    n_batch: int = 512
+    """Most positions one step may carry across its sessions (one ubatch, so one graph per step)."""
+
+    layer_start: int | None = None
+    layer_end: int | None = None
+    """Serve layers ``[layer_start, layer_end)`` of a whole-model file: the shard GGUF is cut (once) into
+    ``shard_dir``. ``None`` means the file's own range (the whole model, or what a shard file holds)."""
+
+    shard_dir: Path | None = None
+    """Where cut shards go; default ``<model dir>/<model stem>.shards``."""
+
+    allow_unproven: bool = False
+    """Cut an architecture ``artifacts.arch_support`` has not proven bit-exact (the user accepts the risk)."""
+
+    flash_attn: bool = False
+    """llama.cpp flash attention; off by default like llama-cpp-python's ``Llama``."""
+
+    sha256: str | None = None
+    """The loaded file's sha256 when already known (a verified artifact); otherwise it is computed at load."""
+
+    verbose: bool = False
+    """Let llama.cpp's own log through (it is chatty: off by default)."""
+
+    native_dir: Path | None = None
+    """Where the layer-capture callback is compiled and cached; default ``<SWARMROUTE_HOME>/native``."""
+
+    allow_amx: bool = False
+    """Let ggml put weights in its AMX buffer type. Off: on some AMX CPUs the first matrix multiply there crashes
+    the process (``actors/backends/llamacpp/cpu_buffers.py``); the CPU_REPACK path stays on either way."""
+
+    def __post_init__(self) -> None:
+        self.model_path = Path(self.model_path)
+        self.shard_dir = Path(self.shard_dir) if self.shard_dir is not None else None
+        self.native_dir = Path(self.native_dir) if self.native_dir is not None else None
+        if self.n_ctx < 1 or self.max_sessions < 1 or self.n_batch < 1 or self.threads < 0:
+            raise ValueError("n_ctx, max_sessions and n_batch must be positive and threads non-negative")
+        if self.max_sessions > llama_cpp.llama_max_parallel_sequences():
+            raise ValueError(f"max_sessions {self.max_sessions} exceeds llama.cpp's "
+                             f"{llama_cpp.llama_max_parallel_sequences()} sequences")
