@@ -12,6 +12,7 @@ import contextlib
 import logging
 import time
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 from nats.aio.client import Client as NATS
 from nats.micro.service import Service
@@ -22,10 +23,14 @@ from actors.tracker.routes import has_full_chain, routable, select_route, uncove
 from bus import capability, codec
 from bus.connection import connect_settings
 from bus.subjects import Subjects
+from schemas.assignment import AssignmentReply, AssignmentRequest
 from schemas.errors import CapacityError, SwarmrouteError
-from schemas.node import LayerRange
-from schemas.route import ModelsReply, RouteReply, RouteRequest, ServedModel
+from schemas.node import NODE_FETCHING, LayerRange
+from schemas.route import FetchingNode, ModelsReply, RouteReply, RouteRequest, ServedModel
 from schemas.settings import Settings
+
+if TYPE_CHECKING:
+    from actors.tracker.assigner import Assigner
 
 log = logging.getLogger(__name__)
 QUEUE_GROUP = "tracker"
@@ -44,6 +49,8 @@ class Tracker:
         self._signer = capability.signer_from_settings(settings)
         self._started = False
         self._stopped = False
+        self._assigner: Assigner | None = None
+        self._assigner_missing = ""
 
     async def start(self) -> Tracker:
         if self._started:
@@ -59,8 +66,10 @@ class Tracker:
             await asyncio.wait_for(self.registry.ready.wait(), 5.0)
         # Route and models requests are micro-service endpoints (same subjects, queue group "tracker"), so $SRV
         # discovery lists every tracker and $SRV.STATS counts its requests.
+        self._assigner = await self._open_assigner()
         self._service = await tracker_service(self._nc, self.subjects, member=self.settings.member_name or "tracker",
-                                              route=self._handle_route, models=self._handle_models)
+                                              route=self._handle_route, models=self._handle_models,
+                                              assign=self._handle_assign)
         log.info("tracker ready on %s", self.subjects.route_request)
         return self
 
@@ -142,9 +151,12 @@ class Tracker:
         for a in self.registry.live():
             m = by_model.setdefault(a.model_id, ServedModel(id=a.model_id, name=a.backend.model_name,
                                                             n_layers=a.backend.n_layers, backend=a.backend))
+            m.aliases.extend(x for x in a.aliases if x not in m.aliases)
+            if a.state == NODE_FETCHING:
+                m.fetching.append(FetchingNode(node_id=a.node_id, layers=a.layers, fetch=a.fetch))
+                continue
             m.nodes.append(a.node_id)
             m.layer_ranges.append(a.layers)
-            m.aliases.extend(x for x in a.aliases if x not in m.aliases)
         for m in by_model.values():
             adverts = [a for a in self.registry.live() if a.model_id == m.id and a.verified]
             m.complete = has_full_chain(adverts, m.n_layers)
@@ -152,3 +164,27 @@ class Tracker:
 
     async def _handle_models(self, data: bytes) -> bytes:
         return codec.encode(self.models())
+
+    # ---- layer assignment (nodes joining with only a model id) --------------------------------------------------
+
+    async def _open_assigner(self) -> Assigner | None:
+        # Assignment reads manifests and model shapes (the gguf extra): a tracker without it still routes.
+        try:
+            from actors.leases import open_leases
+            from actors.tracker.assigner import Assigner
+        except ImportError as exc:
+            self._assigner_missing = f"this tracker cannot assign layers ({exc.name} is not installed)"
+            return None
+        assert self._nc is not None and self.registry is not None
+        leases = await open_leases(self._nc, self.subjects, self.settings.registry_ttl_s,
+                                   replicas=self.settings.registry_replicas)
+        return Assigner(self._nc, self.subjects, self.registry, leases)
+
+    async def _handle_assign(self, data: bytes) -> bytes:
+        try:
+            request = codec.decode(data, AssignmentRequest)
+        except codec.DecodeError as exc:
+            return codec.encode(AssignmentReply(error=str(exc), status=400))
+        if self._assigner is None:
+            return codec.encode(AssignmentReply(error=self._assigner_missing or "tracker not started", status=501))
+        return codec.encode(await self._assigner.assign(request))
