@@ -33,7 +33,6 @@ from nats.aio.msg import Msg
 from actors.manifest_request import gather, request_manifest
 from artifacts.fetch import FetchOptions, FetchResult, fetch_range
 from artifacts.manifest import load_manifest
-from artifacts.progress import ProgressPrinter
 from artifacts.shard import ShardSource, write_shard
 from artifacts.store import Store
 from artifacts.torrent import TorrentSession, is_private_address
@@ -196,7 +195,7 @@ class ArtifactSync:
 
     # -- fetching and seeding --------------------------------------------------------------------------------------
 
-    def _progress_sink(self, loop: asyncio.AbstractEventLoop, printer: ProgressPrinter | None
+    def _progress_sink(self, loop: asyncio.AbstractEventLoop, printer: Callable[[FetchProgress], None] | None
                        ) -> Callable[[FetchProgress], None]:
         """Called on the fetch thread: print, and hand the event to the loop for NATS (rate-limited)."""
 
@@ -213,7 +212,8 @@ class ArtifactSync:
 
         return sink
 
-    async def fetch(self, manifest: ModelManifest, start: int, end: int, *, printer: ProgressPrinter | None = None,
+    async def fetch(self, manifest: ModelManifest, start: int, end: int, *,
+                    printer: Callable[[FetchProgress], None] | None = None,
                     options: FetchOptions | None = None) -> FetchResult:
         """Fetch ``[start, end)`` from the swarm; on success the verified range is announced at once."""
         await self.hold(manifest)

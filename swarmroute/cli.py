@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from schemas.settings import Settings
-from swarmroute import argtypes, artifact_commands, fleet, plan_command
+from swarmroute import argtypes, artifact_commands, fleet, plan_command, provision
 
 log = logging.getLogger("swarmroute")
 T = TypeVar("T")
@@ -95,6 +95,8 @@ def cmd_node(args: argparse.Namespace) -> int:
     from swarmroute.backends import build_backend
 
     settings = _settings(args)
+    if provision.wants_swarm(args):  # --model-id SHA256 and no file: fetch its range from the swarm first
+        return provision.run_node(args, settings, _run)
     try:
         backend, identity = build_backend(args, settings)  # a llama.cpp backend is proven in a child first
     except BackendCrashedError as exc:
@@ -105,7 +107,8 @@ def cmd_node(args: argparse.Namespace) -> int:
     node = Node(NodeConfig(node_id=args.node_id or f"node-{uuid.uuid4().hex[:8]}", model_id=model_id,
                            host=args.host or settings.bind_host, port=args.port, advertise_url=args.advertise_url,
                            wire_dtype=args.wire_dtype, manifest_id=identity.manifest_id,
-                           verified=identity.verified, aliases=identity.aliases), backend, settings)
+                           verified=identity.verified, aliases=(*identity.aliases, *(args.alias or ()))),
+                backend, settings)
 
     async def start() -> None:
         await node.start()
@@ -170,7 +173,9 @@ def _fleet_member(p: argparse.ArgumentParser) -> None:
 def _backend_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=["llamacpp", "stub", "torch"], default="llamacpp")
     p.add_argument("--model", help="GGUF path (llamacpp/torch; default: the bundled Gemma 3 270M) or stub model id")
-    p.add_argument("--model-id", help="id to advertise (default: the model's name)")
+    p.add_argument("--model-id", help="id to advertise (default: the model's name); for a GGUF node without "
+                                      "--model, a model's sha256 (64 hex digits) makes the node fetch its layers "
+                                      "from the swarm")
     p.add_argument("--max-sessions", type=argtypes.positive, default=4,
                    help="concurrent sessions (KV slots) on this node")
     p.add_argument("--ctx", type=argtypes.context, default=None, help="context per session in tokens (4096, 32K)")
@@ -215,6 +220,14 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--host", default=None)
     node.add_argument("--port", type=argtypes.port, default=0)
     node.add_argument("--advertise-url", help="URL peers use to reach this node, if not the listen address")
+    node.add_argument("--alias", action="append", help="another name clients may request the model by (repeatable)")
+    swarm = node.add_argument_group("joining from the swarm (--model-id SHA256, no --model)")
+    swarm.add_argument("--memory", type=argtypes.size, default=None,
+                       help="memory to give the model, weights + KV (e.g. 24GB, 512MiB): the tracker sizes the "
+                            "assigned range by it (default: what the machine has available)")
+    swarm.add_argument("--manifest-id", help="accept only the manifest with this id (pinning)")
+    swarm.add_argument("--torrent-host", help="address to seed from (default: --host when private, else loopback)")
+    swarm.add_argument("--torrent-port", type=argtypes.port, default=0, help="torrent listen port (0: any free)")
     _fleet_member(node)
     node.set_defaults(func=cmd_node)
 
