@@ -241,7 +241,7 @@ def decide(fit: ModelFit, claims: Sequence[Claim], budget: float, *, prefer: Seq
     if decision is not None:
         return decision
     ranges = [(a, b) for cuts in fit.cut_sets for a in [0, *cuts] for b in cuts if b > a and fit.allowed(a, b)]
-    if not ranges:
+    if ranges == [(0, fit.n_layers)] * len(ranges):
         raise AssignmentImpossible("the architecture allows no range of this model to be cut; it must be served "
                                    f"whole, which needs {_mb(fit.cost(0, fit.n_layers))}")
     useful = [r for r in ranges if any(min(r[1], b) > max(r[0], a) for a, b in gaps_before)] or ranges
