@@ -49,8 +49,8 @@ class Tracker:
         self._signer = capability.signer_from_settings(settings)
         self._started = False
         self._stopped = False
-        self._assigner: Assigner | None = None
-        self._assigner_missing = ""
+        self.assigner: Assigner | None = None
+        self.assigner_missing = ""
 
     async def start(self) -> Tracker:
         if self._started:
@@ -66,7 +66,7 @@ class Tracker:
             await asyncio.wait_for(self.registry.ready.wait(), 5.0)
         # Route and models requests are micro-service endpoints (same subjects, queue group "tracker"), so $SRV
         # discovery lists every tracker and $SRV.STATS counts its requests.
-        self._assigner = await self._open_assigner()
+        self.assigner = await self._open_assigner()
         self._service = await tracker_service(self._nc, self.subjects, member=self.settings.member_name or "tracker",
                                               route=self._handle_route, models=self._handle_models,
                                               assign=self._handle_assign)
@@ -173,7 +173,7 @@ class Tracker:
             from actors.leases import open_leases
             from actors.tracker.assigner import Assigner
         except ImportError as exc:
-            self._assigner_missing = f"this tracker cannot assign layers ({exc.name} is not installed)"
+            self.assigner_missing = f"this tracker cannot assign layers ({exc.name} is not installed)"
             return None
         assert self._nc is not None and self.registry is not None
         leases = await open_leases(self._nc, self.subjects, self.settings.registry_ttl_s,
@@ -185,6 +185,6 @@ class Tracker:
             request = codec.decode(data, AssignmentRequest)
         except codec.DecodeError as exc:
             return codec.encode(AssignmentReply(error=str(exc), status=400))
-        if self._assigner is None:
-            return codec.encode(AssignmentReply(error=self._assigner_missing or "tracker not started", status=501))
-        return codec.encode(await self._assigner.assign(request))
+        if self.assigner is None:
+            return codec.encode(AssignmentReply(error=self.assigner_missing or "tracker not started", status=501))
+        return codec.encode(await self.assigner.assign(request))
