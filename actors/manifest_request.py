@@ -47,6 +47,8 @@ async def request_manifest(nc: NATS, subjects: Subjects, model_id: str, *, expec
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for data in await gather(nc, subjects.artifact_manifest(model_id), gather_s):
+            if not data:  # NATS' "no responders" status: nobody holds the model (yet)
+                continue
             try:
                 manifest = ModelManifest.model_validate_json(zlib.decompress(data))
                 check_manifest(manifest, expect_id=expect_id, where="manifest from a peer")

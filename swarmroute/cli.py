@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from schemas.settings import Settings
-from swarmroute import argtypes, artifact_commands, fleet, plan_command, provision
+from swarmroute import argtypes, artifact_commands, fleet, plan_command, provision, seeder
 
 log = logging.getLogger("swarmroute")
 T = TypeVar("T")
@@ -150,6 +150,10 @@ def cmd_watch(args: argparse.Namespace) -> int:
     return _run(watch(_settings(args), once=args.once, duration=args.duration))
 
 
+def cmd_seeder(args: argparse.Namespace) -> int:
+    return seeder.cmd_seeder(args, _settings(args))
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from swarmroute.launcher import run_up
 
@@ -204,6 +208,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--host", default=None, help="gateway address (default 127.0.0.1)")
     up.add_argument("--port", type=argtypes.port, default=None,
                     help="gateway port (default 8000, env SWARMROUTE_GATEWAY_PORT)")
+    up.add_argument("--from-swarm", action="store_true",
+                    help="one seeder holds the GGUF; the nodes start empty with only the model's id, are assigned "
+                         "their layers by the tracker and fetch just those from the swarm")
+    up.add_argument("--node-memory", type=argtypes.size, default=None,
+                    help="with --from-swarm: the --memory each node declares (default: what splits the model over "
+                         "exactly --nodes nodes)")
     up.set_defaults(func=cmd_up)
 
     tracker = sub.add_parser("tracker", help="run a tracker against an existing NATS")
@@ -237,6 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--port", type=argtypes.port, default=8000)
     _fleet_member(gateway)
     gateway.set_defaults(func=cmd_gateway)
+
+    seed = seeder.add_parser(sub)
+    _common(seed)
+    _fleet_member(seed)
+    seed.set_defaults(func=cmd_seeder)
 
     nats = sub.add_parser("nats", help="run the embedded NATS server (JetStream on)")
     _common(nats)
