@@ -48,9 +48,9 @@ from schemas.settings import Settings
 log = logging.getLogger(__name__)
 ASSIGNMENT_FILE = ".assignment"
 """In the model's store directory: the range this node was last given, preferred by the next assignment."""
-RETRY_STATUSES = {404, 501, 503}
-"""Assignment replies worth asking again: no manifest reachable yet, a tracker without artifact support (another
-may have it), lost lease races."""
+RETRY_STATUSES = {404, 500, 501, 503}
+"""Assignment replies worth asking again: no manifest reachable yet, a tracker that failed on the way (NATS,
+JetStream), a tracker without artifact support (another may have it), lost lease races."""
 
 
 class ProvisionError(SwarmrouteError):

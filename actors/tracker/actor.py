@@ -187,4 +187,10 @@ class Tracker:
             return codec.encode(AssignmentReply(error=str(exc), status=400))
         if self.assigner is None:
             return codec.encode(AssignmentReply(error=self.assigner_missing or "tracker not started", status=501))
-        return codec.encode(await self.assigner.assign(request))
+        try:
+            reply = await self.assigner.assign(request)
+        except Exception as exc:  # noqa: BLE001 - a NATS or JetStream failure: the node asks again, told why
+            log.warning("assignment for node %s failed: %s: %s", request.node_id, type(exc).__name__, exc)
+            reply = AssignmentReply(error=f"the tracker could not assign layers: {type(exc).__name__}: {exc}",
+                                    status=500)
+        return codec.encode(reply)
