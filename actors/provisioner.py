@@ -336,6 +336,11 @@ class Provisioner:
                 await task
         self._advertised = False
 
+    async def release_lease(self) -> None:
+        """Give the range up (a draining node: a replacement joining now may be assigned it). Safe twice."""
+        if self.keeper is not None:
+            await self.keeper.release()
+
     async def stop(self) -> None:
         """Release the lease, withdraw a fetching-state entry, stop seeding. Safe twice."""
         if self._stopped:
@@ -343,8 +348,7 @@ class Provisioner:
         self._stopped = True
         advertised = self._advertised
         await self.hand_over()
-        if self.keeper is not None:
-            await self.keeper.release()
+        await self.release_lease()
         if advertised and self._nc is not None:
             with contextlib.suppress(Exception):
                 kv = await open_registry(self.nc, self.subjects, self.settings.registry_ttl_s,

@@ -144,6 +144,7 @@ async def _serve(args: argparse.Namespace, settings: Settings) -> int:
         print(f"node {node_id} ready at {node.endpoint} serving {identity.model_id} layers {backend.layers}",
               flush=True)
         await stop.wait()
+        await provisioner.release_lease()  # draining: the range is free for a replacement at once
         left = await node.drain(settings.drain_timeout_s)
         if left:
             log.warning("stopping with %d session(s) still open after %gs", left, settings.drain_timeout_s)

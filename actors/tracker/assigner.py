@@ -63,7 +63,9 @@ def claims_of(adverts: list[NodeAdvertisement], leases: dict[str, tuple[RangeLea
     for a in adverts:
         if a.model_id != model_id or a.node_id == asking or a.state not in (NODE_SERVING, NODE_FETCHING):
             continue
-        serving = a.state == NODE_SERVING and a.verified
+        if a.state == NODE_SERVING and not a.verified:
+            continue  # never routed to: its layers are not covered by it
+        serving = a.state == NODE_SERVING
         claims[a.node_id] = Claim(a.node_id, a.layers.start, a.layers.end, serving=serving,
                                   active_sessions=a.capacity.active_sessions if serving else 0,
                                   max_sessions=a.capacity.max_sessions if serving else 0)

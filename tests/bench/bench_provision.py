@@ -101,10 +101,10 @@ class Round:
                 ttft = await _first_token(gateway.url, mid, started)
                 for c in children[1:]:
                     c.wait_for(READY, 60)
-                if mode == "swarm":
-                    done = {p.node_id: p for p in watch.events if p.phase == "done"}
-                    got = sorted((p.start, p.end) for p in done.values())
-                    per_node = [done[f"n{i}"].bytes_downloaded for i in range(n)]
+                if mode == "swarm":  # per node, in route order
+                    done = sorted((p for p in watch.events if p.phase == "done"), key=lambda p: p.start)
+                    got = [(p.start, p.end) for p in done]
+                    per_node = [p.bytes_downloaded for p in done]
                 elif mode == "torrent-all":
                     got, per_node = ranges or [], [p.bytes_downloaded for p in watch.events if p.phase == "done"]
                 else:
