@@ -30,9 +30,9 @@ from pathlib import Path
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from actors.manifest_request import gather, request_manifest
 from artifacts.fetch import FetchOptions, FetchResult, fetch_range
-from artifacts.manifest import check_manifest, load_manifest
-from artifacts.progress import ProgressPrinter
+from artifacts.manifest import load_manifest
 from artifacts.shard import ShardSource, write_shard
 from artifacts.store import Store
 from artifacts.torrent import TorrentSession, is_private_address
@@ -40,7 +40,7 @@ from artifacts.verify import RangeVerdict, StoreReport, verify_store
 from bus.codec import DecodeError, decode, encode
 from bus.subjects import Subjects
 from schemas.artifact import ArtifactPeer, FetchProgress
-from schemas.errors import ArtifactError, BadRequestError, NotFoundError, SwarmrouteError
+from schemas.errors import BadRequestError, NotFoundError, SwarmrouteError
 from schemas.manifest import ModelManifest
 from schemas.node import LayerRange
 
@@ -159,19 +159,7 @@ class ArtifactSync:
     # -- discovery and manifests -----------------------------------------------------------------------------------
 
     async def _gather(self, subject: str, wait_s: float) -> list[bytes]:
-        inbox = self.nc.new_inbox()
-        replies: list[bytes] = []
-
-        async def collect(msg: Msg) -> None:
-            replies.append(msg.data)
-
-        sub = await self.nc.subscribe(inbox, cb=collect)
-        try:
-            await self.nc.publish(subject, b"", reply=inbox)
-            await asyncio.sleep(wait_s)
-        finally:
-            await sub.unsubscribe()
-        return replies
+        return await gather(self.nc, subject, wait_s)
 
     async def discover(self, model_id: str) -> list[ArtifactPeer]:
         """Ask every holder of the model at once and learn all who answer within ``discover_s``."""
@@ -186,18 +174,8 @@ class ArtifactSync:
     async def fetch_manifest(self, model_id: str, *, expect_id: str | None = None, timeout_s: float = 5.0
                              ) -> ModelManifest:
         """The manifest from any holder; a reply that fails its content hash (or ``expect_id``) is skipped."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            for data in await self._gather(self.subjects.artifact_manifest(model_id), self.config.discover_s):
-                try:
-                    manifest = ModelManifest.model_validate_json(zlib.decompress(data))
-                    check_manifest(manifest, expect_id=expect_id, where="manifest from a peer")
-                except (ValueError, zlib.error, ArtifactError) as exc:
-                    log.warning("rejected a manifest for %s: %s", model_id[:16], exc)
-                    continue
-                if manifest.model_id == model_id:
-                    return manifest
-        raise NotFoundError(f"no peer answered with a valid manifest for model {model_id[:16]}...")
+        return await request_manifest(self.nc, self.subjects, model_id, expect_id=expect_id, timeout_s=timeout_s,
+                                      gather_s=self.config.discover_s)
 
     async def manifest_for(self, model_id: str | None, *, manifest_file: Path | None = None,
                            expect_id: str | None = None) -> ModelManifest:
@@ -217,7 +195,7 @@ class ArtifactSync:
 
     # -- fetching and seeding --------------------------------------------------------------------------------------
 
-    def _progress_sink(self, loop: asyncio.AbstractEventLoop, printer: ProgressPrinter | None
+    def _progress_sink(self, loop: asyncio.AbstractEventLoop, printer: Callable[[FetchProgress], None] | None
                        ) -> Callable[[FetchProgress], None]:
         """Called on the fetch thread: print, and hand the event to the loop for NATS (rate-limited)."""
 
@@ -234,7 +212,8 @@ class ArtifactSync:
 
         return sink
 
-    async def fetch(self, manifest: ModelManifest, start: int, end: int, *, printer: ProgressPrinter | None = None,
+    async def fetch(self, manifest: ModelManifest, start: int, end: int, *,
+                    printer: Callable[[FetchProgress], None] | None = None,
                     options: FetchOptions | None = None) -> FetchResult:
         """Fetch ``[start, end)`` from the swarm; on success the verified range is announced at once."""
         await self.hold(manifest)

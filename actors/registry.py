@@ -37,17 +37,20 @@ log = logging.getLogger(__name__)
 
 
 async def open_registry(nc: NATS, subjects: Subjects, ttl_s: float, *, replicas: int = 1,
-                        unavailable_wait_s: float = 30.0) -> KeyValue:
-    """Bind the registry bucket, creating it (history 1, TTL, ``replicas``) if this is the first actor to arrive.
+                        unavailable_wait_s: float = 30.0, bucket: str | None = None,
+                        description: str = "swarmroute node advertisements") -> KeyValue:
+    """Bind the registry bucket (or another TTL bucket: ``bucket``, e.g. the layer leases), creating it (history 1,
+    TTL, ``replicas``) if this is the first actor to arrive.
 
     A cluster that is still electing its JetStream leader answers "unavailable" for a few seconds: wait it out,
     since every actor of a fleet started at once meets exactly that.
     """
     js = nc.jetstream()
+    name = bucket or subjects.registry_bucket
     deadline = time.monotonic() + unavailable_wait_s
     while True:
         try:
-            return await js.key_value(subjects.registry_bucket)
+            return await js.key_value(name)
         except (BucketNotFoundError, NotFoundError):
             pass
         except (ServiceUnavailableError, NatsTimeoutError):
@@ -56,13 +59,13 @@ async def open_registry(nc: NATS, subjects: Subjects, ttl_s: float, *, replicas:
             await asyncio.sleep(0.5)
             continue
         try:
-            return await js.create_key_value(KeyValueConfig(bucket=subjects.registry_bucket, history=1, ttl=ttl_s,
+            return await js.create_key_value(KeyValueConfig(bucket=name, history=1, ttl=ttl_s,
                                                             storage=StorageType.MEMORY, replicas=replicas,
-                                                            description="swarmroute node advertisements"))
+                                                            description=description))
         except (BadRequestError, ServiceUnavailableError, NatsTimeoutError):
             # Another actor created it first (bind on the next pass), or the cluster is not ready yet.
             if time.monotonic() > deadline:
-                raise RuntimeError(f"could not bind or create registry bucket {subjects.registry_bucket}") from None
+                raise RuntimeError(f"could not bind or create bucket {name}") from None
             await asyncio.sleep(0.1)
 
 

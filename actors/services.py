@@ -20,11 +20,15 @@ TRACKER_QUEUE = "tracker"
 
 
 async def tracker_service(nc: NATS, subjects: Subjects, *, member: str, route: Callable[[bytes], Awaitable[bytes]],
-                          models: Callable[[bytes], Awaitable[bytes]]) -> Service:
+                          models: Callable[[bytes], Awaitable[bytes]],
+                          assign: Callable[[bytes], Awaitable[bytes]] | None = None) -> Service:
+    endpoints = [Endpoint("route", subjects.route_request, route, TRACKER_QUEUE),
+                 Endpoint("models", subjects.models_request, models, TRACKER_QUEUE)]
+    if assign is not None:
+        endpoints.append(Endpoint("assign", subjects.assign_request, assign, TRACKER_QUEUE))
     return await register(nc, namespace=subjects.namespace, role="tracker", member=member,
                           description="swarmroute tracker: picks Inference Routes from the node registry",
-                          endpoints=[Endpoint("route", subjects.route_request, route, TRACKER_QUEUE),
-                                     Endpoint("models", subjects.models_request, models, TRACKER_QUEUE)])
+                          endpoints=endpoints)
 
 
 async def node_service(nc: NATS, subjects: Subjects, advertisement: Callable[[], NodeAdvertisement]) -> Service:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from artifacts.arch_support import check_cut
+from artifacts.availability import Unseeded, unseeded
 from artifacts.shard import (
     ShardSource,
     manifest_cut_request,
@@ -36,6 +37,7 @@ from artifacts.verify import RangeVerdict, check_data_file, verify_shard
 from schemas.artifact import FetchPhase, FetchProgress
 from schemas.errors import ArtifactError, FetchCancelled
 from schemas.manifest import ModelManifest
+from schemas.node import LayerRange
 
 PeerSource = Callable[[], Iterable[tuple[str, int]]]
 ProgressSink = Callable[[FetchProgress], None]
@@ -61,6 +63,10 @@ class FetchOptions:
     allow_unproven: bool = False
     """Cut an architecture ``artifacts.arch_support`` has not proven (the user accepts the risk)."""
 
+    stall_s: float = 2.0
+    """Without a new piece for this long, the fetch looks for needed pieces no connected peer has and reports
+    them (``FetchProgress.unseeded_layers`` and its message) while it keeps waiting for a peer that has them."""
+
 
 @dataclasses.dataclass
 class FetchResult:
@@ -82,6 +88,8 @@ class _Reporter:
         self.wanted_bytes = sum(min(size, manifest.file_size - p * size) for p in job.wanted if p < n)
         self._carried = 0
         self._last = 0
+        self.unseeded = Unseeded((), ())
+        """Set while the fetch waits for pieces no connected peer has."""
 
     def downloaded(self, counter: int) -> int:
         # libtorrent restarts its payload counter when a torrent is re-checked: carry what came before.
@@ -92,13 +100,23 @@ class _Reporter:
 
     def snapshot(self, phase: FetchPhase, message: str = "") -> FetchProgress:
         st = self.job.status()
-        return FetchProgress(node_id=self.node_id, phase=phase, pieces_done=self.job.wanted_done(),
-                             pieces_wanted=len(self.job.wanted),
+        done, wanted = self.job.wanted_done(), len(self.job.wanted)
+        rate = float(st.download_payload_rate)
+        left = self.wanted_bytes * (wanted - done) / wanted if wanted else 0
+        waiting = self.unseeded and phase == "fetching"
+        if waiting and not message:
+            message = f"waiting for a peer that has {self.unseeded.describe()}: no connected peer seeds them"
+        return FetchProgress(node_id=self.node_id, phase=phase, pieces_done=done, pieces_wanted=wanted,
                              bytes_downloaded=self.downloaded(int(st.total_payload_download)),
                              bytes_needed=self.needed, bytes_wanted=self.wanted_bytes,
-                             rate_bps=float(st.download_payload_rate), peers=int(st.num_peers),
+                             rate_bps=rate, peers=int(st.num_peers),
                              hash_failures=self.job.counters.hash_failures, message=message,
-                             model_id=self.model_id, start=self.start, end=self.end)
+                             model_id=self.model_id, start=self.start, end=self.end,
+                             banned_peers=list(self.job.counters.banned),
+                             unseeded_layers=[LayerRange(start=a, end=b) for a, b in self.unseeded.layers]
+                             if waiting else [],
+                             unseeded_parts=list(self.unseeded.parts) if waiting else [],
+                             eta_s=left / rate if rate > 0 and not waiting else None)
 
     def report(self, phase: FetchPhase, message: str = "") -> FetchProgress:
         p = self.snapshot(phase, message)
@@ -107,13 +125,27 @@ class _Reporter:
         return p
 
 
+def _unseeded(job: TorrentJob, rep: _Reporter) -> Unseeded:
+    have, offered = job.have(), job.peer_pieces()
+    missing = [p for p in job.wanted if p < len(have) and not have[p] and not offered[p]]
+    return unseeded(job.manifest, rep.start, rep.end, missing)
+
+
 def _wait_for_pieces(job: TorrentJob, rep: _Reporter, peers: PeerSource, resume: Path, opts: FetchOptions) -> None:
     deadline = time.monotonic() + opts.timeout_s
     next_resume = time.monotonic() + opts.resume_every_s
+    last_done, last_new, last_look = -1, time.monotonic(), 0.0
     while True:
         job.session.pump(opts.poll_s)
         job.connect(peers())
         checking = str(job.status().state) in ("checking_files", "checking_resume_data")
+        done = job.wanted_done()
+        if done != last_done or checking:
+            last_done, last_new = done, time.monotonic()
+            rep.unseeded = Unseeded((), ())
+        elif time.monotonic() - last_new >= opts.stall_s and time.monotonic() - last_look >= 1.0:
+            # Stalled: say what nobody offers (a peer joining later clears it with its first piece).
+            rep.unseeded, last_look = _unseeded(job, rep), time.monotonic()
         p = rep.report("checking" if checking else "fetching")
         if job.counters.errors:
             raise ArtifactError(f"torrent error: {job.counters.errors[-1]}")
@@ -124,7 +156,9 @@ def _wait_for_pieces(job: TorrentJob, rep: _Reporter, peers: PeerSource, resume:
             job.save_resume(resume)
             raise FetchCancelled(f"fetch cancelled at {p.pieces_done}/{p.pieces_wanted} pieces")
         if time.monotonic() > deadline:
-            raise ArtifactError(f"fetch timed out: {p.pieces_done}/{p.pieces_wanted} pieces from {p.peers} peers")
+            nobody = f"; nobody seeds {rep.unseeded.describe()}" if rep.unseeded else ""
+            raise ArtifactError(f"fetch timed out: {p.pieces_done}/{p.pieces_wanted} pieces from {p.peers} peers"
+                                f"{nobody}")
         if time.monotonic() >= next_resume:
             job.save_resume(resume)
             next_resume = time.monotonic() + opts.resume_every_s

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from artifacts.model_shape import ModelShape
 from schemas.errors import BadRequestError, NoRouteError
@@ -211,6 +211,18 @@ def split(shape: ModelShape, nodes: Sequence[NodeSpec], settings: PlanSettings) 
                 hop_bytes=tuple(hop_bytes(shape.hop_shape, settings.wire_dtype, hop) + _carried(shape, cut)
                                 for hop, cut in enumerate(cuts)),
                 warnings=tuple(warnings), notes=tuple(_notes(shape, settings)) + shape.notes)
+
+
+def range_costs(shape: ModelShape, settings: PlanSettings) -> Callable[[int, int], int]:
+    """``cost(start, end)``: bytes a node needs to serve ``[start, end)`` (weights with the head/tail extras the range
+    implies, plus the cache for ``settings``), the cost ``split`` sizes ranges by; for callers that place one node at
+    a time (the tracker's layer assignment)."""
+    return _Costs(shape, settings).total
+
+
+def cut_points(shape: ModelShape, *, soft: bool) -> list[int]:
+    """Allowed range ends in ``(0, n_layers]``: with ``soft`` every group is kept whole, else only hard groups."""
+    return _cut_points(shape, soft)
 
 
 def hop_bytes(hop_shape: Sequence[int], dtype: WireDType, hop_index: int) -> int:

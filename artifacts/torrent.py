@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import logging
 import threading
 import time
 from collections.abc import Iterable
@@ -21,9 +22,11 @@ from artifacts.manifest import torrent_bytes
 from schemas.errors import ArtifactError, BadRequestError
 from schemas.manifest import ModelManifest
 
+log = logging.getLogger(__name__)
 _ALLOWED_NETS = ("127.0.0.0/8", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "::1/128", "fc00::/7", "fe80::/10")
 _ALERTS = (lt.alert.category_t.error_notification | lt.alert.category_t.status_notification
-           | lt.alert.category_t.storage_notification)
+           | lt.alert.category_t.storage_notification
+           | lt.alert.category_t.peer_notification)  # peer_ban_alert: who sent pieces that failed their SHA-1
 
 
 def is_private_address(host: str) -> bool:
@@ -78,6 +81,8 @@ class JobCounters:
     hash_failures: int = 0
     errors: list[str] = dataclasses.field(default_factory=list)
     resume_data: bytes | None = None
+    banned: list[str] = dataclasses.field(default_factory=list)
+    """``HOST:PORT`` of peers libtorrent banned for sending pieces that failed their SHA-1, in ban order."""
 
 
 class TorrentJob:
@@ -121,6 +126,18 @@ class TorrentJob:
 
     def have(self) -> list[bool]:
         return list(self.handle.status(lt.status_flags_t.query_pieces).pieces)
+
+    def peer_pieces(self) -> list[bool]:
+        """Pieces some connected peer says it has (the union of their bitfields); a seed has them all."""
+        n = self.manifest.torrent.n_pieces
+        union = [False] * n
+        for peer in self.handle.get_peer_info():
+            if peer.flags & lt.peer_info.seed:
+                return [True] * n
+            for i, held in enumerate(peer.pieces):
+                if held and i < n:
+                    union[i] = True
+        return union
 
     def wanted_done(self) -> int:
         pieces = self.have()
@@ -246,6 +263,12 @@ class TorrentSession:
             return
         if isinstance(alert, lt.hash_failed_alert):
             job.counters.hash_failures += 1
+        elif isinstance(alert, lt.peer_ban_alert):
+            host, port = alert.endpoint
+            name = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            if name not in job.counters.banned:
+                job.counters.banned.append(name)
+                log.warning("banned torrent peer %s: it sent pieces that failed their SHA-1", name)
         elif isinstance(alert, lt.save_resume_data_alert):
             job.counters.resume_data = lt.write_resume_data_buf(alert.params)
             job._resume_event.set()

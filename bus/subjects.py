@@ -37,6 +37,18 @@ class Subjects:
         return f"{self.namespace}.tracker.models"
 
     @property
+    def assign_request(self) -> str:
+        """Request/reply: AssignmentRequest -> AssignmentReply (a joining node's layer range, held as a lease);
+        trackers serve it in queue group ``tracker``."""
+        return f"{self.namespace}.tracker.assign"
+
+    @property
+    def lease_bucket(self) -> str:
+        """JetStream KV bucket of RangeLease keyed ``<model_id>.<start>-<end>.<slot>``; entries expire when their
+        node stops renewing them (same TTL as the registry)."""
+        return f"{self.namespace}_leases"
+
+    @property
     def registry_bucket(self) -> str:
         """JetStream KV bucket of NodeAdvertisement keyed by node id; entries expire when heartbeats stop."""
         return f"{self.namespace}_nodes"

@@ -67,6 +67,7 @@ def build_app(serving: OpenAIServing, settings: Settings) -> Starlette:
             "id": m.id, "name": m.name, "aliases": m.aliases, "complete": m.complete, "n_layers": m.n_layers,
             "nodes": m.nodes,
             "layer_ranges": [[r.start, r.end] for r in m.layer_ranges],
+            "fetching": [f.model_dump(mode="json", exclude={"schema_version"}) for f in m.fetching],
             "backend": m.backend.model_dump(mode="json") if m.backend else None}) for m in reply.models]
         return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
 

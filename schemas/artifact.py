@@ -48,6 +48,13 @@ class FetchProgress(WireModel):
     peers: int = 0
     hash_failures: int = Field(default=0, description="pieces that failed their SHA-1 and were fetched again")
     message: str = ""
+    banned_peers: list[str] = Field(default_factory=list, description="HOST:PORT of peers banned for sending pieces "
+                                                                      "that failed their SHA-1")
+    unseeded_layers: list[LayerRange] = Field(default_factory=list, description="layers with pieces this node still "
+                                                                                "needs that no connected peer has")
+    unseeded_parts: list[str] = Field(default_factory=list, description="the same for what is not a layer: header "
+                                                                        "(tokenizer), token embedding, output, shared")
+    eta_s: float | None = Field(default=None, description="seconds left at the current rate; None while unknown")
     sent_at: float = Field(default_factory=time.time)
 
     @property

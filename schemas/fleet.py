@@ -35,6 +35,9 @@ use (``fleet status``, ``watch``); ``admin`` is for people, never given to an ac
 
 BackendKind = Literal["llamacpp", "stub", "torch"]
 
+MemberRole = Literal["tracker", "gateway", "node", "seeder"]
+"""What a fleet member runs: ``swarmroute <role> --fleet FILE --name X``."""
+
 _NAME = r"^[A-Za-z0-9_-]+$"
 _LISTEN = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})$")
 _NATS_URL = re.compile(r"^(nats|tls|ws|wss)://[^\s,]+$")
@@ -172,6 +175,14 @@ class ModelSpec(_Spec):
     stub_delay: float = Field(default=0.0, ge=0.0)
     """Stub only: artificial seconds of compute per step."""
 
+    sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    """The GGUF's sha256, its artifact id (``swarmroute artifact build`` prints it). With it and no ``path``, nodes
+    start empty and fetch only their layers from the fleet's ``seeders``; their ``auto`` layers are assigned by the
+    tracker from each node's ``memory``."""
+
+    manifest_id: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    """With ``sha256``: the only manifest nodes accept (pinning, docs/artifacts.md "What is trusted")."""
+
     @field_validator("hidden_shape")
     @classmethod
     def _positive(cls, shape: list[int]) -> list[int]:
@@ -182,6 +193,19 @@ class ModelSpec(_Spec):
     @property
     def layer_count(self) -> int | None:
         return self.n_layers if self.n_layers is not None or self.backend != "stub" else 8
+
+    @property
+    def from_swarm(self) -> bool:
+        """Nodes fetch this model from the swarm (an artifact id and no local path)."""
+        return self.sha256 is not None and self.path is None
+
+    @model_validator(mode="after")
+    def _swarm_backend(self) -> ModelSpec:
+        if self.sha256 is not None and self.backend != "llamacpp":
+            raise ValueError("sha256: only llamacpp models are fetched from the swarm")
+        if self.manifest_id is not None and self.sha256 is None:
+            raise ValueError("manifest_id: pins the manifest of a model fetched from the swarm; give sha256 too")
+        return self
 
 
 class _Member(_Spec):
@@ -261,6 +285,29 @@ class NodeSpec(_Member):
         return None if self.layers == "auto" else parse_range(self.layers)
 
 
+class SeederSpec(_Member):
+    """A machine that holds a model's GGUF and seeds it (``swarmroute seeder``), for nodes that fetch from the
+    swarm."""
+
+    model: str | None = None
+    """Key in ``models``; may be omitted when the fleet has a single model."""
+
+    path: Path | None = None
+    """The GGUF on this machine (default: the model's ``path``, else the bundled Gemma 3 270M)."""
+
+    listen: str = "127.0.0.1:0"
+    """host:port the torrent listener binds (a loopback or private address nodes reach; port 0: any free one)."""
+
+    upload_limit: int = Field(default=0, ge=0)
+    """Bytes/s it uploads at most, 0 for no limit."""
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, value: str) -> str:
+        parse_listen(value)
+        return value
+
+
 class Fleet(_Spec):
     version: Literal[1] = 1
     """Fleet file format version."""
@@ -282,6 +329,8 @@ class Fleet(_Spec):
     trackers: list[TrackerSpec] = Field(min_length=1)
     gateways: list[GatewaySpec] = Field(min_length=1)
     nodes: list[NodeSpec] = Field(min_length=1)
+    seeders: list[SeederSpec] = Field(default_factory=list)
+    """Machines that seed models fetched from the swarm (models with ``sha256`` and no ``path``)."""
 
     @field_validator("models")
     @classmethod
@@ -325,7 +374,9 @@ class Fleet(_Spec):
     def _duplicate_names(self) -> list[str]:
         seen: dict[str, str] = {}
         problems = []
-        for section, members in (("trackers", self.trackers), ("gateways", self.gateways), ("nodes", self.nodes)):
+        sections: tuple[tuple[str, list[Any]], ...] = (("trackers", self.trackers), ("gateways", self.gateways),
+                                                       ("nodes", self.nodes), ("seeders", self.seeders))
+        for section, members in sections:
             for i, m in enumerate(members):
                 where = f"{section}[{i}].name"
                 if m.name in seen:
@@ -335,12 +386,16 @@ class Fleet(_Spec):
 
     def _model_refs(self) -> list[str]:
         problems = []
-        for i, node in enumerate(self.nodes):
-            if node.model is None and len(self.models) > 1:
-                problems.append(f"nodes[{i}].model: required when the fleet has several models "
+        members: list[tuple[str, NodeSpec | SeederSpec]] = [*(("nodes", n) for n in self.nodes),
+                                                            *(("seeders", s) for s in self.seeders)]
+        counts: dict[str, int] = {}
+        for section, member in members:
+            i = counts[section] = counts.get(section, -1) + 1
+            if member.model is None and len(self.models) > 1:
+                problems.append(f"{section}[{i}].model: required when the fleet has several models "
                                 f"({', '.join(self.models)})")
-            elif node.model is not None and node.model not in self.models:
-                problems.append(f"nodes[{i}].model: {node.model!r} is not in models ({', '.join(self.models)})")
+            elif member.model is not None and member.model not in self.models:
+                problems.append(f"{section}[{i}].model: {member.model!r} is not in models ({', '.join(self.models)})")
         return problems
 
     def _layer_problems(self) -> list[str]:
@@ -349,6 +404,9 @@ class Fleet(_Spec):
             indexed = [(i, n) for i, n in enumerate(self.nodes) if self.model_key(n) == key]
             if not indexed:
                 problems.append(f"models.{key}: no node serves it")
+                continue
+            if spec.from_swarm:
+                problems += self._swarm_problems(key, spec, indexed)
                 continue
             autos = [i for i, n in indexed if n.fixed_range is None]
             if autos and len(autos) != len(indexed):
@@ -367,22 +425,38 @@ class Fleet(_Spec):
                 problems += _coverage_problems(key, [(i, n.fixed_range) for i, n in indexed], n_layers)
         return problems
 
+    def _swarm_problems(self, key: str, spec: ModelSpec, indexed: list[tuple[int, NodeSpec]]) -> list[str]:
+        """A model fetched from the swarm: auto nodes are assigned by the tracker (explicit ranges may mix in),
+        and somebody must seed it."""
+        problems = []
+        if not any(self.model_key(s) == key for s in self.seeders):
+            problems.append(f"models.{key}.sha256: its nodes fetch it from the swarm, but no seeder holds it: add "
+                            f"seeders: [{{name: ..., model: {key}, path: /path/to/model.gguf}}]")
+        n_layers = spec.layer_count
+        for i, node in indexed:
+            r = node.fixed_range
+            if r is not None and n_layers is not None and r[1] > n_layers:
+                problems.append(f"nodes[{i}].layers: range {r[0]}:{r[1]} goes past the {n_layers} layers of model "
+                                f"{key!r}")
+        return problems
+
     # ---- lookups -------------------------------------------------------------------------------------------------
 
-    def model_key(self, node: NodeSpec) -> str:
+    def model_key(self, node: NodeSpec | SeederSpec) -> str:
         return node.model if node.model is not None else next(iter(self.models))
 
     def model_id(self, key: str) -> str:
         return self.models[key].id or key
 
-    def members(self) -> list[tuple[Literal["tracker", "gateway", "node"], _Member]]:
-        out: list[tuple[Literal["tracker", "gateway", "node"], _Member]] = []
+    def members(self) -> list[tuple[MemberRole, _Member]]:
+        out: list[tuple[MemberRole, _Member]] = []
         out += [("tracker", t) for t in self.trackers]
+        out += [("seeder", s) for s in self.seeders]
         out += [("node", n) for n in self.nodes]
         out += [("gateway", g) for g in self.gateways]
         return out
 
-    def member(self, role: Literal["tracker", "gateway", "node"], name: str) -> _Member:
+    def member(self, role: MemberRole, name: str) -> _Member:
         for r, m in self.members():
             if r == role and m.name == name:
                 return m
@@ -402,9 +476,11 @@ class Fleet(_Spec):
                 for role, a in self.nats.auth.items()}
         nats = self.nats.model_copy(update={"embedded_config": fix(self.nats.embedded_config), "auth": auth})
         models = {k: m.model_copy(update={"path": fix(m.path)}) for k, m in self.models.items()}
+        seeders = [sd.model_copy(update={"path": fix(sd.path)}) for sd in self.seeders]
         gateways = [g.model_copy(update={"api_keys": [fix_secret(k) for k in g.api_keys]}) for g in self.gateways]
         secrets = {k: fix_secret(v) for k, v in self.secrets.items()}
-        return self.model_copy(update={"nats": nats, "models": models, "gateways": gateways, "secrets": secrets})
+        return self.model_copy(update={"nats": nats, "models": models, "gateways": gateways, "secrets": secrets,
+                                       "seeders": seeders})
 
 
 def _coverage_problems(key: str, ranges: list[tuple[int, tuple[int, int] | None]], n_layers: int | None) -> list[str]:

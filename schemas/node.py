@@ -71,6 +71,23 @@ class Capacity(WireModel):
         return max(0, self.max_sessions - self.active_sessions)
 
 
+class FetchSummary(WireModel):
+    """Where a node that is coming up stands: shown in its advertisement while ``state`` is ``fetching``."""
+
+    phase: str = Field(description="checking | fetching | verifying | writing | loading (the shard into the backend)")
+    fraction: float = Field(default=0.0, ge=0.0, le=1.0, description="wanted pieces held")
+    bytes_downloaded: int = Field(default=0, ge=0)
+    bytes_needed: int = Field(default=0, ge=0, description="bytes of the model file the range needs")
+    rate_bps: float = Field(default=0.0, ge=0.0)
+    peers: int = Field(default=0, ge=0)
+    eta_s: float | None = Field(default=None, description="seconds left at the current rate; None while unknown")
+    message: str = Field(default="", description="e.g. which layers nobody seeds, or a banned peer")
+
+
+NODE_SERVING = "serving"
+NODE_FETCHING = "fetching"
+
+
 class NodeAdvertisement(WireModel):
     """A node's heartbeat: republished every few seconds into the registry, which expires it when it stops."""
 
@@ -85,5 +102,10 @@ class NodeAdvertisement(WireModel):
     verified: bool = Field(default=True, description="the node checked its shard against the artifact manifest")
     manifest_id: str = ""
     aliases: list[str] = Field(default_factory=list, description="other names clients may request the model by")
+    state: str = Field(default=NODE_SERVING, description="serving, or fetching: the node is still downloading and "
+                                                         "verifying its range (never routed to; its endpoint may be "
+                                                         "empty). A string, so a reader tolerates states it does not "
+                                                         "know (and routes only to serving)")
+    fetch: FetchSummary | None = Field(default=None, description="progress while fetching")
     started_at: float = Field(default_factory=time.time)
     sent_at: float = Field(default_factory=time.time)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from schemas.base import WireModel
-from schemas.node import BackendInfo, LayerRange
+from schemas.node import BackendInfo, FetchSummary, LayerRange
 
 
 class RouteRequest(WireModel):
@@ -60,6 +60,14 @@ class RouteReply(WireModel):
     uncovered: list[LayerRange] = Field(default_factory=list)
 
 
+class FetchingNode(WireModel):
+    """A node coming up: it holds a lease on ``layers`` and is fetching them (never routed to yet)."""
+
+    node_id: str
+    layers: LayerRange
+    fetch: FetchSummary | None = None
+
+
 class ServedModel(WireModel):
     """A model some live nodes serve; ``complete`` when their verified ranges cover every layer."""
 
@@ -71,6 +79,8 @@ class ServedModel(WireModel):
     layer_ranges: list[LayerRange] = Field(default_factory=list)
     aliases: list[str] = Field(default_factory=list)
     backend: BackendInfo | None = None
+    fetching: list[FetchingNode] = Field(default_factory=list, description="nodes still fetching their layers; "
+                                                                           "not in ``nodes`` until they serve")
 
 
 class ModelsReply(WireModel):

@@ -12,7 +12,7 @@ from schemas.node import LayerRange
 from schemas.session import CONTEXT_CAP
 
 __all__ = ["at_least", "context", "fraction", "hidden_shape", "layer_range", "layers_or_all", "node_count_sizes",
-           "node_size", "non_negative", "peer", "port", "positive", "tokens"]
+           "node_size", "non_negative", "peer", "port", "positive", "size", "tokens"]
 
 
 def _number(kind: type[int] | type[float], text: str, what: str) -> int | float:
@@ -75,6 +75,14 @@ def node_size(text: str) -> list[NodeSpec]:
     if text.strip().isdigit():
         raise argparse.ArgumentTypeError(f"{text!r} has no unit: give a size like 24GB, 80GiB or 512MiB")
     return _sizes(text)
+
+
+def size(text: str) -> int:
+    """A memory size in bytes with its unit: ``24GB``, ``80GiB``, ``512MiB`` (GB = GiB = 2^30; a bare number is
+    refused)."""
+    if "x" in text.lower():
+        raise argparse.ArgumentTypeError(f"{text!r} is one size, not NxSIZE: give e.g. 24GB")
+    return node_size(text)[0].memory_bytes
 
 
 def node_count_sizes(text: str) -> list[NodeSpec]:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from schemas.settings import Settings
-from swarmroute import argtypes, artifact_commands, fleet, plan_command
+from swarmroute import argtypes, artifact_commands, fleet, plan_command, provision, seeder
 
 log = logging.getLogger("swarmroute")
 T = TypeVar("T")
@@ -92,6 +92,8 @@ def cmd_node(args: argparse.Namespace) -> int:
     from swarmroute.backends import build_backend
 
     settings = _settings(args)
+    if provision.wants_swarm(args):  # --model-id SHA256 and no file: fetch its range from the swarm first
+        return provision.run_node(args, settings, _run)
     try:
         backend, identity = build_backend(args, settings)  # a llama.cpp backend is proven in a child first
     except BackendCrashedError as exc:
@@ -102,7 +104,8 @@ def cmd_node(args: argparse.Namespace) -> int:
     node = Node(NodeConfig(node_id=args.node_id or f"node-{uuid.uuid4().hex[:8]}", model_id=model_id,
                            host=args.host or settings.bind_host, port=args.port, advertise_url=args.advertise_url,
                            wire_dtype=args.wire_dtype, manifest_id=identity.manifest_id,
-                           verified=identity.verified, aliases=identity.aliases), backend, settings)
+                           verified=identity.verified, aliases=(*identity.aliases, *(args.alias or ()))),
+                backend, settings)
 
     async def start() -> None:
         await node.start()
@@ -144,6 +147,10 @@ def cmd_watch(args: argparse.Namespace) -> int:
     return _run(watch(_settings(args), once=args.once, duration=args.duration))
 
 
+def cmd_seeder(args: argparse.Namespace) -> int:
+    return seeder.cmd_seeder(args, _settings(args))
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from swarmroute.launcher import run_up
 
@@ -167,7 +174,9 @@ def _fleet_member(p: argparse.ArgumentParser) -> None:
 def _backend_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=["llamacpp", "stub", "torch"], default="llamacpp")
     p.add_argument("--model", help="GGUF path (llamacpp/torch; default: the bundled Gemma 3 270M) or stub model id")
-    p.add_argument("--model-id", help="id to advertise (default: the model's name)")
+    p.add_argument("--model-id", help="id to advertise (default: the model's name); for a GGUF node without "
+                                      "--model, a model's sha256 (64 hex digits) makes the node fetch its layers "
+                                      "from the swarm")
     p.add_argument("--max-sessions", type=argtypes.positive, default=4,
                    help="concurrent sessions (KV slots) on this node")
     p.add_argument("--ctx", type=argtypes.context, default=None, help="context per session in tokens (4096, 32K)")
@@ -196,6 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--host", default=None, help="gateway address (default 127.0.0.1)")
     up.add_argument("--port", type=argtypes.port, default=None,
                     help="gateway port (default 8000, env SWARMROUTE_GATEWAY_PORT)")
+    up.add_argument("--from-swarm", action="store_true",
+                    help="one seeder holds the GGUF; the nodes start empty with only the model's id, are assigned "
+                         "their layers by the tracker and fetch just those from the swarm")
+    up.add_argument("--node-memory", type=argtypes.size, default=None,
+                    help="with --from-swarm: the --memory each node declares (default: what splits the model over "
+                         "exactly --nodes nodes)")
     up.set_defaults(func=cmd_up)
 
     tracker = sub.add_parser("tracker", help="run a tracker against an existing NATS")
@@ -212,6 +227,14 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--host", default=None)
     node.add_argument("--port", type=argtypes.port, default=0)
     node.add_argument("--advertise-url", help="URL peers use to reach this node, if not the listen address")
+    node.add_argument("--alias", action="append", help="another name clients may request the model by (repeatable)")
+    swarm = node.add_argument_group("joining from the swarm (--model-id SHA256, no --model)")
+    swarm.add_argument("--memory", type=argtypes.size, default=None,
+                       help="memory to give the model, weights + KV (e.g. 24GB, 512MiB): the tracker sizes the "
+                            "assigned range by it (default: what the machine has available)")
+    swarm.add_argument("--manifest-id", help="accept only the manifest with this id (pinning)")
+    swarm.add_argument("--torrent-host", help="address to seed from (default: --host when private, else loopback)")
+    swarm.add_argument("--torrent-port", type=argtypes.port, default=0, help="torrent listen port (0: any free)")
     _fleet_member(node)
     node.set_defaults(func=cmd_node)
 
@@ -221,6 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--port", type=argtypes.port, default=8000)
     _fleet_member(gateway)
     gateway.set_defaults(func=cmd_gateway)
+
+    seed = seeder.add_parser(sub)
+    _common(seed)
+    _fleet_member(seed)
+    seed.set_defaults(func=cmd_seeder)
 
     nats = sub.add_parser("nats", help="run the embedded NATS server (JetStream on)")
     _common(nats)

@@ -29,16 +29,13 @@ from bus.connection import connect_settings
 from bus.service import discover
 from bus.subjects import Subjects
 from schemas.errors import BadRequestError, SwarmrouteError
-from schemas.fleet import Fleet, GatewaySpec, NodeSpec, parse_listen
-from schemas.node import NodeAdvertisement
+from schemas.fleet import Fleet, GatewaySpec, MemberRole, NodeSpec, SeederSpec, parse_listen
+from schemas.node import NODE_FETCHING, NodeAdvertisement
 from schemas.settings import Settings
 from swarmroute import argtypes
 from swarmroute.fleet_file import load_fleet, resolve_secret
 from swarmroute.launcher import keep_nats, split_layers
 from swarmroute.supervisor import ChildSpec, Supervisor, on_stop_signal
-
-MemberRole = Literal["tracker", "gateway", "node"]
-
 
 # ---- layer ranges -----------------------------------------------------------------------------------------------
 
@@ -84,11 +81,15 @@ def _planned(fleet: Fleet, key: str, nodes: list[tuple[int, NodeSpec]]) -> list[
     return [(a.start, a.end) for a in plan.assignments]
 
 
-def resolve_layers(fleet: Fleet) -> dict[str, tuple[int, int]]:
-    """Every node's ``[start, end)``: explicit ranges as written, ``auto`` split per model in file order."""
-    ranges: dict[str, tuple[int, int]] = {}
-    for key in fleet.models:
+def resolve_layers(fleet: Fleet) -> dict[str, tuple[int, int] | None]:
+    """Every node's ``[start, end)``: explicit ranges as written, ``auto`` split per model in file order; None for
+    an ``auto`` node of a model fetched from the swarm (the tracker assigns its range when it joins)."""
+    ranges: dict[str, tuple[int, int] | None] = {}
+    for key, spec in fleet.models.items():
         nodes = [(i, n) for i, n in enumerate(fleet.nodes) if fleet.model_key(n) == key]
+        if spec.from_swarm:
+            ranges.update((n.name, n.fixed_range) for _, n in nodes)
+            continue
         if all(n.fixed_range is not None for _, n in nodes):
             ranges.update((n.name, n.fixed_range) for _, n in nodes if n.fixed_range is not None)
             continue
@@ -110,14 +111,16 @@ def member_settings(fleet: Fleet, role: MemberRole, name: str, *, nats_url: str 
     values.update(nats_url=nats_url or ",".join(member.nats_servers or fleet.nats.servers),
                   namespace=fleet.namespace, registry_replicas=fleet.nats.registry_replicas,
                   nats_randomize=fleet.nats.randomize, member_name=name)
-    auth = fleet.nats.auth.get(role)
+    # A seeder does on NATS what a node does for the artifact swarm (announce, answer manifests): node credentials.
+    auth_role: Literal["tracker", "gateway", "node"] = "node" if role == "seeder" else role
+    auth = fleet.nats.auth.get(auth_role)
     if auth is not None:
         values.update(nats_user=auth.user, nats_creds=auth.creds,
                       nats_password=resolve_secret(auth.password) if auth.password else None,
                       nats_token=resolve_secret(auth.token) if auth.token else None,
-                      nats_inbox_prefix=auth.inbox_prefix or f"_INBOX_{role}")
+                      nats_inbox_prefix=auth.inbox_prefix or f"_INBOX_{auth_role}")
     for setting, ref in fleet.secrets.items():
-        if ref.roles is None or role in ref.roles:
+        if role != "seeder" and (ref.roles is None or role in ref.roles):
             values[setting] = resolve_secret(ref)
     if isinstance(member, GatewaySpec):
         values["api_keys"] = [resolve_secret(k) for k in member.api_keys]
@@ -142,17 +145,27 @@ def monitor_settings(fleet: Fleet, *, nats_url: str | None = None) -> Settings:
     return Settings(**values)
 
 
-def _node_argv(fleet: Fleet, node: NodeSpec, layers: tuple[int, int]) -> list[str]:
+def _node_argv(fleet: Fleet, node: NodeSpec, layers: tuple[int, int] | None) -> list[str]:
     key = fleet.model_key(node)
     model = fleet.models[key]
     host, port = parse_listen(node.listen)
-    argv = ["--node-id", node.name, "--backend", model.backend, "--model-id", fleet.model_id(key),
-            "--layers", f"{layers[0]}:{layers[1]}", "--max-sessions", str(node.max_sessions),
+    argv = ["--node-id", node.name, "--backend", model.backend, "--max-sessions", str(node.max_sessions),
             "--wire-dtype", node.wire_dtype, "--host", host, "--port", str(port)]
+    if layers is not None:
+        argv += ["--layers", f"{layers[0]}:{layers[1]}"]
+    if model.from_swarm:  # start empty: fetch the (assigned) range from the seeders
+        assert model.sha256 is not None
+        argv += ["--model-id", model.sha256, "--alias", fleet.model_id(key)]
+        if node.memory is not None:
+            argv += ["--memory", node.memory.replace(" ", "")]
+        if model.manifest_id is not None:
+            argv += ["--manifest-id", model.manifest_id]
+    else:
+        argv += ["--model-id", fleet.model_id(key)]
     if model.backend == "stub":
         argv += ["--model", fleet.model_id(key), "--n-layers", str(model.layer_count),
                  "--hidden-shape", "x".join(map(str, model.hidden_shape)), "--stub-delay", str(model.stub_delay)]
-    elif model.path is not None:
+    elif model.path is not None and not model.from_swarm:
         argv += ["--model", str(model.path)]
     ctx = node.ctx or model.context
     if ctx:
@@ -164,13 +177,24 @@ def _node_argv(fleet: Fleet, node: NodeSpec, layers: tuple[int, int]) -> list[st
     return argv
 
 
+def _seeder_argv(fleet: Fleet, seeder: SeederSpec) -> list[str]:
+    model = fleet.models[fleet.model_key(seeder)]
+    path = seeder.path or (model.path if model.path is not None else None)
+    host, port = parse_listen(seeder.listen)
+    argv = [str(path) if path is not None else "bundled", "--node-id", seeder.name, "--listen-host", host,
+            "--listen-port", str(port)]
+    return argv + (["--upload-limit", str(seeder.upload_limit)] if seeder.upload_limit else [])
+
+
 def member_argv(fleet: Fleet, role: MemberRole, name: str,
-                layers: dict[str, tuple[int, int]] | None = None) -> list[str]:
+                layers: dict[str, tuple[int, int] | None] | None = None) -> list[str]:
     """The ``swarmroute <role> ...`` arguments this member runs with (no secrets: those come from Settings)."""
     member = fleet.member(role, name)
     if isinstance(member, NodeSpec):
         ranges = layers if layers is not None else resolve_layers(fleet)
         return [role, *_node_argv(fleet, member, ranges[name])]
+    if isinstance(member, SeederSpec):
+        return [role, *_seeder_argv(fleet, member)]
     if isinstance(member, GatewaySpec):
         host, port = parse_listen(member.listen)
         return [role, "--host", host, "--port", str(port)]
@@ -200,7 +224,7 @@ def resolve_member(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
 class MemberStatus:
     role: str
     name: str
-    state: Literal["ok", "missing", "not-advertising", "stale", "extra"]
+    state: Literal["ok", "missing", "not-advertising", "stale", "extra", "fetching"]
     detail: str = ""
 
 
@@ -235,6 +259,11 @@ def _node_status(name: str, pinged: dict[str, Any] | None, advert: NodeAdvertise
         state: Literal["ok", "missing", "not-advertising", "stale"] = "not-advertising" if pinged else "missing"
         return MemberStatus("node", name, state)
     age = max(0.0, time.time() - advert.sent_at)
+    if advert.state == NODE_FETCHING and age <= ttl_s:  # coming up: in the registry, not serving yet
+        f = advert.fetch
+        progress = f"{f.phase} {100 * f.fraction:.0f}% {f.message}".rstrip() if f is not None else ""
+        return MemberStatus("node", name, "fetching", f"{advert.model_id} {advert.layers.start}:{advert.layers.end}  "
+                                                      f"{progress}")
     detail = (f"{advert.model_id} {advert.layers.start}:{advert.layers.end}  sessions "
               f"{advert.capacity.active_sessions}/{advert.capacity.max_sessions}  {advert.endpoint}  "
               f"heartbeat {age:.1f}s ago")
@@ -321,7 +350,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     print(f"fleet {fleet.name}: {len(fleet.trackers)} tracker(s), {len(fleet.nodes)} node(s), "
           f"{len(fleet.gateways)} gateway(s); NATS {', '.join(fleet.nats.servers)}")
     for role, member in fleet.members():
-        shown = f" layers {layers[member.name][0]}:{layers[member.name][1]}" if role == "node" else ""
+        assigned = layers.get(member.name)
+        shown = "" if role != "node" else (f" layers {assigned[0]}:{assigned[1]}" if assigned is not None
+                                          else " layers assigned by the tracker when it joins")
         print(f"  {role:<8} {member.name:<16}{shown}")
         print(f"           swarmroute {role} --fleet {args.file} --name {member.name}")
         print(f"           (= swarmroute {' '.join(member_argv(fleet, role, member.name, layers))})")
@@ -367,7 +398,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         argv = [sys.executable, "-m", "swarmroute", role, "--fleet", str(args.file), "--name", member.name,
                 "--log-level", args.log_level or "warning", "--home", str(home)]
         specs.append(ChildSpec(member.name, argv + (["--nats", nats_url] if nats_url else []),
-                               essential=role != "node"))
+                               essential=role not in ("node", "seeder")))
     supervisor = Supervisor(specs)
     try:
         supervisor.start()

@@ -136,6 +136,10 @@ def keep_nats(nats: EmbeddedNats) -> None:
 
 
 def run_up(args: argparse.Namespace, settings: Settings) -> int:
+    if getattr(args, "from_swarm", False):  # one seeder + N empty nodes: the provisioning path, on one machine
+        from swarmroute.swarm_up import run_up_from_swarm
+
+        return run_up_from_swarm(args, settings)
     n_nodes = args.nodes or 2  # the distributed route is the product, so it is the default (--nodes 1 for one)
     model_id, n_layers = _model_layers(args, settings)
     ranges = split_layers(n_layers, n_nodes)

@@ -108,7 +108,7 @@ def test_auto_layers_split_every_model_evenly_in_file_order() -> None:
     doc["models"] = {"a": {"backend": "stub", "n_layers": 11}, "b": {"backend": "stub", "n_layers": 3}}
     doc["nodes"] = [{"name": f"a{i}", "model": "a"} for i in range(4)] + [{"name": "b0", "model": "b"}]
     fleet = Fleet.model_validate(doc)
-    ranges = resolve_layers(fleet)
+    ranges = {k: v for k, v in resolve_layers(fleet).items() if v is not None}
     a = [ranges[f"a{i}"] for i in range(4)]
     assert a[0][0] == 0 and a[-1][1] == 11
     assert all(prev[1] == nxt[0] for prev, nxt in zip(a, a[1:], strict=False))  # contiguous, in file order
@@ -122,7 +122,7 @@ def test_auto_layers_by_memory_use_the_planner(gemma_path: Path) -> None:
     doc = copy.deepcopy(BASE)
     doc["models"] = {"gemma": {"backend": "llamacpp", "path": str(gemma_path)}}
     doc["nodes"] = [{"name": "small", "memory": "250MB"}, {"name": "big", "memory": "330MB"}]
-    ranges = resolve_layers(Fleet.model_validate(doc))
+    ranges = {k: v for k, v in resolve_layers(Fleet.model_validate(doc)).items() if v is not None}
     (s0, s1), (b0, b1) = ranges["small"], ranges["big"]
     assert s0 == 0 and s1 == b0 and b1 == 18  # 18 layers read from the GGUF header, covered once
     assert b1 - b0 > s1 - s0  # more memory, more layers (both hold the tied embeddings: head lookup, tail lm_head)
@@ -297,3 +297,78 @@ def test_fleet_up_with_a_llamacpp_node_matches_llama_cpp(nats_server: EmbeddedNa
         assert reply.choices[0].text == expected
     finally:
         up.stop()
+
+
+# ---- models fetched from the swarm (issue #17) --------------------------------------------------------------------
+
+SHA = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+
+
+def _swarm_doc() -> dict[str, Any]:
+    doc = copy.deepcopy(BASE)
+    doc["models"] = {"gemma": {"backend": "llamacpp", "sha256": SHA, "manifest_id": "b" * 64}}
+    doc["seeders"] = [{"name": "seed-1", "path": "/srv/gemma.gguf", "listen": "10.0.0.10:6881"}]
+    doc["nodes"] = [{"name": "n1", "memory": "330MB", "listen": "10.0.0.11:9000"},
+                    {"name": "n2", "memory": "330MB"}, {"name": "n3", "layers": "6:12"}]
+    return doc
+
+
+def test_a_model_named_by_its_id_starts_empty_nodes_that_the_tracker_assigns() -> None:
+    fleet = Fleet.model_validate(_swarm_doc())
+    assert resolve_layers(fleet) == {"n1": None, "n2": None, "n3": (6, 12)}  # auto and explicit may mix
+    argv = member_argv(fleet, "node", "n1")
+    assert argv[argv.index("--model-id") + 1] == SHA and argv[argv.index("--alias") + 1] == "gemma"
+    assert argv[argv.index("--memory") + 1] == "330MB" and argv[argv.index("--manifest-id") + 1] == "b" * 64
+    assert "--model" not in argv and "--layers" not in argv
+    explicit = member_argv(fleet, "node", "n3")
+    assert explicit[explicit.index("--layers") + 1] == "6:12"
+    assert member_argv(fleet, "seeder", "seed-1") == ["seeder", "/srv/gemma.gguf", "--node-id", "seed-1",
+                                                      "--listen-host", "10.0.0.10", "--listen-port", "6881"]
+
+
+def test_a_seeder_connects_with_the_node_role(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLEET_TEST_NODE_PASSWORD", "pw")
+    settings = member_settings(Fleet.model_validate(_swarm_doc()), "seeder", "seed-1")
+    assert settings.nats_user == "node" and settings.nats_inbox_prefix == "_INBOX_node"
+    assert settings.member_name == "seed-1"
+
+
+SWARM_MISTAKES = [
+    ("seeders", [], "models.gemma.sha256: its nodes fetch it from the swarm, but no seeder holds it"),
+    ("models.gemma.backend", "stub", "models.gemma: sha256: only llamacpp models are fetched from the swarm"),
+    ("models.gemma.sha256", "abc", "models.gemma.sha256: String should match pattern"),
+    ("seeders[0].model", "llama", "seeders[0].model: 'llama' is not in models"),
+    ("seeders[0].listen", "6881", "seeders[0].listen: '6881' is not host:port"),
+    ("seeders[0].name", "n1", "seeders[0].name: 'n1' is already used by nodes[0].name"),
+]
+
+
+@pytest.mark.parametrize(("where", "value", "expected"), SWARM_MISTAKES, ids=[m[0] for m in SWARM_MISTAKES])
+def test_swarm_fleet_mistakes_name_the_field(where: str, value: object, expected: str) -> None:
+    doc = _swarm_doc()
+    Fleet.model_validate(doc)
+    parts = where.replace("[", ".[").split(".")
+    target: Any = doc
+    for part in parts[:-1]:
+        target = target[int(part[1:-1])] if part.startswith("[") else target[part]
+    target[parts[-1]] = value
+    with pytest.raises(BadRequestError) as err:
+        parse_fleet(json.dumps(doc), source="fleet.yaml")
+    assert expected in err.value.message
+    pinned_alone = _swarm_doc()
+    del pinned_alone["models"]["gemma"]["sha256"]
+    with pytest.raises(BadRequestError, match="manifest_id: pins the manifest"):
+        parse_fleet(json.dumps(pinned_alone))
+
+
+def test_fleet_check_says_who_is_assigned_by_the_tracker(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from swarmroute.fleet import cmd_check
+
+    path = tmp_path / "fleet.yaml"
+    path.write_text(json.dumps(_swarm_doc()))
+    assert cmd_check(argparse.Namespace(file=path)) == 0
+    out = capsys.readouterr().out
+    assert "n1               layers assigned by the tracker when it joins" in out and "layers 6:12" in out
+    assert "swarmroute seeder --fleet" in out

@@ -301,3 +301,40 @@ async def test_secrets_never_reach_logs_or_the_bus(auth_server: EmbeddedNats, pa
     assert any(granted[0].encode() in data for s, data in traffic if s.startswith("_INBOX_gateway."))  # ...and replies
     figures.record("secrets_scan", log_lines=len(logged), nats_messages=len(traffic), secrets=len(secrets),
                    capabilities=len(granted) + len(session_tokens), leaks=0)
+
+
+async def test_joining_with_a_model_id_stays_within_the_roles_permissions(auth_server: EmbeddedNats,
+                                                                         passwords: dict[str, str],
+                                                                         tmp_path: Path) -> None:
+    """A seeder and a node joining with only a model id (node credentials) and a tracker assigning its layers and
+    fetching the manifest (tracker credentials): the whole provisioning path, no permission violation."""
+    from actors.artifact_sync import ArtifactSync, SyncConfig
+    from actors.provisioner import ProvisionConfig, Provisioner
+    from artifacts.store import Store
+    from artifacts.torrent import TorrentSession
+    from bus.connection import connect_settings
+    from bus.subjects import Subjects
+    from tests.support.gguf_factory import write_tiny_gguf
+
+    home = tmp_path / "home"
+    tracker_s = role_settings(auth_server, home, passwords, "tracker")
+    node_s = role_settings(auth_server, tmp_path / "node", passwords, "node")
+    manifest = Store(tmp_path / "seed").import_gguf(write_tiny_gguf(tmp_path / "t.gguf", n_layers=4))
+    seed_nc = await connect_settings(role_settings(auth_server, tmp_path / "seed", passwords, "node"), name="seed")
+    seed_session, node_session = TorrentSession(), TorrentSession()
+    seeder = ArtifactSync(seed_nc, Subjects(), Store(tmp_path / "seed"), seed_session, SyncConfig(node_id="seed"))
+    try:
+        await seeder.seed(manifest.model_id)
+        async with Tracker(tracker_s):
+            config = ProvisionConfig(node_id="joiner", model_id=manifest.model_id, memory_bytes=2**30)
+            async with Provisioner(config, node_s, node_session) as provisioner:
+                got = await provisioner.provision()
+                assert got.assignment is not None and (got.start, got.end) == (0, 4)
+                await asyncio.sleep(3 * node_s.heartbeat_s)  # lease renewals and fetching heartbeats
+    finally:
+        await seeder.close()
+        await seed_nc.drain()
+        seed_session.close()
+        node_session.close()
+    violations = [line for line in auth_server.log_tail(500) if "Violation" in line]
+    assert violations == []

@@ -263,3 +263,132 @@ async def test_models_lists_complete_and_incomplete_models(settings: Settings, n
     assert not by_id["beta"].complete and by_id["beta"].nodes == ["b1"]
     assert not by_id["gamma"].complete and by_id["gamma"].nodes == ["c1"]  # listed, but never routable
     assert all(m.n_layers == 8 and m.backend is not None and m.backend.kind == "stub" for m in reply.models)
+
+
+# ---- layer assignment (issue #17): nodes joining with only a model id -------------------------------------------
+
+@pytest.fixture
+async def holder(settings: Settings, nc: Any, tmp_path: Any) -> AsyncIterator[Any]:
+    """A node that holds a small model's manifest and answers manifest requests, as a seeder does."""
+    from actors.artifact_sync import ArtifactSync, SyncConfig
+    from artifacts.store import Store
+    from artifacts.torrent import TorrentSession
+    from tests.support.gguf_factory import write_tiny_gguf
+
+    store = Store(tmp_path / "holder")
+    manifest = store.import_gguf(write_tiny_gguf(tmp_path / "tiny.gguf", n_layers=8, n_embd=128, n_ff=512))
+    session = TorrentSession()
+    sync = ArtifactSync(nc, Subjects(settings.namespace), store, session, SyncConfig(node_id="holder"))
+    await sync.hold(manifest)
+    yield manifest
+    await sync.close()
+    session.close()
+
+
+def _request(manifest: Any, node_id: str, memory: int, **kw: Any) -> Any:
+    from schemas.assignment import AssignmentRequest
+
+    return AssignmentRequest(node_id=node_id, model_id=manifest.model_id, manifest_id=manifest.manifest_id,
+                             memory_bytes=memory, max_sessions=1, context=64, **kw)
+
+
+def _half_memory(manifest: Any) -> int:
+    """Too little for the whole model, enough for half of it (the tracker's own cost model decides)."""
+    from actors.tracker.assigner import RESERVE, fit_from_manifest
+
+    fit = fit_from_manifest(manifest, context=64, sessions=1, allow_unproven=False)
+    assert fit.cost(0, 4) < 0.8 * fit.cost(0, 8) and fit.cost(4, 8) < 0.8 * fit.cost(0, 8)
+    return int(0.8 * fit.cost(0, 8) / (1 - RESERVE))
+
+
+async def _ask_assign(nc: Any, settings: Settings, request: Any) -> Any:
+    from schemas.assignment import AssignmentReply
+
+    msg = await nc.request(Subjects(settings.namespace).assign_request, codec.encode(request), timeout=10)
+    return codec.decode(msg.data, AssignmentReply)
+
+
+async def test_a_joining_node_is_assigned_a_range_held_by_a_lease(settings: Settings, nc: Any, tracker: Tracker,
+                                                                  holder: Any) -> None:
+    from actors.leases import open_leases
+
+    reply = await _ask_assign(nc, settings, _request(holder, "j1", _half_memory(holder)))
+    assert reply.status == 200 and reply.layers is not None and reply.reason == "extend"
+    assert reply.layers.start == 0 and reply.layers.end < 8 and [(g.start, g.end) for g in reply.uncovered] == [(0, 8)]
+    leases = await open_leases(nc, Subjects(settings.namespace), settings.registry_ttl_s)
+    held = await leases.held(holder.model_id)
+    assert {k: (v.node_id, v.start, v.end, rev) for k, (v, rev) in held.items()} == {
+        reply.lease_key: ("j1", reply.layers.start, reply.layers.end, reply.lease_revision)}
+    # the same node asking again (a restart) is given its range back, under one lease
+    again = await _ask_assign(nc, settings, _request(holder, "j1", _half_memory(holder)))
+    assert again.layers == reply.layers
+    assert [v.node_id for v, _ in (await leases.held(holder.model_id)).values()] == ["j1"]
+    # the next node completes the route
+    second = await _ask_assign(nc, settings, _request(holder, "j2", _half_memory(holder)))
+    assert second.layers is not None and second.reason == "complete"
+    assert (second.layers.start, second.layers.end) == (reply.layers.end, 8)
+
+
+async def test_two_nodes_asking_two_trackers_at_once_get_different_ranges(settings: Settings, nc: Any,
+                                                                         holder: Any) -> None:
+    """Both trackers decide from the same view at the same moment; the lease's create-if-absent lets one win, and
+    the other decides again with the winner's lease in view."""
+    from actors.leases import open_leases
+
+    memory = _half_memory(holder)
+    leases = await open_leases(nc, Subjects(settings.namespace), settings.registry_ttl_s)
+    async with Tracker(settings) as t1, Tracker(settings) as t2:
+        assert t1.assigner is not None and t2.assigner is not None
+        for round_ in range(4):
+            for key in await leases.held(holder.model_id):
+                await leases.release(key)
+            a, b = await asyncio.gather(t1.assigner.assign(_request(holder, f"a{round_}", memory)),
+                                        t2.assigner.assign(_request(holder, f"b{round_}", memory)))
+            assert a.layers is not None and b.layers is not None, (a.error, b.error)
+            ranges = sorted([(a.layers.start, a.layers.end), (b.layers.start, b.layers.end)])
+            assert ranges[0][0] == 0 and ranges[0][1] == ranges[1][0] and ranges[1][1] == 8, ranges
+        # and through NATS, the queue group spreading the two requests over the trackers
+        for key in await leases.held(holder.model_id):
+            await leases.release(key)
+        a, b = await asyncio.gather(_ask_assign(nc, settings, _request(holder, "qa", memory)),
+                                    _ask_assign(nc, settings, _request(holder, "qb", memory)))
+        assert a.layers is not None and b.layers is not None and a.layers != b.layers
+
+
+async def test_assignment_refusals_say_why(settings: Settings, nc: Any, tracker: Tracker, holder: Any) -> None:
+    small = await _ask_assign(nc, settings, _request(holder, "tiny", 1))
+    assert small.layers is None and small.status == 400 and "needs" in (small.error or "")
+    assert tracker.assigner is not None
+    tracker.assigner.manifest_timeout_s = 0.5
+    pinned = _request(holder, "p1", 2**30).model_copy(update={"manifest_id": "f" * 64})
+    unknown = await _ask_assign(nc, settings, pinned)
+    assert unknown.layers is None and unknown.status == 404 and "manifest" in (unknown.error or "")
+    garbage = await nc.request(Subjects(settings.namespace).assign_request, b"\xc1", timeout=5)
+    from schemas.assignment import AssignmentReply
+
+    assert codec.decode(garbage.data, AssignmentReply).status == 400
+
+
+async def test_a_fetching_node_is_shown_but_never_routed_to(settings: Settings, nc: Any, nodes: Nodes,
+                                                            tracker: Tracker) -> None:
+    from schemas.node import FetchSummary
+
+    await nodes.add("n1", 0, 4)
+    serving = (await nc.jetstream().key_value(Subjects(settings.namespace).registry_bucket))
+    template = codec.decode((await serving.get("n1")).value, NodeAdvertisement)
+    coming = template.model_copy(update={
+        "node_id": "coming", "endpoint": "", "layers": template.layers.model_copy(update={"start": 4, "end": 8}),
+        "is_head": False, "is_tail": True, "verified": False, "state": "fetching",
+        "fetch": FetchSummary(phase="fetching", fraction=0.4, bytes_downloaded=40, bytes_needed=100)})
+    await serving.put("coming", codec.encode(coming))
+    await until(lambda: _has_nodes(tracker, 2), 5)
+    reply = await ask_route(nc, settings)
+    assert reply.route is None and reply.status == 503 and "still fetching" in (reply.error or "")
+    # even claiming to be verified, a node in state "fetching" (or any state but serving) is not routed to
+    await serving.put("coming", codec.encode(coming.model_copy(update={"verified": True, "endpoint": "http://x"})))
+    await asyncio.sleep(0.1)
+    assert (await ask_route(nc, settings)).status == 503
+    models = (await ask_models(nc, settings)).models
+    assert [m.nodes for m in models] == [["n1"]]
+    assert [(f.node_id, f.layers.start, f.fetch.fraction if f.fetch else None) for f in models[0].fetching] == [
+        ("coming", 4, 0.4)]

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from nats.aio.client import Client as NATS
 from nats.micro.service import Service
@@ -21,10 +22,14 @@ from actors.tracker.routes import has_full_chain, routable, select_route, uncove
 from bus import capability, codec
 from bus.actor import NatsActor
 from bus.subjects import Subjects
+from schemas.assignment import AssignmentReply, AssignmentRequest
 from schemas.errors import CapacityError, SwarmrouteError
-from schemas.node import LayerRange
-from schemas.route import ModelsReply, RouteReply, RouteRequest, ServedModel
+from schemas.node import NODE_FETCHING, LayerRange
+from schemas.route import FetchingNode, ModelsReply, RouteReply, RouteRequest, ServedModel
 from schemas.settings import Settings
+
+if TYPE_CHECKING:
+    from actors.tracker.assigner import Assigner
 
 log = logging.getLogger(__name__)
 QUEUE_GROUP = "tracker"
@@ -41,6 +46,8 @@ class Tracker(NatsActor):
         self._pending: dict[str, list[tuple[float, int]]] = {}
         """node id -> (when a route was handed out, the node's sessions_opened then), oldest first."""
         self._signer = capability.signer_from_settings(settings)
+        self.assigner: Assigner | None = None
+        self.assigner_missing = ""
 
     async def _on_start(self) -> None:
         kv = await open_registry(self.nc, self.subjects, self.settings.registry_ttl_s,
@@ -51,8 +58,10 @@ class Tracker(NatsActor):
             await asyncio.wait_for(self.registry.ready.wait(), 5.0)
         # Route and models requests are micro-service endpoints (same subjects, queue group "tracker"), so $SRV
         # discovery lists every tracker and $SRV.STATS counts its requests.
+        self.assigner = await self._open_assigner()
         self._service = await tracker_service(self.nc, self.subjects, member=self.settings.member_name or "tracker",
-                                              route=self._handle_route, models=self._handle_models)
+                                              route=self._handle_route, models=self._handle_models,
+                                              assign=self._handle_assign)
         log.info("tracker ready on %s", self.subjects.route_request)
 
     async def _on_stop(self) -> None:
@@ -119,9 +128,12 @@ class Tracker(NatsActor):
         for a in self.registry.live():
             m = by_model.setdefault(a.model_id, ServedModel(id=a.model_id, name=a.backend.model_name,
                                                             n_layers=a.backend.n_layers, backend=a.backend))
+            m.aliases.extend(x for x in a.aliases if x not in m.aliases)
+            if a.state == NODE_FETCHING:
+                m.fetching.append(FetchingNode(node_id=a.node_id, layers=a.layers, fetch=a.fetch))
+                continue
             m.nodes.append(a.node_id)
             m.layer_ranges.append(a.layers)
-            m.aliases.extend(x for x in a.aliases if x not in m.aliases)
         for m in by_model.values():
             adverts = [a for a in self.registry.live() if a.model_id == m.id and a.verified]
             m.complete = has_full_chain(adverts, m.n_layers)
@@ -129,3 +141,33 @@ class Tracker(NatsActor):
 
     async def _handle_models(self, data: bytes) -> bytes:
         return codec.encode(self.models())
+
+    # ---- layer assignment (nodes joining with only a model id) --------------------------------------------------
+
+    async def _open_assigner(self) -> Assigner | None:
+        # Assignment reads manifests and model shapes (the gguf extra): a tracker without it still routes.
+        try:
+            from actors.leases import open_leases
+            from actors.tracker.assigner import Assigner
+        except ImportError as exc:
+            self.assigner_missing = f"this tracker cannot assign layers ({exc.name} is not installed)"
+            return None
+        assert self.registry is not None
+        leases = await open_leases(self.nc, self.subjects, self.settings.registry_ttl_s,
+                                   replicas=self.settings.registry_replicas)
+        return Assigner(self.nc, self.subjects, self.registry, leases)
+
+    async def _handle_assign(self, data: bytes) -> bytes:
+        try:
+            request = codec.decode(data, AssignmentRequest)
+        except codec.DecodeError as exc:
+            return codec.encode(AssignmentReply(error=str(exc), status=400))
+        if self.assigner is None:
+            return codec.encode(AssignmentReply(error=self.assigner_missing or "tracker not started", status=501))
+        try:
+            reply = await self.assigner.assign(request)
+        except Exception as exc:  # noqa: BLE001 - a NATS or JetStream failure: the node asks again, told why
+            log.warning("assignment for node %s failed: %s: %s", request.node_id, type(exc).__name__, exc)
+            reply = AssignmentReply(error=f"the tracker could not assign layers: {type(exc).__name__}: {exc}",
+                                    status=500)
+        return codec.encode(reply)

@@ -11,7 +11,7 @@ import heapq
 import random
 
 from schemas.errors import CapacityError, ModelNotFoundError, NoRouteError
-from schemas.node import LayerRange, NodeAdvertisement
+from schemas.node import NODE_FETCHING, NODE_SERVING, LayerRange, NodeAdvertisement
 from schemas.route import Hop, Route
 
 
@@ -77,7 +77,9 @@ def routable(adverts: list[NodeAdvertisement], model: str,
     # nodes unroutable: tests/test_fuzz.py found a single such advertisement turning every route into a 503.
     consistent = [a for a in serving if a.layers.end <= a.backend.n_layers]
     n_layers = _layer_count(consistent or serving)
-    usable = [a for a in consistent if a.verified and a.node_id not in exclude and a.backend.n_layers == n_layers]
+    # A node still fetching its range (or in a state this tracker does not know) is never routed to.
+    usable = [a for a in consistent if a.verified and a.state == NODE_SERVING and a.node_id not in exclude
+              and a.backend.n_layers == n_layers]
     return usable, n_layers
 
 
@@ -108,8 +110,10 @@ def select_route(adverts: list[NodeAdvertisement], model: str, session_id: str, 
     gaps = uncovered_layers(candidates, n_layers)
     if gaps:
         names = ", ".join(str(g) for g in gaps)
+        fetching = [a for a in adverts if serves(a, model) and a.state == NODE_FETCHING]
+        coming = f" ({len(fetching)} node(s) are still fetching their layers)" if fetching else ""
         raise NoRouteError(f"no full route for model {model!r}: layers {names} of {n_layers} are not served by any "
-                           f"live, verified node")
+                           f"live, verified node{coming}")
     free = [a for a in candidates if a.capacity.free_sessions - pending.get(a.node_id, 0) > 0]
     chain = _cheapest_chain(free, n_layers, pending, rng)
     if chain is None:

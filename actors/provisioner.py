@@ -1,0 +1,363 @@
+"""A node that joins with only a model id: learn the manifest from the swarm, get a layer range (the tracker's
+assignment, or the operator's explicit range) held as a lease, fetch exactly that range's pieces from the peers
+that hold them, verify them and cut the shard. Meanwhile the node is in the registry in state ``fetching`` (never
+routed to) with its progress; afterwards it keeps seeding what it holds and renewing its lease until it stops.
+
+Nothing here builds the backend: the caller (``swarmroute.provision``) loads the verified shard through the same
+self-checked path as any local file, then starts the ``Node``, which takes over the registry entry.
+
+Waits never end by themselves (a node is started to serve; the operator stops it): a manifest nobody offers, a
+tracker that does not answer, pieces nobody seeds. Each wait says what it waits for, in the log and (for pieces)
+in the ``FetchProgress`` events and the advertisement.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+
+from nats.aio.client import Client as NATS
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+
+from actors.artifact_sync import ArtifactSync, SyncConfig
+from actors.leases import LeaseKeeper, Leases, lease_key, open_leases
+from actors.registry import open_registry
+from artifacts.fetch import FetchOptions
+from artifacts.store import Store
+from artifacts.torrent import TorrentSession
+from bus import codec
+from bus.connection import connect_settings
+from bus.subjects import Subjects
+from schemas.artifact import FetchProgress
+from schemas.assignment import AssignmentReply, AssignmentRequest, RangeLease
+from schemas.errors import NotFoundError, SwarmrouteError
+from schemas.manifest import ModelManifest
+from schemas.node import NODE_FETCHING, BackendInfo, Capacity, FetchSummary, LayerRange, NodeAdvertisement
+from schemas.session import CONTEXT_CAP
+from schemas.settings import Settings
+
+log = logging.getLogger(__name__)
+ASSIGNMENT_FILE = ".assignment"
+"""In the model's store directory: the range this node was last given, preferred by the next assignment."""
+RETRY_STATUSES = {404, 500, 501, 503}
+"""Assignment replies worth asking again: no manifest reachable yet, a tracker that failed on the way (NATS,
+JetStream), a tracker without artifact support (another may have it), lost lease races."""
+
+
+class ProvisionError(SwarmrouteError):
+    code = "provision_failed"
+
+
+@dataclasses.dataclass
+class ProvisionConfig:
+    node_id: str
+    """This node's id: registry key, lease holder, artifact peer name."""
+
+    model_id: str
+    """sha256 of the model's GGUF: what to fetch."""
+
+    memory_bytes: int
+    """Memory the node gives the model (weights + KV): what the assignment sizes its range by."""
+
+    manifest_id: str | None = None
+    """Accept only this manifest (pinning); without it, the first manifest whose content hash checks out."""
+
+    layers: tuple[int, int] | None = None
+    """An explicit range: no assignment is asked for (a lease is still taken, so assignments see it)."""
+
+    max_sessions: int = 4
+    """KV slots the node will serve (the assignment sizes the cache share by them)."""
+
+    context: int = 4096
+    """Tokens per session (the assignment sizes the cache share by them)."""
+
+    allow_unproven: bool = False
+    """Accept cuts of an architecture the shard matrix has not proven."""
+
+    aliases: tuple[str, ...] = ()
+    """Other names of the model, shown while fetching."""
+
+    retry_s: float = 2.0
+    """How long to wait before asking again for a manifest nobody offered or an assignment nobody gave."""
+
+    fetch_timeout_s: float = math.inf
+    """Give up a fetch that has not finished by then (default: wait as long as it takes)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Provisioned:
+    manifest: ModelManifest
+    start: int
+    end: int
+    shard: Path
+    """The verified shard (or the whole file for the whole range) in the store."""
+    progress: FetchProgress
+    """The fetch's last progress: bytes downloaded, hash failures, banned peers."""
+    assignment: AssignmentReply | None
+    """The tracker's answer (None for an explicit range)."""
+
+
+class Provisioner:
+    """An async context manager; ``stop()`` is safe to call twice."""
+
+    def __init__(self, config: ProvisionConfig, settings: Settings, session: TorrentSession, *,
+                 nc: NATS | None = None) -> None:
+        self.config, self.settings, self.session = config, settings, session
+        self.subjects = Subjects(settings.namespace)
+        self.store = Store(settings.home)
+        self._nc, self._own_nc = nc, nc is None
+        self.sync: ArtifactSync | None = None
+        self.leases: Leases | None = None
+        self.keeper: LeaseKeeper | None = None
+        self.latest: FetchProgress | None = None
+        self.phase = "starting"
+        self.layers: tuple[int, int] | None = None
+        self.manifest: ModelManifest | None = None
+        self._presence: asyncio.Task[None] | None = None
+        self._advertised = False
+        self._started = self._stopped = False
+
+    @property
+    def nc(self) -> NATS:
+        assert self._nc is not None, "Provisioner.start() first"
+        return self._nc
+
+    async def start(self) -> Provisioner:
+        if self._started:
+            return self
+        self._started = True
+        if self._nc is None:
+            self._nc = await connect_settings(self.settings, name=f"node-{self.config.node_id}")
+        self.sync = ArtifactSync(self.nc, self.subjects, self.store, self.session,
+                                 SyncConfig(node_id=self.config.node_id))
+        self.leases = await open_leases(self.nc, self.subjects, self.settings.registry_ttl_s,
+                                        replicas=self.settings.registry_replicas)
+        return self
+
+    async def __aenter__(self) -> Provisioner:
+        return await self.start()
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.stop()
+
+    # ---- the steps ---------------------------------------------------------------------------------------------
+
+    async def provision(self, *, printer: Callable[[FetchProgress], None] | None = None,
+                        cancel: threading.Event | None = None) -> Provisioned:
+        """Manifest -> range (lease) -> fetch -> verified shard. Raises ``ProvisionError`` for what waiting cannot
+        fix (the node cannot hold any range), ``FetchCancelled`` when ``cancel`` is set."""
+        assert self.sync is not None
+        manifest = self.manifest = await self.learn_manifest()
+        await self.sync.hold(manifest)  # answer manifest requests and announce ourselves (we seed what we hold)
+        reply = await self.take_range(manifest)
+        start, end = self.layers = self._range(reply)
+        self._remember(manifest, start, end)
+        self._presence = asyncio.create_task(self._presence_loop(), name="fetching-presence")
+        self.phase = "fetching"
+        options = FetchOptions(timeout_s=self.config.fetch_timeout_s, cancel=cancel,
+                               allow_unproven=self.config.allow_unproven)
+        result = await self.sync.fetch(manifest, start, end, printer=self._sink(printer), options=options)
+        self.phase = "loading"
+        log.info("layers [%d, %d) of %s verified: %d bytes downloaded for %d needed (%.3fx), %d bad pieces, "
+                 "banned peers: %s", start, end, manifest.model_id[:12], result.progress.bytes_downloaded,
+                 result.progress.bytes_needed, result.progress.bytes_downloaded / max(1, result.progress.bytes_needed),
+                 result.progress.hash_failures, ", ".join(result.progress.banned_peers) or "none")
+        return Provisioned(manifest, start, end, result.shard, result.progress, reply)
+
+    async def learn_manifest(self) -> ModelManifest:
+        assert self.sync is not None
+        pinned = self.config.manifest_id
+        while True:
+            try:
+                manifest = await self.sync.manifest_for(self.config.model_id, expect_id=pinned)
+            except NotFoundError as exc:
+                log.warning("%s; asking again in %gs", exc.message, self.config.retry_s)
+                await asyncio.sleep(self.config.retry_s)
+                continue
+            if pinned and manifest.manifest_id != pinned:  # the store held another manifest of this model
+                raise ProvisionError(f"the store holds manifest {manifest.manifest_id[:16]}... for model "
+                                     f"{self.config.model_id[:16]}..., not the pinned {pinned[:16]}...")
+            log.info("manifest %s of %s (%s, %d layers, %d bytes)", manifest.manifest_id[:16],
+                     manifest.model_id[:12], manifest.name or manifest.architecture, manifest.n_layers,
+                     manifest.file_size)
+            return manifest
+
+    async def take_range(self, manifest: ModelManifest) -> AssignmentReply | None:
+        """The explicit range under a lease of its own, or the tracker's assignment (asked until one answers)."""
+        assert self.leases is not None
+        if self.config.layers is not None:
+            a, b = self.config.layers
+            if not 0 <= a < b <= manifest.n_layers:
+                raise ProvisionError(f"layers [{a}, {b}) are not within the {manifest.n_layers} layers of model "
+                                     f"{manifest.model_id[:12]}")
+            lease, key, revision = await self.leases.take_free_slot(
+                RangeLease(node_id=self.config.node_id, model_id=manifest.model_id, start=a, end=b))
+            self._keep(lease, key, revision)
+            return None
+        request = AssignmentRequest(node_id=self.config.node_id, model_id=manifest.model_id,
+                                    manifest_id=manifest.manifest_id, memory_bytes=self.config.memory_bytes,
+                                    max_sessions=self.config.max_sessions, context=self.config.context,
+                                    allow_unproven=self.config.allow_unproven, prefer=self._held_ranges(manifest))
+        while True:
+            reply = await self._ask(request)
+            if reply is not None and reply.layers is not None:
+                log.info("assigned layers %s (%s): %s", reply.layers, reply.reason, reply.detail)
+                lease = RangeLease(node_id=request.node_id, model_id=manifest.model_id, start=reply.layers.start,
+                                   end=reply.layers.end, slot=int(reply.lease_key.rsplit(".", 1)[-1]))
+                self._keep(lease, reply.lease_key, reply.lease_revision)
+                return reply
+            if reply is not None and reply.status not in RETRY_STATUSES:
+                raise ProvisionError(f"no layer assignment for node {self.config.node_id}: {reply.error}")
+            await asyncio.sleep(self.config.retry_s)
+
+    async def _ask(self, request: AssignmentRequest) -> AssignmentReply | None:
+        try:
+            msg = await self.nc.request(self.subjects.assign_request, codec.encode(request), timeout=30.0)
+        except (NoRespondersError, NatsTimeoutError, TimeoutError):
+            log.warning("no tracker answers on %s; asking again in %gs", self.subjects.assign_request,
+                        self.config.retry_s)
+            return None
+        try:
+            reply = codec.decode(msg.data, AssignmentReply)
+        except codec.DecodeError as exc:
+            log.warning("unreadable assignment reply: %s", exc)
+            return None
+        if reply.layers is None:
+            log.warning("assignment refused (%d): %s", reply.status, reply.error)
+        return reply
+
+    def _keep(self, lease: RangeLease, key: str, revision: int) -> None:
+        assert self.leases is not None and key == lease_key(lease.model_id, lease.start, lease.end, lease.slot)
+        self.keeper = LeaseKeeper(self.leases, lease, key, revision, interval_s=self.settings.heartbeat_s,
+                                  timeout_s=max(0.5, min(self.settings.heartbeat_s, self.settings.registry_ttl_s / 4)))
+        self.keeper.start()
+
+    def _range(self, reply: AssignmentReply | None) -> tuple[int, int]:
+        if reply is None:  # an explicit range
+            assert self.config.layers is not None
+            return self.config.layers
+        assert reply.layers is not None
+        return reply.layers.start, reply.layers.end
+
+    # ---- what the node holds and was given -----------------------------------------------------------------------
+
+    def _held_ranges(self, manifest: ModelManifest) -> list[LayerRange]:
+        """Ranges this node's store has a shard of, and the range it was last given: preferred on a restart."""
+        directory = self.store.model_dir(manifest.model_id)
+        found: set[tuple[int, int]] = set()
+        for shard in directory.glob("shard-*-*.gguf"):
+            with contextlib.suppress(ValueError):
+                a, b = (int(x) for x in shard.stem.split("-")[1:3])
+                found.add((a, b))
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            last = json.loads((directory / ASSIGNMENT_FILE).read_text())
+            found.add((int(last["start"]), int(last["end"])))
+        return [LayerRange(start=a, end=b) for a, b in sorted(found) if 0 <= a < b <= manifest.n_layers]
+
+    def _remember(self, manifest: ModelManifest, start: int, end: int) -> None:
+        with contextlib.suppress(OSError):
+            (self.store.model_dir(manifest.model_id) / ASSIGNMENT_FILE).write_text(
+                json.dumps({"start": start, "end": end, "node_id": self.config.node_id}))
+
+    # ---- being seen while fetching -----------------------------------------------------------------------------
+
+    def _sink(self, printer: Callable[[FetchProgress], None] | None) -> Callable[[FetchProgress], None]:
+        """Called on the fetch thread: remember the latest snapshot for the advertisement, log what a person must
+        know (a wait for pieces nobody seeds, a banned peer) once each, and draw the progress bar."""
+        last_message, banned = "", 0
+
+        def sink(p: FetchProgress) -> None:
+            nonlocal last_message, banned
+            self.latest = p
+            if p.message and p.message != last_message:
+                log.warning("layers [%d, %d): %s", p.start, p.end, p.message)
+            last_message = p.message
+            for peer in p.banned_peers[banned:]:
+                log.warning("peer %s banned: it sent pieces of model %s that failed their SHA-1", peer,
+                            p.model_id[:12])
+            banned = len(p.banned_peers)
+            if printer is not None:
+                printer(p)
+
+        return sink
+
+    def advertisement(self) -> NodeAdvertisement:
+        """The registry entry of a node that is not serving yet: state ``fetching``, unverified, no endpoint."""
+        manifest, layers = self.manifest, self.layers
+        assert manifest is not None and layers is not None
+        context = min(self.config.context, CONTEXT_CAP)
+        info = BackendInfo(kind="llamacpp", model_name=manifest.name, architecture=manifest.architecture,
+                           file_type=manifest.file_type, n_layers=manifest.n_layers, hidden_size=manifest.hidden_size,
+                           hidden_shape=[manifest.hidden_size], n_vocab=manifest.n_vocab, context_length=context)
+        p = self.latest
+        phase = self.phase if self.phase != "fetching" or p is None else p.phase
+        summary = FetchSummary(phase=phase, fraction=p.fraction if p else 0.0,
+                               bytes_downloaded=p.bytes_downloaded if p else 0,
+                               bytes_needed=p.bytes_needed if p else 0, rate_bps=p.rate_bps if p else 0.0,
+                               peers=p.peers if p else 0, eta_s=p.eta_s if p else None,
+                               message=p.message if p else "")
+        return NodeAdvertisement(node_id=self.config.node_id, endpoint="", model_id=manifest.model_id,
+                                 layers=LayerRange(start=layers[0], end=layers[1]), is_head=layers[0] == 0,
+                                 is_tail=layers[1] == manifest.n_layers, backend=info,
+                                 capacity=Capacity(max_sessions=self.config.max_sessions, max_context=context),
+                                 verified=False, manifest_id=manifest.manifest_id, aliases=list(self.config.aliases),
+                                 state=NODE_FETCHING, fetch=summary)
+
+    async def _presence_loop(self) -> None:
+        kv = await open_registry(self.nc, self.subjects, self.settings.registry_ttl_s,
+                                 replicas=self.settings.registry_replicas)
+        timeout = max(0.5, min(self.settings.heartbeat_s, self.settings.registry_ttl_s / 4))
+        while True:
+            try:
+                async with asyncio.timeout(timeout):
+                    await kv.put(self.config.node_id, codec.encode(self.advertisement()))
+                self._advertised = True
+            except Exception as exc:  # noqa: BLE001 - a NATS hiccup must not stop the fetch; next beat retries
+                log.warning("fetching-state heartbeat failed: %s", type(exc).__name__)
+            await asyncio.sleep(self.settings.heartbeat_s)
+
+    async def hand_over(self) -> None:
+        """Stop the fetching-state heartbeats: the serving ``Node`` takes over the registry entry (its first
+        heartbeat replaces this one, so no stale ``fetching`` entry can land after it)."""
+        task, self._presence = self._presence, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._advertised = False
+
+    async def release_lease(self) -> None:
+        """Give the range up (a draining node: a replacement joining now may be assigned it). Safe twice."""
+        if self.keeper is not None:
+            await self.keeper.release()
+
+    async def stop(self) -> None:
+        """Release the lease, withdraw a fetching-state entry, stop seeding. Safe twice."""
+        if self._stopped:
+            return
+        self._stopped = True
+        advertised = self._advertised
+        await self.hand_over()
+        await self.release_lease()
+        if advertised and self._nc is not None:
+            with contextlib.suppress(Exception):
+                kv = await open_registry(self.nc, self.subjects, self.settings.registry_ttl_s,
+                                         unavailable_wait_s=1.0)
+                async with asyncio.timeout(2.0):
+                    await kv.delete(self.config.node_id)
+        if self.sync is not None:
+            await self.sync.close()
+        if self._own_nc and self._nc is not None:
+            with contextlib.suppress(Exception):
+                await self._nc.drain()
+

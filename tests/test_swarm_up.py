@@ -1,0 +1,69 @@
+"""``swarmroute up --from-swarm`` (swarmroute/swarm_up.py): one seeder with the GGUF and N nodes that start empty,
+on one machine, each with its own store, as the demonstration of the whole provisioning path."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from artifacts.manifest import build_manifest
+from schemas.errors import BadRequestError
+from swarmroute.swarm_up import memory_for, nodes_needed
+from tests.support.up import Up, alive, descendants, free_port
+
+CONTEXT, SESSIONS = 4096, 4
+
+
+@pytest.mark.slow
+def test_the_node_memory_makes_the_tracker_split_over_exactly_n_nodes(gemma_path: Path) -> None:
+    manifest = build_manifest(gemma_path)
+    for n in (1, 2, 3):
+        memory = memory_for(manifest, n, context=CONTEXT, sessions=SESSIONS)
+        assert nodes_needed(manifest, memory, context=CONTEXT, sessions=SESSIONS, limit=10) == n
+    # the 178 MB tied embedding sits on the head and the tail: any node that holds one also holds all middle layers
+    with pytest.raises(BadRequestError, match="over exactly 4 nodes"):
+        memory_for(manifest, 4, context=CONTEXT, sessions=SESSIONS)
+
+
+@pytest.mark.slow
+def test_up_from_swarm_serves_from_nodes_that_fetched_only_their_layers(tmp_path: Path, gemma_path: Path) -> None:
+    home = tmp_path / "home"
+    up = Up("--nodes", "2", "--from-swarm", "--model", str(gemma_path), "--threads", "1", "--log-level", "info",
+            env={"SWARMROUTE_HOME": str(home), "SWARMROUTE_GATEWAY_PORT": str(free_port())})
+    try:
+        assert up.banner.wait(300), up.output
+        assert up.proc.poll() is None, up.output
+        assert "2 nodes that started empty" in up.output
+        fetched = re.findall(r"\[(node-\d)\].*layers \[(\d+), (\d+)\) of \w+ verified: (\d+) bytes downloaded for "
+                             r"(\d+) needed", up.output)
+        assert sorted(f[0] for f in fetched) == ["node-1", "node-2"], up.output
+        ranges = sorted((int(a), int(b)) for _, a, b, _, _ in fetched)
+        assert ranges[0][0] == 0 and ranges[0][1] == ranges[1][0] and ranges[1][1] == 18
+        for _, _, _, downloaded, needed in fetched:
+            assert int(needed) <= int(downloaded) <= 1.05 * int(needed)
+        manifest = build_manifest(gemma_path)
+        for node in ("node-1", "node-2"):  # each store holds its pieces only: a sparse file, not a copy
+            data = home / "up-swarm" / node / "store" / manifest.model_id / "model.gguf"
+            assert data.stat().st_blocks * 512 < 0.95 * manifest.file_size
+        url = re.search(r"gateway\s+(http://\S+)/v1", up.output)
+        assert url is not None
+        client = openai.OpenAI(base_url=url.group(1) + "/v1", api_key="none", max_retries=0, timeout=120)
+        text = client.completions.create(model="gemma-3-270m", prompt="The capital of France is", max_tokens=8,
+                                         temperature=0).choices[0].text
+        assert text.strip()
+        children = descendants(up.proc.pid)
+        os.kill(up.proc.pid, signal.SIGINT)
+        assert up.proc.wait(60) == 0, up.output
+        deadline = time.monotonic() + 15
+        while any(alive(pid, started) for pid, started in children.items()):
+            assert time.monotonic() < deadline, [pid for pid, s in children.items() if alive(pid, s)]
+            time.sleep(0.1)
+    finally:
+        if up.proc.poll() is None:
+            up.kill_all()
