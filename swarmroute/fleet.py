@@ -34,8 +34,8 @@ from schemas.node import NODE_FETCHING, NodeAdvertisement
 from schemas.settings import Settings
 from swarmroute import argtypes
 from swarmroute.fleet_file import load_fleet, resolve_secret
-from swarmroute.launcher import keep_nats, split_layers
-from swarmroute.supervisor import ChildSpec, Supervisor, on_stop_signal
+from swarmroute.launcher import split_layers
+from swarmroute.supervisor import ChildSpec, Supervisor, run_supervised
 
 # ---- layer ranges -----------------------------------------------------------------------------------------------
 
@@ -392,38 +392,20 @@ def cmd_up(args: argparse.Namespace) -> int:
     home = args.home or Settings().home
     nats = _start_embedded(fleet, home) if fleet.nats.embedded else None
     nats_url = nats.url if nats is not None else args.nats_url
-    stop_requested = on_stop_signal()
     specs = []
     for role, member in fleet.members():
         argv = [sys.executable, "-m", "swarmroute", role, "--fleet", str(args.file), "--name", member.name,
                 "--log-level", args.log_level or "warning", "--home", str(home)]
         specs.append(ChildSpec(member.name, argv + (["--nats", nats_url] if nats_url else []),
                                essential=role not in ("node", "seeder")))
-    supervisor = Supervisor(specs)
-    try:
-        supervisor.start()
-        ttl = float(fleet.settings.get("registry_ttl_s", Settings.model_fields["registry_ttl_s"].default))
-        try:
-            report = asyncio.run(_wait_healthy(monitor_settings(fleet, nats_url=nats_url), fleet, supervisor,
-                                               args.timeout, ttl))
-        except RuntimeError as exc:
-            print(f"swarmroute fleet up: {exc}", file=sys.stderr, flush=True)
-            return 1
-        supervisor.ready = True
-        print(render_report(report, f"fleet {fleet.name} is up ({len(specs)} members); Ctrl-C stops it"),
-              flush=True)
-        while not stop_requested.is_set():
-            if nats is not None and not nats.running:
-                keep_nats(nats)
-            if not supervisor.check():
-                print(f"swarmroute fleet up: {supervisor.failed}; stopping the fleet", file=sys.stderr, flush=True)
-                return 1
-            time.sleep(0.3)
-        return 0
-    finally:
-        supervisor.stop()
-        if nats is not None:
-            nats.stop()
+    ttl = float(fleet.settings.get("registry_ttl_s", Settings.model_fields["registry_ttl_s"].default))
+
+    def ready(supervisor: Supervisor) -> str:
+        report = asyncio.run(_wait_healthy(monitor_settings(fleet, nats_url=nats_url), fleet, supervisor,
+                                           args.timeout, ttl))
+        return render_report(report, f"fleet {fleet.name} is up ({len(specs)} members); Ctrl-C stops it")
+
+    return run_supervised("fleet up", specs, ready, nats=nats)
 
 
 def _reporting_errors(command: Any) -> Any:

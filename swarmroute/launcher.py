@@ -1,6 +1,6 @@
 """``swarmroute up``: embedded NATS, a tracker, N nodes splitting the layers, and the gateway, as child processes.
 
-Each actor is its own process (as on a real fleet), so a node can be killed without taking the others with it:
+Each actor is its own process (as on a real fleet), so a node can be killed without taking the others with it;
 ``swarmroute.supervisor`` names a child that dies and restarts it; Ctrl-C (or SIGTERM) stops every child.
 """
 
@@ -14,10 +14,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from actors.selfcheck import describe_exit
-from bus.server import EmbeddedNats, NatsServerConfig, wait_port_free
+from bus.server import EmbeddedNats, NatsServerConfig
 from schemas.settings import Settings
-from swarmroute.supervisor import ChildSpec, Supervisor, on_stop_signal
+from swarmroute.supervisor import ChildSpec, Supervisor, run_supervised
 
 
 def split_layers(n_layers: int, n_nodes: int) -> list[tuple[int, int]]:
@@ -53,15 +52,15 @@ def _model_layers(args: argparse.Namespace, settings: Settings) -> tuple[str, in
     layout = read_layout(path)  # the header only: gguf's GGUFReader takes ~20 s on a 262k vocabulary
     n_layers = int(layout.n_layers)
     name = str(layout.value("general.name") or path.stem)
-    return args.model_id or _slug(name), n_layers
+    return args.model_id or slug(name), n_layers
 
 
-def _slug(name: str) -> str:
+def slug(name: str) -> str:
     """A model name clients can type: 'Gemma 3 270m' -> 'gemma-3-270m' (nodes advertise it as an alias)."""
     return "-".join("".join(c if c.isalnum() else " " for c in name.lower()).split()) or "model"
 
 
-def _child_argv(args: argparse.Namespace, settings: Settings, nats_url: str, role: str, extra: list[str]) -> list[str]:
+def child_argv(args: argparse.Namespace, settings: Settings, nats_url: str, role: str, extra: list[str]) -> list[str]:
     argv = [sys.executable, "-m", "swarmroute", role, "--nats", nats_url, "--home", str(settings.home),
             "--namespace", settings.namespace, "--log-level", args.log_level or "warning"]
     return argv + extra
@@ -83,7 +82,7 @@ def _node_extra(args: argparse.Namespace, model_id: str, index: int, layers: tup
     return extra
 
 
-def _wait_ready(url: str, model_id: str, supervisor: Supervisor, timeout: float) -> None:
+def wait_ready(url: str, model_id: str, supervisor: Supervisor, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not supervisor.check():
@@ -107,32 +106,20 @@ node that is computing (and so would an event loop polling for its next frame, w
 settings)."""
 
 
-def _local_node_env() -> dict[str, str]:
+def local_node_env() -> dict[str, str]:
     own = set(os.environ) | ({"OMP_WAIT_POLICY"} if "GOMP_SPINCOUNT" in os.environ else set())
     return {k: v for k, v in LOCAL_NODE_ENV.items() if k not in own}
 
 
 def _specs(args: argparse.Namespace, settings: Settings, nats_url: str, model_id: str,
            ranges: list[tuple[int, int]], host: str) -> list[ChildSpec]:
-    specs = [ChildSpec("tracker", _child_argv(args, settings, nats_url, "tracker", []), essential=True)]
-    specs += [ChildSpec(f"node-{i + 1}", _child_argv(args, settings, nats_url, "node",
-                                                     _node_extra(args, model_id, i, layers)), env=_local_node_env())
+    specs = [ChildSpec("tracker", child_argv(args, settings, nats_url, "tracker", []), essential=True)]
+    specs += [ChildSpec(f"node-{i + 1}", child_argv(args, settings, nats_url, "node",
+                                                     _node_extra(args, model_id, i, layers)), env=local_node_env())
               for i, layers in enumerate(ranges)]
-    specs.append(ChildSpec("gateway", _child_argv(args, settings, nats_url, "gateway",
+    specs.append(ChildSpec("gateway", child_argv(args, settings, nats_url, "gateway",
                                                   ["--host", host, "--port", str(args.port)]), essential=True))
     return specs
-
-
-def keep_nats(nats: EmbeddedNats) -> None:
-    """The embedded NATS server died: say so and start it again on the same port (its JetStream state is on disk);
-    every actor reconnects by itself."""
-    print(f"swarmroute: the embedded NATS server {describe_exit(nats.returncode or 0)}; restarting it on "
-          f"{nats.url}; its last lines:\n" + "\n".join(f"    {line}" for line in nats.log_tail(10)),
-          file=sys.stderr, flush=True)
-    nats.stop()
-    nats.config.port = nats.port
-    wait_port_free(nats.host, nats.port)
-    nats.start()
 
 
 def run_up(args: argparse.Namespace, settings: Settings) -> int:
@@ -149,19 +136,12 @@ def run_up(args: argparse.Namespace, settings: Settings) -> int:
     settings.home.mkdir(parents=True, exist_ok=True)
     nats = EmbeddedNats(NatsServerConfig(store_dir=settings.home / "nats-up", host=settings.bind_host))
     nats.start()
-    supervisor = Supervisor(_specs(args, settings, nats.url, model_id, ranges, host))
-    stop_requested = on_stop_signal()
-    try:
-        supervisor.start()
-        url = f"http://{host}:{args.port}"
-        try:
-            _wait_ready(url, model_id, supervisor, timeout=600)
-        except RuntimeError as exc:
-            print(f"swarmroute up: {exc}; stopping", file=sys.stderr, flush=True)
-            return 1
-        supervisor.ready = True
+    url = f"http://{host}:{args.port}"
+
+    def ready(supervisor: Supervisor) -> str:
+        wait_ready(url, model_id, supervisor, timeout=600)
         route = " -> ".join(f"node-{i + 1}[{a},{b})" for i, (a, b) in enumerate(ranges))
-        print(f"""
+        return f"""
 swarmroute is up: {args.backend} backend, model {model_id!r}, route {route}
   NATS      {nats.url}
   gateway   {url}/v1   (OpenAI-compatible)
@@ -174,15 +154,6 @@ print(c.chat.completions.create(model='{model_id}', \\
 messages=[{{'role': 'user', 'content': 'Hello!'}}]).choices[0].message.content)"
 
   swarmroute watch --nats {nats.url}     (live sessions and telemetry)
-Ctrl-C stops everything.""", flush=True)
-        while not stop_requested.is_set():
-            if not nats.running:
-                keep_nats(nats)
-            if not supervisor.check():
-                print(f"swarmroute up: {supervisor.failed}; stopping", file=sys.stderr, flush=True)
-                return 1
-            time.sleep(0.3)
-        return 0
-    finally:
-        supervisor.stop()
-        nats.stop()
+Ctrl-C stops everything."""
+
+    return run_supervised("up", _specs(args, settings, nats.url, model_id, ranges, host), ready, nats=nats)

@@ -22,8 +22,9 @@ from collections.abc import Callable
 from typing import IO
 
 from actors.selfcheck import describe_exit
+from bus.server import EmbeddedNats, wait_port_free
 
-__all__ = ["ChildSpec", "RestartPolicy", "StopRequest", "Supervisor", "on_stop_signal"]
+__all__ = ["ChildSpec", "RestartPolicy", "StopRequest", "Supervisor", "on_stop_signal", "run_supervised"]
 
 _TAIL_LINES = 20
 _STOP_GRACE_S = 10.0
@@ -192,3 +193,46 @@ class Supervisor:
         for child in self.children:
             child.restart_at = None
             child.given_up = True
+
+
+def run_supervised(name: str, specs: list[ChildSpec], ready: Callable[[Supervisor], str], *,
+                   nats: EmbeddedNats | None = None) -> int:
+    """The one launcher of ``up``, ``up --from-swarm`` and ``fleet up``: start the children, wait with ``ready`` (it
+    raises ``RuntimeError`` when the swarm cannot become ready, else returns the banner to print), then watch them
+    (restarting the embedded NATS server and dead children) until Ctrl-C or SIGTERM; everything is stopped on the
+    way out. Exit status 0 on a requested stop, 1 when the swarm could not start or go on."""
+    supervisor = Supervisor(specs)
+    stop_requested = on_stop_signal()
+    try:
+        supervisor.start()
+        try:
+            banner = ready(supervisor)
+        except RuntimeError as exc:
+            print(f"swarmroute {name}: {exc}; stopping", file=sys.stderr, flush=True)
+            return 1
+        supervisor.ready = True
+        print(banner, flush=True)
+        while not stop_requested.is_set():
+            if nats is not None and not nats.running:
+                _restart_nats(nats)
+            if not supervisor.check():
+                print(f"swarmroute {name}: {supervisor.failed}; stopping", file=sys.stderr, flush=True)
+                return 1
+            time.sleep(0.3)
+        return 0
+    finally:
+        supervisor.stop()
+        if nats is not None:
+            nats.stop()
+
+
+def _restart_nats(nats: EmbeddedNats) -> None:
+    """The embedded NATS server died: say so and start it again on the same port (its JetStream state is on disk);
+    every actor reconnects by itself."""
+    print(f"swarmroute: the embedded NATS server {describe_exit(nats.returncode or 0)}; restarting it on "
+          f"{nats.url}; its last lines:\n" + "\n".join(f"    {line}" for line in nats.log_tail(10)),
+          file=sys.stderr, flush=True)
+    nats.stop()
+    nats.config.port = nats.port
+    wait_port_free(nats.host, nats.port)
+    nats.start()

@@ -21,8 +21,8 @@ from bus.server import EmbeddedNats, NatsServerConfig
 from schemas.errors import BadRequestError
 from schemas.manifest import ModelManifest
 from schemas.settings import Settings
-from swarmroute.launcher import _child_argv, _local_node_env, _slug, _wait_ready, keep_nats
-from swarmroute.supervisor import ChildSpec, Supervisor, on_stop_signal
+from swarmroute.launcher import child_argv, local_node_env, slug, wait_ready
+from swarmroute.supervisor import ChildSpec, Supervisor, run_supervised
 
 DEFAULT_CONTEXT = 4096
 """The node's context when ``--ctx`` is not given (``LlamaCppConfig.n_ctx``'s default)."""
@@ -107,7 +107,7 @@ def run_up_from_swarm(args: argparse.Namespace, settings: Settings) -> int:
     seeder_home = root / "seeder"
     path = Path(args.model) if args.model else default_model_path(settings)
     manifest = import_model(seeder_home, path)  # the seeder's store: a hard link of the file where possible
-    alias = args.model_id or _slug(manifest.name or path.stem)
+    alias = args.model_id or slug(manifest.name or path.stem)
     context, sessions = args.ctx or DEFAULT_CONTEXT, args.max_sessions
     try:
         memory = args.node_memory or memory_for(manifest, n_nodes, context=context, sessions=sessions)
@@ -119,29 +119,22 @@ def run_up_from_swarm(args: argparse.Namespace, settings: Settings) -> int:
         args.port = settings.gateway_port
     nats = EmbeddedNats(NatsServerConfig(store_dir=settings.home / "nats-up", host=settings.bind_host))
     nats.start()
-    specs = [ChildSpec("tracker", _child_argv(args, settings, nats.url, "tracker", []), essential=True),
-             ChildSpec("seeder", _child_argv(args, settings, nats.url, "seeder",
+    specs = [ChildSpec("tracker", child_argv(args, settings, nats.url, "tracker", []), essential=True),
+             ChildSpec("seeder", child_argv(args, settings, nats.url, "seeder",
                                              [manifest.model_id, "--node-id", "seeder", "--home", str(seeder_home)]))]
-    specs += [ChildSpec(f"node-{i + 1}", _child_argv(args, settings, nats.url, "node",
+    specs += [ChildSpec(f"node-{i + 1}", child_argv(args, settings, nats.url, "node",
                                                      _node_argv(args, manifest.model_id, alias, i, memory,
-                                                                root / f"node-{i + 1}")), env=_local_node_env())
+                                                                root / f"node-{i + 1}")), env=local_node_env())
               for i in range(n_nodes)]
-    specs.append(ChildSpec("gateway", _child_argv(args, settings, nats.url, "gateway",
+    specs.append(ChildSpec("gateway", child_argv(args, settings, nats.url, "gateway",
                                                   ["--host", host, "--port", str(args.port)]), essential=True))
-    supervisor = Supervisor(specs)
-    stop_requested = on_stop_signal()
     started = time.monotonic()
-    try:
-        supervisor.start()
-        url = f"http://{host}:{args.port}"
-        try:
-            _wait_ready(url, manifest.model_id, supervisor, timeout=1800)
-        except RuntimeError as exc:
-            print(f"swarmroute up: {exc}; stopping", file=sys.stderr, flush=True)
-            return 1
-        supervisor.ready = True
+    url = f"http://{host}:{args.port}"
+
+    def ready(supervisor: Supervisor) -> str:
+        wait_ready(url, manifest.model_id, supervisor, timeout=1800)
         route = " -> ".join(f"{node}[{a},{b})" for node, (a, b) in _served_ranges(url, manifest.model_id))
-        print(f"""
+        return f"""
 swarmroute is up from the swarm in {time.monotonic() - started:.0f}s: model {alias!r} ({manifest.model_id[:12]}),
 one seeder holding the GGUF, {n_nodes} nodes that started empty with {memory / 2**20:.0f} MiB each and fetched only
 their layers; route {route}
@@ -152,15 +145,6 @@ their layers; route {route}
        -d '{{"model": "{alias}", "messages": [{{"role": "user", "content": "Hello!"}}], "stream": true}}'
 
   swarmroute watch --nats {nats.url}     (nodes, fetches, live sessions)
-Ctrl-C stops everything.""", flush=True)
-        while not stop_requested.is_set():
-            if not nats.running:
-                keep_nats(nats)
-            if not supervisor.check():
-                print(f"swarmroute up: {supervisor.failed}; stopping", file=sys.stderr, flush=True)
-                return 1
-            time.sleep(0.3)
-        return 0
-    finally:
-        supervisor.stop()
-        nats.stop()
+Ctrl-C stops everything."""
+
+    return run_supervised("up", specs, ready, nats=nats)
