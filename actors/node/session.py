@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import Literal
 
 from actors.backend import Hidden, StepInput, StepOutput
+from actors.node.choices import Choice, Choices
 from actors.node.engine import StepTiming
 from actors.node.generation import Generation
 from actors.node.outbox import Outbox
@@ -51,7 +52,6 @@ class NodeSession:
         self.is_head = self.hop_index == 0
         self.is_tail = self.hop_index == len(self.route.hops) - 1
         self.hidden_shape = hidden_shape
-        self.position = 0
         self.phase = SessionPhase.PREFILL
         self.closed = False
         self.last_activity = time.monotonic()
@@ -64,15 +64,33 @@ class NodeSession:
         self._next: Hop | None = None if self.is_tail else self.route.hops[self.hop_index + 1]
         self.outbox = self._make_outbox()
         """Frames to the next hop, or (on a tail that is not the head) tokens to the head; never both."""
-        self.generation: Generation | None = None
-        if self.is_tail:
-            backend = rt.engine.backend
-            self.generation = Generation(max_tokens=request.max_tokens, stops=request.stop,
-                                         ignore_eos=request.ignore_eos, token_bytes=backend.token_bytes,
-                                         is_eog=backend.is_end_of_generation,
-                                         context_length=backend.info.context_length)
+        self.choices = Choices(self.id, request.n, self._new_generation())
+        """Choice 0 is the session itself; n > 1 adds the forks after the last prefill chunk."""
         self._spinner = ArrivalSpinner(rt.poller, rt.settings.hop_spin_grace_s)
         """Polls the loop until this session's next decode frame or token (multi-node routes)."""
+
+    @property
+    def position(self) -> int:
+        """Choice 0's KV position (every choice's until they fork)."""
+        return self.choices.first.position
+
+    @property
+    def generation(self) -> Generation | None:
+        return self.choices.first.generation
+
+    def _new_generation(self) -> Generation | None:
+        """Tail: one per choice."""
+        if not self.is_tail:
+            return None
+        backend = self.rt.engine.backend
+        request = self.request
+        return Generation(max_tokens=request.max_tokens, stops=request.stop, ignore_eos=request.ignore_eos,
+                          token_bytes=backend.token_bytes, is_eog=backend.is_end_of_generation,
+                          context_length=backend.info.context_length)
+
+    def _fork(self, position: int) -> list[Choice]:
+        """After the last prefill chunk forked the backend session: choices 1..n-1 at ``position``."""
+        return self.choices.add_forks(position, [self._new_generation() for _ in range(self.request.n - 1)])
 
     def _make_outbox(self) -> Outbox | None:
         peer, kind = (self._next, "frame") if self._next is not None else (self.route.head, "token")
@@ -126,21 +144,22 @@ class NodeSession:
 
     # ---- computing ---------------------------------------------------------------------------------------------
 
-    async def _compute(self, item: StepInput, queued: StepFuture | None = None) -> tuple[StepOutput, StepTiming]:
-        """Run ``item`` (or await ``queued``, the same step already queued) and advance the session's position."""
+    async def _compute(self, choice: Choice, item: StepInput,
+                       queued: StepFuture | None = None) -> tuple[StepOutput, StepTiming]:
+        """Run ``item`` (or await ``queued``, the same step already queued) and advance the choice's position."""
         step = queued if queued is not None else self.rt.engine.enqueue(item, handoff=True)
         await settled(step)
-        return self._step_result(item, step)
+        return self._step_result(choice, item, step)
 
-    def _step_result(self, item: StepInput, step: StepFuture) -> tuple[StepOutput, StepTiming]:
-        """A finished step's output, with the session advanced past it; a backend failure as ``SessionFailed``."""
+    def _step_result(self, choice: Choice, item: StepInput, step: StepFuture) -> tuple[StepOutput, StepTiming]:
+        """A finished step's output, with the choice advanced past it; a backend failure as ``SessionFailed``."""
         try:
             out, timing = step.result()
         except SwarmrouteError:
             raise
         except Exception as exc:
             raise self._backend_failed(exc) from exc
-        self._advance(item.n_positions, timing)
+        self._advance(choice, item.n_positions, timing)
         return out, timing
 
     def _backend_failed(self, exc: Exception) -> SessionFailed:
@@ -149,8 +168,8 @@ class NodeSession:
     def _failed_here(self, kind: Literal["timeout", "backend_error"], message: str) -> SessionFailed:
         return SessionFailed(FailureReason(node_id=self.rt.node_id, phase=self.phase, kind=kind, message=message))
 
-    def _advance(self, n_positions: int, timing: StepTiming) -> None:
-        self.position += n_positions
+    def _advance(self, choice: Choice, n_positions: int, timing: StepTiming) -> None:
+        choice.position += n_positions
         # Metrics wait for the next loop turn: right after a forward pass the caches are cold and every line of
         # Python costs several times its usual price; the frame or token goes out first.
         asyncio.get_running_loop().call_soon(self.rt.metrics.step, "decode" if self.phase is SessionPhase.DECODE
@@ -159,20 +178,23 @@ class NodeSession:
     def _stamp(self, timing: StepTiming) -> HopStamp:
         return HopStamp(self.hop_index, int(timing.compute_ms * 1000), int(timing.queue_ms * 1000))
 
-    def _sampled(self, token: int, stamps: tuple[HopStamp, ...]) -> SampledToken:
-        """The tail's record of one sampled token: its text and, if it ends the generation, why."""
-        assert self.generation is not None
-        text, finish = self.generation.accept(token)
-        return SampledToken(session_id=self.raw_id, seq=self.generation.count - 1, token=token, text=text,
-                            finish_reason=finish, stamps=stamps)
+    def _sampled(self, choice: Choice, out: StepOutput, stamps: tuple[HopStamp, ...]) -> SampledToken:
+        """The tail's record of one sampled token: its text and, if it ends the choice's generation, why; its
+        logprobs when the session asked for them."""
+        generation = choice.generation
+        token = out.token
+        assert generation is not None and token is not None
+        text, finish = generation.accept(token)
+        return SampledToken(session_id=self.raw_id, seq=generation.count - 1, token=token, text=text,
+                            finish_reason=finish, stamps=stamps, choice=choice.index, logprobs=out.logprobs)
 
     # ---- sending on --------------------------------------------------------------------------------------------
 
     def _queue_frame(self, kind: FrameKind, start: int, hidden: Hidden, sample: bool, step: int,
-                     stamps: tuple[HopStamp, ...]) -> None:
+                     stamps: tuple[HopStamp, ...], choice: int = 0) -> None:
         header = FrameHeader(session_id=self.raw_id, kind=kind, dtype=self.rt.wire_dtype, start_position=start,
                              n_positions=int(hidden.shape[0]), position_shape=self.hidden_shape, step=step,
-                             sample=sample, stamps=stamps)
+                             sample=sample, stamps=stamps, choice=choice)
         data = frames.encode(header, hidden)
         nxt = self._next
         assert nxt is not None and self.outbox is not None
