@@ -14,7 +14,7 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel
 from starlette.requests import Request
@@ -45,7 +45,7 @@ from schemas.tools import ToolSet
 log = logging.getLogger(__name__)
 
 
-def _refuse_unsupported(req: BaseModel) -> None:
+def refuse_unsupported(req: BaseModel) -> None:
     """A parameter swarmroute cannot honour is a 400 naming it, never silently ignored."""
     found = unsupported_param(req)
     if found is not None:
@@ -59,18 +59,24 @@ def _sampling(req: _GenerationRequest, logprobs: int | None) -> SamplingParams:
                           frequency_penalty=req.frequency_penalty, logprobs=logprobs)
 
 
-def _constrain(kind: FormatKind, schema: dict[str, Any] | None, tools: ToolSet | None) -> Constrain | None:
+def constrain_hook(kind: FormatKind, schema: dict[str, Any] | None, tools: ToolSet | None) -> Constrain | None:
     """The hook that builds the tail's constraint from the head's tool-call format; ``None`` for free text."""
     if kind == "text" and tools is None:
         return None
     return lambda tool_format: constraint_for(kind, schema, tools, tool_format)
 
 
-def _telemetry(snap: GenerationTelemetry | None) -> dict[str, Any]:
+class Collector(Protocol):
+    """What a whole (non-streamed) reply is fed each token to."""
+
+    def collect(self, event: TokenEvent) -> None: ...
+
+
+def telemetry_extra(snap: GenerationTelemetry | None) -> dict[str, Any]:
     return {TELEMETRY_KEY: snap.model_dump(mode="json")} if snap is not None else {}
 
 
-class _Stream:
+class StreamState:
     """Shared event loop of both endpoints; ``make_chunk`` builds an endpoint-specific chunk."""
 
     def __init__(self, session: LiveSession, *, include_usage: bool, include_telemetry: bool) -> None:
@@ -117,7 +123,7 @@ class OpenAIServing:
         self.metrics.bind(live_sessions=lambda: len(sessions.live))
         self._clocks: dict[str, RequestClock] = {}
 
-    def _clock(self, session: LiveSession) -> RequestClock:
+    def clock(self, session: LiveSession) -> RequestClock:
         clock = self._clocks.get(session.id)
         if clock is None:
             clock = self._clocks[session.id] = self.metrics.clock(session.created)
@@ -125,15 +131,15 @@ class OpenAIServing:
 
     # ---- session helpers ---------------------------------------------------------------------------------------
 
-    def _close_later(self, session: LiveSession, *, cancelled: bool) -> None:
+    def close_later(self, session: LiveSession, *, cancelled: bool) -> None:
         """Cleanup must survive the cancellation of the request task that triggers it."""
-        self._clock(session).finish(None if cancelled else session.end, session.telemetry, len(session.prompt_tokens))
+        self.clock(session).finish(None if cancelled else session.end, session.telemetry, len(session.prompt_tokens))
         self._clocks.pop(session.id, None)
         task = asyncio.get_running_loop().create_task(session.close(cancelled=cancelled))
         self._cleanups.add(task)
         task.add_done_callback(self._cleanups.discard)
 
-    async def _collect(self, session: LiveSession, request: Request, replies: Replies) -> SessionEnd:
+    async def collect(self, session: LiveSession, request: Request, replies: Collector) -> SessionEnd:
         cancelled = True
         watcher = asyncio.create_task(_wait_disconnect(request))
         try:
@@ -141,17 +147,17 @@ class OpenAIServing:
                 if watcher.done():
                     break
                 if isinstance(event, TokenEvent):
-                    self._clock(session).token()
+                    self.clock(session).token()
                     replies.collect(event)
             cancelled = session.end is None
         finally:
             watcher.cancel()
-            self._close_later(session, cancelled=cancelled)
+            self.close_later(session, cancelled=cancelled)
         assert session.end is not None
         return session.end
 
     @staticmethod
-    def _raise_if_failed(end: SessionEnd) -> None:
+    def raise_if_failed(end: SessionEnd) -> None:
         if end.phase is SessionPhase.FAILED:
             reason = end.failure
             message = reason.describe() if reason else "the route failed"
@@ -164,14 +170,14 @@ class OpenAIServing:
         return Usage(prompt_tokens=len(session.prompt_tokens), completion_tokens=completion,
                      total_tokens=len(session.prompt_tokens) + completion)
 
-    async def _stream(self, session: LiveSession, state: _Stream, replies: Replies) -> AsyncIterator[bytes]:
+    async def _stream(self, session: LiveSession, state: StreamState, replies: Replies) -> AsyncIterator[bytes]:
         """Events that are already waiting when one is rendered go out in the same write: a gateway that fell behind
         (a busy machine, many streams) catches up in one send instead of one per token. Each token is still its
         own SSE event."""
         done = False
         token_chunk = _ChunkTemplate(replies) if replies.plain else None
         try:
-            yield sse.data({**replies.opening(), **_telemetry(state.fresh_telemetry())})
+            yield sse.data({**replies.opening(), **telemetry_extra(state.fresh_telemetry())})
             out: list[bytes] = []
             async for event in session.events():
                 self._render(event, session, state, replies, token_chunk, out)
@@ -182,59 +188,59 @@ class OpenAIServing:
             yield b"".join(out)
             done = True
         finally:
-            self._close_later(session, cancelled=not done and session.end is None)
+            self.close_later(session, cancelled=not done and session.end is None)
 
-    def _render(self, event: Event, session: LiveSession, state: _Stream, replies: Replies,
+    def _render(self, event: Event, session: LiveSession, state: StreamState, replies: Replies,
                 token_chunk: _ChunkTemplate | None, out: list[bytes]) -> None:
         if event is None:
             out.append(sse.KEEPALIVE)
         elif isinstance(event, GenerationTelemetry):
             if state.include_telemetry:
-                out.append(sse.data({**replies.chunk([]), **_telemetry(state.fresh_telemetry())}))
+                out.append(sse.data({**replies.chunk([]), **telemetry_extra(state.fresh_telemetry())}))
         elif isinstance(event, TokenEvent):
-            self._clock(session).token()
+            self.clock(session).token()
             if token_chunk is not None:  # plain: nothing per token but the text
                 if event.text:
                     snap = state.fresh_telemetry()
                     out.append(token_chunk.render(event.text) if snap is None
                                else sse.data({**replies.chunk([replies.plain_choice(event.text, None)]),
-                                              **_telemetry(snap)}))
+                                              **telemetry_extra(snap)}))
                 return
             body = replies.token(event)
             if body is not None:
-                out.append(sse.data({**replies.chunk([body]), **_telemetry(state.fresh_telemetry())}))
+                out.append(sse.data({**replies.chunk([body]), **telemetry_extra(state.fresh_telemetry())}))
         elif event.phase is SessionPhase.COMPLETE:
             *firsts, last = replies.closing(event)
             out.extend(sse.data(replies.chunk([body])) for body in firsts)
-            out.append(sse.data({**replies.chunk([last]), **_telemetry(session.telemetry)}))
+            out.append(sse.data({**replies.chunk([last]), **telemetry_extra(session.telemetry)}))
             if state.include_usage:
                 out.append(sse.data({**replies.chunk([]), "usage": self._usage(session, event).model_dump()}))
         else:
-            out.append(sse.data({**failure_body(event), **_telemetry(session.telemetry)}))
+            out.append(sse.data({**failure_body(event), **telemetry_extra(session.telemetry)}))
 
     # ---- endpoints ---------------------------------------------------------------------------------------------
 
     async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
-        _refuse_unsupported(req)
+        refuse_unsupported(req)
         tools = chat_tools(req)
         kind, schema = response_format_of(req.response_format)
         session = await self.sessions.start(GenerationRequest(
             model=req.model, prompt=Prompt(messages=head_messages(req.messages), tools=tools), prompt_tokens=None,
             max_tokens=req.max_completion_tokens or req.max_tokens, sampling=_sampling(req, logprobs_asked(req)),
-            stop=req.stop_list(), ignore_eos=req.ignore_eos, n=req.n, constrain=_constrain(kind, schema, tools)))
+            stop=req.stop_list(), ignore_eos=req.ignore_eos, n=req.n, constrain=constrain_hook(kind, schema, tools)))
         replies = Replies("chat", n=req.n, logprobs=req.logprobs, tool_format=session.tool_format if tools else None,
                           cid=f"chatcmpl-{session.id}", model=req.model)
         if req.stream:
             return self._streaming(session, req, replies)
-        end = await self._collect(session, request, replies)
-        self._raise_if_failed(end)
+        end = await self.collect(session, request, replies)
+        self.raise_if_failed(end)
         body = ChatCompletion(id=replies.cid, model=req.model, usage=self._usage(session, end),
                               choices=replies.chat_choices(end))
-        return JSONResponse({**body.model_dump(mode="json"), **_telemetry(session.telemetry)},
+        return JSONResponse({**body.model_dump(mode="json"), **telemetry_extra(session.telemetry)},
                             headers={"x-swarmroute-session": session.id})
 
     async def completion(self, req: CompletionRequest, request: Request) -> Response:
-        _refuse_unsupported(req)
+        refuse_unsupported(req)
         is_tokens = isinstance(req.prompt, list)
         if is_tokens and req.echo:
             raise BadRequestError("echo is supported for text prompts only", param="echo")
@@ -245,21 +251,21 @@ class OpenAIServing:
             model=req.model, prompt=None if is_tokens else Prompt(text=str(req.prompt)),
             prompt_tokens=list(req.prompt) if is_tokens else None,  # type: ignore[arg-type]
             max_tokens=req.max_tokens, sampling=_sampling(req, req.logprobs), stop=req.stop_list(),
-            ignore_eos=req.ignore_eos, n=req.n, constrain=_constrain(kind, schema, None)))
+            ignore_eos=req.ignore_eos, n=req.n, constrain=constrain_hook(kind, schema, None)))
         replies = Replies("completion", n=req.n, logprobs=req.logprobs is not None, tool_format=None,
                           cid=f"cmpl-{session.id}", model=req.model, prefix=str(req.prompt) if req.echo else "")
         if req.stream:
             return self._streaming(session, req, replies)
-        end = await self._collect(session, request, replies)
-        self._raise_if_failed(end)
+        end = await self.collect(session, request, replies)
+        self.raise_if_failed(end)
         body = Completion(id=replies.cid, model=req.model, usage=self._usage(session, end),
                           choices=replies.completion_choices(end))
-        return JSONResponse({**body.model_dump(mode="json"), **_telemetry(session.telemetry)},
+        return JSONResponse({**body.model_dump(mode="json"), **telemetry_extra(session.telemetry)},
                             headers={"x-swarmroute-session": session.id})
 
     def _streaming(self, session: LiveSession, req: _GenerationRequest, replies: Replies) -> StreamingResponse:
         opts = req.stream_options
-        state = _Stream(session, include_usage=bool(opts and opts.include_usage),
+        state = StreamState(session, include_usage=bool(opts and opts.include_usage),
                         include_telemetry=bool(opts and opts.include_telemetry))
         return StreamingResponse(self._stream(session, state, replies), media_type="text/event-stream",
                                  headers={"cache-control": "no-cache", "x-swarmroute-session": session.id})
