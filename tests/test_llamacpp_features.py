@@ -74,13 +74,13 @@ SHOPPING = {"type": "object", "properties": {
     "required": ["items"], "additionalProperties": False}
 SCHEMAS = {"person": PERSON, "colour": COLOUR, "shopping": SHOPPING}
 
-WEATHER = {"type": "function", "function": {
+WEATHER: dict[str, Any] = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city.",
     "parameters": {"type": "object", "properties": {
         "city": {"type": "string", "maxLength": 24},
         "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
         "required": ["city", "unit"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
+TIME: dict[str, Any] = {"type": "function", "function": {
     "name": "get_time", "description": "The local time in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
                    "required": ["city"], "additionalProperties": False}}}
@@ -305,13 +305,14 @@ async def test_required_and_named_tool_calls_parse_and_validate(swarm: Swarm, to
 async def test_a_tool_result_round_trips(swarm: Swarm) -> None:
     api = client(swarm)
     ask = messages("What is the weather in Paris?")
-    first = await api.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER], tool_choice="required",
+    tools: Any = [WEATHER]
+    first = await api.chat.completions.create(model=MODEL, messages=ask, tools=tools, tool_choice="required",
                                               parallel_tool_calls=False, max_tokens=120, temperature=0)
     call = (first.choices[0].message.tool_calls or [])[0]
     result = '{"temperature": 18, "sky": "cloudy"}'
     history: list[Any] = [*ask, first.choices[0].message.model_dump(exclude_none=True),
                           {"role": "tool", "tool_call_id": call.id, "content": result}]
-    second = await api.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], max_tokens=40,
+    second = await api.chat.completions.create(model=MODEL, messages=history, tools=tools, max_tokens=40,
                                                temperature=0)
     assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
     assert second.usage is not None and first.usage is not None
