@@ -308,7 +308,7 @@ async def test_a_tool_result_round_trips(swarm: Swarm) -> None:
     tools: Any = [WEATHER]
     first = await api.chat.completions.create(model=MODEL, messages=ask, tools=tools, tool_choice="required",
                                               parallel_tool_calls=False, max_tokens=120, temperature=0)
-    call = (first.choices[0].message.tool_calls or [])[0]
+    call: Any = (first.choices[0].message.tool_calls or [])[0]
     result = '{"temperature": 18, "sky": "cloudy"}'
     history: list[Any] = [*ask, first.choices[0].message.model_dump(exclude_none=True),
                           {"role": "tool", "tool_call_id": call.id, "content": result}]
