@@ -83,10 +83,8 @@ class GenerationRequest:
     sampling: SamplingParams
     stop: list[str]
     ignore_eos: bool = False
-    n: int = 1
-    """Choices; checked against the route's ``max_sessions`` once routed."""
-    constrain: Constrain | None = None
-    """Called between tokenizing and opening: ``SamplingParams.constraint`` from the head's tool-call format."""
+    n: int = 1  # choices; checked against the route's max_sessions once routed
+    constrain: Constrain | None = None  # between tokenizing and opening: the constraint from the head's tool format
 
 
 class LiveSession:
@@ -100,13 +98,9 @@ class LiveSession:
         self.max_tokens = 0
         self.telemetry: GenerationTelemetry | None = None
         self.end: SessionEnd | None = None
-        self.tokens_seen = 0
-        """Tokens of every choice."""
-        self.n = 1
-        self.seen = [0]
-        """Tokens seen per choice: each choice's ``seq`` counts from 0, so a gap is found per choice."""
-        self.tool_format: ToolCallFormat | None = None
-        """How the head asked the model to write tool calls (a request with tools)."""
+        self.tokens_seen = 0  # of every choice
+        self.n, self.seen = 1, [0]  # choices, and tokens seen per choice (each choice's seq counts from 0)
+        self.tool_format: ToolCallFormat | None = None  # how the head asked the model to write tool calls
         self._queue: asyncio.Queue[TokenEvent | GenerationTelemetry | SessionEnd] = asyncio.Queue()
         self._subs: list[Subscription] = []
         self._nats_stats: dict[str, int] = {}

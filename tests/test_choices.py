@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,9 @@ import pytest_asyncio
 from actors.backend import StepInput
 from actors.backends.stub import StubBackend, StubConfig
 from bus.server import EmbeddedNats, NatsServerConfig
-from schemas.session import Prompt, SamplingParams
+from schemas.errors import BadRequestError, CapacityError
+from schemas.route import RouteRequest
+from schemas.session import Prompt, SamplingParams, SessionOpen
 from tests.support.swarm import Swarm, make_settings, start_swarm
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -195,4 +198,27 @@ async def test_choices_share_forward_passes(two: Swarm) -> None:
     await client(two).completions.create(model=MODEL, prompt="batch", max_tokens=24, temperature=0, n=4,
                                          extra_body={"ignore_eos": True})
     assert all(e.max_batch_seen >= 2 for e in engines)  # the choices decoded batched on every hop
+    await all_freed(two)
+
+
+async def test_a_node_reserves_a_sequence_per_choice(two: Swarm) -> None:
+    """Every choice forks into a sequence of its own after prefill, so a node reserves all of them at open: what
+    does not fit is refused at once (429), not half-way through the prefill."""
+    node = two.nodes[1]
+    route = two.tracker.route(RouteRequest(model=MODEL, session_id="probe")).route
+    assert route is not None
+    ids = [uuid.uuid4().hex for _ in range(2)]
+    opens = [SessionOpen(session_id=ids[i], route=route, hop_index=1, prompt_tokens=[1, 2], max_tokens=4,
+                         n=4) for i in range(2)]
+    await node.open_session(opens[0])
+    try:
+        assert node.sequences_in_use() == 4 and node.advertisement().capacity.active_sessions == 4
+        with pytest.raises(CapacityError):
+            await node.open_session(opens[1])  # 4 + 4 > 6
+        with pytest.raises(BadRequestError) as info:
+            await node.open_session(opens[1].model_copy(update={"n": MAX_SESSIONS + 1}))
+        assert info.value.param == "n"
+    finally:
+        await node.sessions[ids[0]].close()
+    assert node.sequences_in_use() == 0
     await all_freed(two)
