@@ -255,6 +255,14 @@ async def test_json_object_replies_parse(swarm: Swarm) -> None:
     assert isinstance(json.loads(whole.choices[0].message.content or ""), dict)
 
 
+async def test_completions_take_response_format_too(swarm: Swarm) -> None:
+    got = await client(swarm).completions.create(model=MODEL, prompt="A colour as JSON:", max_tokens=120,
+                                                 temperature=0, extra_body={"response_format": {
+                                                     "type": "json_schema",
+                                                     "json_schema": {"name": "colour", "schema": COLOUR}}})
+    jsonschema.validate(json.loads(got.choices[0].text), COLOUR)
+
+
 # ---- tools ---------------------------------------------------------------------------------------------------------
 
 
@@ -300,6 +308,22 @@ async def test_required_and_named_tool_calls_parse_and_validate(swarm: Swarm, to
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [(c.function.name, c.function.arguments)
                                                                      for c in whole_calls]
     assert all(c["id"].startswith("call_") for c in calls.values())
+
+
+async def test_auto_tool_choice_gives_a_valid_call_or_text(swarm: Swarm) -> None:
+    tools: Any = [WEATHER, TIME]
+    for question in ("What is the weather in Paris?", "Say hello."):
+        got = await client(swarm).chat.completions.create(model=MODEL, messages=messages(question), tools=tools,
+                                                          parallel_tool_calls=False, max_tokens=120, temperature=0)
+        choice = got.choices[0]
+        if choice.message.tool_calls:
+            assert choice.finish_reason == "tool_calls" and choice.message.content is None
+            check_calls(choice.message.tool_calls, {"get_weather", "get_time"})
+        else:
+            # The generic format's text reply ({"response": ...}) comes out as plain content (this small model may
+            # go on writing it up to max_tokens).
+            assert choice.finish_reason in ("stop", "length") and choice.message.content
+            assert not choice.message.content.lstrip().startswith('{"response"')
 
 
 async def test_a_tool_result_round_trips(swarm: Swarm) -> None:

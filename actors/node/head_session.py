@@ -94,7 +94,8 @@ class HeadSession(NodeSession):
         self.touch()
         choice = self.choices.get(event.choice if isinstance(event, SampledToken) else event.index)
         choice.arrivals[event.seq] = arrived
-        if event.finish_reason is None and not self.closed and choice.prefetched is None:
+        # n > 1 decodes in rounds (``_decode_rounds``): nothing is started for one choice alone.
+        if event.finish_reason is None and not self.closed and choice.prefetched is None and self.request.n == 1:
             self.phase = SessionPhase.DECODE  # the first token ends the prefill, on every count
             item = self._decode_step(choice, event.token)
             step = self.rt.engine.enqueue(item, handoff=True)
@@ -150,8 +151,11 @@ class HeadSession(NodeSession):
             await self.telemetry.prefill_progress(start + len(part), len(tokens))
 
     async def _decode(self) -> None:
+        if self.request.n > 1:
+            await self._decode_rounds()
+            return
         if self.is_tail:
-            await (self._decode_local() if self.request.n == 1 else self._decode_lockstep())
+            await self._decode_local()
             return
         while True:
             event = await self._next_event()
@@ -189,11 +193,11 @@ class HeadSession(NodeSession):
             self._forward(choice, await step, event)
 
     def _forward(self, choice: Choice, result: tuple[StepOutput, StepTiming], event: TokenEvent | SampledToken,
-                 ) -> None:
+                 group: int = 0) -> None:
         out, timing = result
         assert out.hidden is not None
         self._queue_frame(FrameKind.DECODE, choice.position - 1, out.hidden, True, event.seq + 1,
-                          (self._stamp(timing),), choice.index)
+                          (self._stamp(timing),), choice.index, group)
         self._spinner.idle()
 
     @staticmethod
@@ -236,38 +240,47 @@ class HeadSession(NodeSession):
             wall_ms, last = (now - last) * 1e3, now
             event = self._event_of(self._sampled(first, out, (self._stamp(timing),)))
 
-    async def _decode_lockstep(self) -> None:
-        """Head and tail on this node, n > 1: every live choice's next step is queued at once, so one forward pass
-        carries them all (the engine batches steps of different backend sessions); then each is announced."""
-        events = [await self._next_event() for _ in range(self.request.n)]
+    async def _decode_rounds(self) -> None:
+        """n > 1: the choices decode in rounds. Once every live choice's next token is in, their steps are queued
+        together (``StepEngine.enqueue_group``) and their frames name the round's size (``FrameHeader.group``), so
+        on every hop one forward pass carries the whole round, always the same choices in the same order: llama.cpp's
+        results move a little with a batch's shape, and a seeded request must come out the same every time."""
+        pending: dict[int, TokenEvent] = {}
         last = time.perf_counter()
         wall_ms: float | None = None
         while True:
+            live = [c for c in self.choices.all if not c.ended]
+            while len(pending) < len(live):
+                event = await self._next_event()
+                pending[event.index] = event
             self.phase = SessionPhase.DECODE
-            live = []
-            for event in events:
+            going: list[tuple[Choice, TokenEvent]] = []
+            for choice in live:
+                event = pending.pop(choice.index)
                 await self._announce(event, wall_ms)
-                choice = self.choices.get(event.index)
                 if event.finish_reason is not None:
                     choice.end(event.finish_reason, event.seq + 1)
                 else:
-                    live.append((choice, event.token))
-            if not live:
-                await self._complete(events[-1])
+                    going.append((choice, event))
+            if not going:
+                await self._complete(event)
                 return
-            items = [self._decode_step(choice, token, sample=True) for choice, token in live]
-            steps = [self.rt.engine.enqueue(item) for item in items]
+            items = [self._decode_step(choice, event.token, sample=self.is_tail) for choice, event in going]
+            steps = self.rt.engine.enqueue_group(items)
             timeout = self._token_timeout()
             try:
                 async with asyncio.timeout(timeout):
-                    results = [await self._compute(c, item, step) for (c, _), item, step in zip(live, items, steps,
+                    results = [await self._compute(c, item, step) for (c, _), item, step in zip(going, items, steps,
                                                                                               strict=True)]
             except TimeoutError:
-                raise self._failed_here("timeout", f"no token from node {self.rt.node_id} for {timeout:g}s") from None
+                raise self._failed_here("timeout", f"no step on node {self.rt.node_id} for {timeout:g}s") from None
             now = time.perf_counter()
             wall_ms, last = (now - last) * 1e3, now
-            events = [self._event_of(self._sampled(c, out, (self._stamp(timing),)))
-                      for (c, _), (out, timing) in zip(live, results, strict=True)]
+            for (choice, event), (out, timing) in zip(going, results, strict=True):
+                if self.is_tail:  # head and tail on this node: the next round's tokens are here already
+                    pending[choice.index] = self._event_of(self._sampled(choice, out, (self._stamp(timing),)))
+                else:
+                    self._forward(choice, (out, timing), event, len(going))
 
     def _follow_local(self, item: StepInput, out: StepOutput) -> StepInput | None:
         """On the engine's thread: the next chained step, unless this output ends the generation for certain

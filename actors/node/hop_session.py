@@ -17,12 +17,15 @@ from actors.backend import Hidden, StepInput, StepOutput
 from actors.node.choices import Choice
 from actors.node.session import NodeSession, SessionFailed, StepFuture, settled
 from bus import frame as frames
-from schemas.errors import BackendError, FrameError, HopError
+from schemas.errors import BackendError, FrameError, HopError, SessionNotFoundError, SwarmrouteError
 from schemas.frame import FrameHeader, FrameKind, HopStamp
 from schemas.session import FailureReason, SessionEnd, SessionPhase
 
 
 class HopSession(NodeSession):
+    _rounds: dict[int, list[tuple[Choice, FrameHeader, Hidden, int, asyncio.Future[int]]]] | None = None
+    """n > 1: decode frames of a round (by step) waiting for the rest of their group."""
+
     def on_frame(self, header: FrameHeader, hidden: Hidden, nbytes: int) -> int | Awaitable[int]:
         """Validate, compute and queue the forward of one frame; returns the new KV position of its choice, or an
         awaitable of it when the step had to queue for the backend's worker. Frames of one choice run in arrival
@@ -33,6 +36,8 @@ class HopSession(NodeSession):
         choice = self.choices.get(header.choice)
         if header.kind is FrameKind.DECODE:
             self._spinner.arrived()
+            if header.group > 1:
+                return self._join_round(choice, header, hidden, nbytes)
         if choice.frame_step is not None:
             return self._on_frame_later(choice, header, hidden, nbytes)
         return self._run_frame(choice, header, hidden, nbytes)
@@ -43,7 +48,59 @@ class HopSession(NodeSession):
         ran = self._run_frame(choice, header, hidden, nbytes)
         return ran if isinstance(ran, int) else await ran
 
+    def _join_round(self, choice: Choice, header: FrameHeader, hidden: Hidden, nbytes: int) -> Awaitable[int]:
+        """n > 1: hold a decode frame until its whole round (``header.group`` frames of this step) is in, then
+        queue the round's steps together: one forward pass carries them all, in choice order, every time."""
+        rounds = self._rounds if self._rounds is not None else {}
+        self._rounds = rounds
+        waiting = rounds.setdefault(header.step, [])
+        answer: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        waiting.append((choice, header, hidden, nbytes, answer))
+        if len(waiting) >= header.group:
+            del rounds[header.step]
+            self._run_round(sorted(waiting, key=lambda w: w[0].index))
+        return answer
+
+    def _run_round(self, frames: list[tuple[Choice, FrameHeader, Hidden, int, asyncio.Future[int]]]) -> None:
+        accepted, items = [], []
+        for choice, header, hidden, nbytes, answer in frames:
+            try:
+                items.append(self._frame_step_input(choice, header, hidden, nbytes))
+            except SwarmrouteError as exc:
+                answer.set_exception(exc)
+                continue
+            accepted.append((choice, header, answer))
+        steps = self.rt.engine.enqueue_group(items) if items else []
+        for (choice, header, answer), item, step in zip(accepted, items, steps, strict=True):
+            asyncio.ensure_future(self._round_member(choice, header, item, step, answer))
+
+    async def _round_member(self, choice: Choice, header: FrameHeader, item: StepInput, step: StepFuture,
+                            answer: asyncio.Future[int]) -> None:
+        await settled(step)
+        try:
+            answer.set_result(self._frame_computed(choice, header, item, step))
+        except SwarmrouteError as exc:
+            answer.set_exception(exc)
+        except BaseException:  # its step was cancelled: the session closed under it
+            answer.set_exception(SessionNotFoundError(f"session {self.id} closed on node {self.rt.node_id}"))
+            raise
+
+    def _stopping(self) -> None:
+        for waiting in (self._rounds or {}).values():  # a round that never filled: its frames are answered
+            for *_, answer in waiting:
+                if not answer.done():
+                    answer.set_exception(SessionNotFoundError(f"session {self.id} closed on node {self.rt.node_id}"))
+
     def _run_frame(self, choice: Choice, header: FrameHeader, hidden: Hidden, nbytes: int) -> int | Awaitable[int]:
+        item = self._frame_step_input(choice, header, hidden, nbytes)
+        step = self.rt.engine.enqueue(item, handoff=True)
+        if step.done():
+            return self._frame_computed(choice, header, item, step)
+        choice.frame_step = step
+        return self._frame_awaited(choice, header, item, step)
+
+    def _frame_step_input(self, choice: Choice, header: FrameHeader, hidden: Hidden, nbytes: int) -> StepInput:
+        """Check a frame against its choice and count it; the step that computes it."""
         if header.start_position != choice.position:
             raise FrameError(f"frame starts at position {header.start_position}; session {self.id} (choice "
                              f"{choice.index}) is at {choice.position}", code="position_mismatch")
@@ -59,13 +116,8 @@ class HopSession(NodeSession):
             self.phase = SessionPhase.DECODE
         # n > 1: the last prefill chunk (the one the tail samples after) forks the prompt's KV into every choice.
         forks = self.choices.fork_ids() if header.kind is FrameKind.PREFILL and header.sample else ()
-        item = StepInput(choice.backend_id, header.start_position, hidden=hidden,
+        return StepInput(choice.backend_id, header.start_position, hidden=hidden,
                          sample=header.sample and self.is_tail, forks=forks)
-        step = self.rt.engine.enqueue(item, handoff=True)
-        if step.done():
-            return self._frame_computed(choice, header, item, step)
-        choice.frame_step = step
-        return self._frame_awaited(choice, header, item, step)
 
     async def _frame_awaited(self, choice: Choice, header: FrameHeader, item: StepInput, step: StepFuture) -> int:
         try:
@@ -91,7 +143,7 @@ class HopSession(NodeSession):
         else:
             assert out.hidden is not None
             self._queue_frame(header.kind, header.start_position, out.hidden, header.sample, header.step, stamps,
-                              choice.index)
+                              choice.index, header.group)
         if header.kind is FrameKind.DECODE and self.phase is SessionPhase.DECODE:
             self._spinner.idle()
         return choice.position

@@ -20,7 +20,7 @@ from actors.backend import Hidden, StepInput, StepOutput
 from actors.node.choices import Choice, Choices
 from actors.node.engine import StepTiming
 from actors.node.generation import Generation
-from actors.node.outbox import Outbox
+from actors.node.outbox import Outbound, Outbox
 from actors.node.runtime import NodeRuntime
 from actors.node.spin import ArrivalSpinner
 from bus import frame as frames
@@ -66,6 +66,8 @@ class NodeSession:
         """Frames to the next hop, or (on a tail that is not the head) tokens to the head; never both."""
         self.choices = Choices(self.id, request.n, self._new_generation())
         """Choice 0 is the session itself; n > 1 adds the forks after the last prefill chunk."""
+        self._round_sends: set[asyncio.Task[None]] = set()
+        """n > 1: a round's frames, each sent at once (``_queue_frame``)."""
         self._spinner = ArrivalSpinner(rt.poller, rt.settings.hop_spin_grace_s)
         """Polls the loop until this session's next decode frame or token (multi-node routes)."""
 
@@ -107,7 +109,8 @@ class NodeSession:
 
     def _tasks(self) -> list[asyncio.Task[None]]:
         """The role's own tasks, cancelled at close."""
-        return [self.outbox.task] if self.outbox is not None and self.outbox.task is not None else []
+        own = [self.outbox.task] if self.outbox is not None and self.outbox.task is not None else []
+        return [*own, *self._round_sends]
 
     def _stopping(self) -> None:
         """The role's synchronous clean-up at close, before any task is cancelled."""
@@ -191,17 +194,29 @@ class NodeSession:
     # ---- sending on --------------------------------------------------------------------------------------------
 
     def _queue_frame(self, kind: FrameKind, start: int, hidden: Hidden, sample: bool, step: int,
-                     stamps: tuple[HopStamp, ...], choice: int = 0) -> None:
+                     stamps: tuple[HopStamp, ...], choice: int = 0, group: int = 0) -> None:
         header = FrameHeader(session_id=self.raw_id, kind=kind, dtype=self.rt.wire_dtype, start_position=start,
                              n_positions=int(hidden.shape[0]), position_shape=self.hidden_shape, step=step,
-                             sample=sample, stamps=stamps, choice=choice)
+                             sample=sample, stamps=stamps, choice=choice, group=group)
         data = frames.encode(header, hidden)
         nxt = self._next
         assert nxt is not None and self.outbox is not None
         timeout = self.rt.settings.hop_timeout_s
-        self.outbox.send(lambda: self.rt.client.send_frame(nxt.node_id, nxt.endpoint, self.id, data, timeout=timeout,
-                                                           session_token=self.session_token),
-                         causal=kind is FrameKind.DECODE)
+
+        def send() -> Outbound:
+            return self.rt.client.send_frame(nxt.node_id, nxt.endpoint, self.id, data, timeout=timeout,
+                                             session_token=self.session_token)
+
+        if group > 1:
+            # A round's frames are answered only once the whole round has been computed downstream: each must be
+            # on the wire at once, not when the outbox gets to awaiting it (it awaits them in order, and the first
+            # would wait for the others for good when no idle connection could write them).
+            task = asyncio.ensure_future(send())
+            self._round_sends.add(task)
+            task.add_done_callback(self._round_sends.discard)
+            self.outbox.send(lambda: _answer_of(task), causal=True)
+            return
+        self.outbox.send(send, causal=kind is FrameKind.DECODE)
 
     async def _outbox_failed(self, exc: HopError) -> None:
         await self._report(FailureReason(node_id=exc.node, phase=self.phase, kind=exc.kind, message=str(exc)))
@@ -216,3 +231,8 @@ async def settled(step: StepFuture) -> None:
     waiter still cancels the step."""
     with contextlib.suppress(Exception):
         await step
+
+
+async def _answer_of(request: asyncio.Task[None]) -> None:
+    """What the outbox awaits for a request already under way as a task."""
+    await request
