@@ -56,7 +56,6 @@ class HeadSession(NodeSession):
         self._watcher: asyncio.Task[None] | None = None
         """Asks every ``client_probe_s`` whether the session's client still listens (``_watch_client``)."""
         self._chain: StepChain | None = None
-        self._token_bytes = rt.engine.backend.token_bytes
         self.telemetry = TelemetryPublisher(
             self.route, lambda snap: self.rt.publish(self.rt.subjects.telemetry(self.id), snap),
             interval_s=self.rt.settings.telemetry_interval_s)
@@ -93,9 +92,11 @@ class HeadSession(NodeSession):
         self._spinner.arrived(arrived)
         self.touch()
         choice = self.choices.get(event.choice if isinstance(event, SampledToken) else event.index)
+        if self.request.n > 1:  # decoded in rounds (``_decode_rounds``): nothing starts for one choice alone
+            self._events.put_nowait(event)
+            return
         choice.arrivals[event.seq] = arrived
-        # n > 1 decodes in rounds (``_decode_rounds``): nothing is started for one choice alone.
-        if event.finish_reason is None and not self.closed and choice.prefetched is None and self.request.n == 1:
+        if event.finish_reason is None and not self.closed and choice.prefetched is None:
             self.phase = SessionPhase.DECODE  # the first token ends the prefill, on every count
             item = self._decode_step(choice, event.token)
             step = self.rt.engine.enqueue(item, handoff=True)
@@ -157,9 +158,9 @@ class HeadSession(NodeSession):
         if self.is_tail:
             await self._decode_local()
             return
+        choice = self.choices.first
         while True:
             event = await self._next_event()
-            choice = self.choices.get(event.index)
             # Timed from the token's arrival: on_token may already have run the next step inline since.
             now = choice.arrivals.pop(event.seq, None) or time.perf_counter()
             wall_ms = (now - choice.step_started) * 1e3 if choice.step_started is not None else None
@@ -167,10 +168,8 @@ class HeadSession(NodeSession):
             if event.finish_reason is not None:
                 await self._announce(event, wall_ms)
                 choice.end(event.finish_reason, event.seq + 1)
-                if self.choices.all_ended():
-                    await self._complete(event)
-                    return
-                continue
+                await self._complete(event)
+                return
             queued, forwarded = self._take_prefetched(choice, event)
             choice.step_started = now  # the next step started (or was queued) as this token arrived
             if forwarded:
@@ -241,10 +240,9 @@ class HeadSession(NodeSession):
             event = self._event_of(self._sampled(first, out, (self._stamp(timing),)))
 
     async def _decode_rounds(self) -> None:
-        """n > 1: the choices decode in rounds. Once every live choice's next token is in, their steps are queued
-        together (``StepEngine.enqueue_group``) and their frames name the round's size (``FrameHeader.group``), so
-        on every hop one forward pass carries the whole round, always the same choices in the same order: llama.cpp's
-        results move a little with a batch's shape, and a seeded request must come out the same every time."""
+        """n > 1, in rounds: once every live choice's token is in, their steps are queued together and their frames
+        name the round's size, so on every hop one forward pass carries the same choices in the same order (a
+        seeded request comes out the same every time although a batch's shape moves llama.cpp's results)."""
         pending: dict[int, TokenEvent] = {}
         last = time.perf_counter()
         wall_ms: float | None = None
@@ -270,8 +268,7 @@ class HeadSession(NodeSession):
             timeout = self._token_timeout()
             try:
                 async with asyncio.timeout(timeout):
-                    results = [await self._compute(c, item, step) for (c, _), item, step in zip(going, items, steps,
-                                                                                              strict=True)]
+                    results = [await self._compute(c, i, f) for (c, _), i, f in zip(going, items, steps, strict=True)]
             except TimeoutError:
                 raise self._failed_here("timeout", f"no step on node {self.rt.node_id} for {timeout:g}s") from None
             now = time.perf_counter()
@@ -373,9 +370,8 @@ class HeadSession(NodeSession):
 
     async def _complete(self, event: TokenEvent) -> None:
         assert event.finish_reason is not None
-        first = self.choices.first
         end = self._ended(SessionPhase.COMPLETE, self.choices.completion_tokens(),
-                          finish_reason=first.finish_reason or event.finish_reason)
+                          finish_reason=self.choices.first.finish_reason or event.finish_reason)
         end.choices = self.choices.reports()
         await self.telemetry.complete(event.finish_reason)
         # Every hop frees the session before the client can learn it ended: a client that opens its next session
@@ -453,4 +449,4 @@ class HeadSession(NodeSession):
         lp = sampled.logprobs
         return TokenEvent(session_id=self.id, seq=sampled.seq, token=sampled.token, text=sampled.text,
                           finish_reason=sampled.finish_reason, hop_timings=timings, index=sampled.choice,
-                          logprobs=None if lp is None else lp.with_bytes(self._token_bytes))
+                          logprobs=None if lp is None else lp.with_bytes(self.rt.engine.backend.token_bytes))
