@@ -380,7 +380,8 @@ async def test_n3_greedy_choices_equal_n1_but_for_near_ties(swarm: Swarm) -> Non
         top = lone.content[at].top_logprobs
         margin = top[0].logprob - top[1].logprob
         assert margin < BATCH_NOISE, f"choice {choice.index} diverged at token {at} with a margin of {margin:.2f}"
-    print(f"n=3 greedy: {flips} of 3 choices left the n=1 reply at a near-tie")
+    print(f"n=3 greedy: {flips} of 3 choices left the n=1 reply at a near-tie; "
+          f"{len({c.message.content for c in three.choices})} distinct text(s) among the 3")
     await all_freed(swarm)
 
 
