@@ -13,7 +13,9 @@ Layout (all little-endian; docs/protocol.md has the table)::
     32  4  n positions
     36  1  n stamps
     37  1  choice          0..255 (n > 1; zero before issue #19)
-    38  2  reserved (zero)
+    38  1  group           n > 1 decode: how many choices' frames make up this step (each hop computes them in
+                           one forward pass); 0 for a lone frame (zero before issue #19)
+    39  1  reserved (zero)
     40     n_dims x u32 dims, then n_stamps x (u32 hop, u32 compute_us, u32 queue_us), then the payload
 
 Token frames (the tail's sampled token, to the head) share the stamps and the byte order::
@@ -55,7 +57,7 @@ from schemas.frame import (
 )
 from schemas.session import MAX_TOP_LOGPROBS, LogprobCandidate, TokenLogprobs
 
-_FIXED = struct.Struct("<4sBBBB16sIIIBB2x")
+_FIXED = struct.Struct("<4sBBBB16sIIIBBBx")
 _STAMP = struct.Struct("<III")
 _TOKEN = struct.Struct("<4sBBBB16sIII")
 _LOGPROB_HEAD = struct.Struct("<fB")
@@ -125,10 +127,13 @@ def encode(header: FrameHeader, hidden: npt.NDArray[np.floating]) -> bytes:
         raise ValueError(f"a frame needs at least one position and no empty dimension, got {expected}")
     if not 0 <= header.choice <= MAX_FRAME_CHOICE:
         raise ValueError(f"choice {header.choice} outside 0..{MAX_FRAME_CHOICE}")
+    if not 0 <= header.group <= 255:
+        raise ValueError(f"group {header.group} outside 0..255")
     flags = 1 if header.sample else 0
     parts = [
         _FIXED.pack(MAGIC, header.kind, header.dtype, flags, len(header.position_shape), header.session_id,
-                    header.step, header.start_position, header.n_positions, len(header.stamps), header.choice),
+                    header.step, header.start_position, header.n_positions, len(header.stamps), header.choice,
+                    header.group),
         _DIMS[len(header.position_shape)].pack(*header.position_shape),
     ]
     parts.append(_pack_stamps(header.stamps))
@@ -140,7 +145,7 @@ def decode(data: bytes) -> tuple[FrameHeader, npt.NDArray[np.float32]]:
     """Parse a frame; the hidden states come back as float32 ``(n_positions, *position_shape)``."""
     if len(data) < _FIXED.size:
         raise FrameDecodeError(f"frame is {len(data)} bytes, shorter than the {_FIXED.size}-byte fixed header")
-    magic, kind, dtype, flags, n_dims, sid, step, start, n_pos, n_stamps, choice = _FIXED.unpack_from(data, 0)
+    magic, kind, dtype, flags, n_dims, sid, step, start, n_pos, n_stamps, choice, group = _FIXED.unpack_from(data, 0)
     if magic != MAGIC:
         raise FrameDecodeError(f"bad magic {magic!r}, expected {MAGIC!r}")
     frame_kind, wire_dtype = _KINDS.get(kind), _DTYPES.get(dtype)
@@ -162,7 +167,7 @@ def decode(data: bytes) -> tuple[FrameHeader, npt.NDArray[np.float32]]:
     stamps = _unpack_stamps(data, at, n_stamps)
     header = FrameHeader(session_id=sid, kind=frame_kind, dtype=wire_dtype, start_position=start,
                          n_positions=n_pos, position_shape=tuple(shape), step=step, sample=bool(flags & 1),
-                         stamps=stamps, choice=choice)
+                         stamps=stamps, choice=choice, group=group)
     payload = memoryview(data)[hsize:]
     if len(payload) != header.payload_bytes:
         raise FrameDecodeError(

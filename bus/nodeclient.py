@@ -97,9 +97,14 @@ class NodeClient:
         return response
 
     async def tokenize(self, node: str, endpoint: str, prompt: Prompt, *, capability: str = "") -> list[int]:
+        return (await self.tokenize_reply(node, endpoint, prompt, capability=capability)).tokens
+
+    async def tokenize_reply(self, node: str, endpoint: str, prompt: Prompt, *,
+                             capability: str = "") -> TokenizeReply:
+        """The head's whole answer: the tokens and, for a prompt with tools, the tool-call format it rendered."""
         r = await self._request(node, "POST", f"{endpoint}/v1/tokenize", json=prompt.model_dump(mode="json"),
                                 extra={HEADER_CAPABILITY: capability} if capability else None)
-        return TokenizeReply.model_validate(r.json()).tokens
+        return TokenizeReply.model_validate(r.json())
 
     async def open_session(self, node: str, endpoint: str, request: SessionOpen) -> SessionOpened:
         r = await self._request(node, "POST", f"{endpoint}/v1/sessions", json=request.model_dump(mode="json"))

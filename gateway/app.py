@@ -4,6 +4,7 @@
     GET  /v1/models
     POST /v1/chat/completions          stream true|false
     POST /v1/completions               stream true|false
+    POST /v1/responses                 stream true|false (the Responses API: text and function calling)
     GET  /v1/sessions/{id}/telemetry   SSE of Generation Telemetry until the session ends
 """
 
@@ -38,10 +39,12 @@ from gateway.limits import ConcurrencyCounter, ConcurrencyLimitMiddleware, Concu
 from gateway.live_session import SessionManager
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import RequestCounter
+from gateway.response_stream import ResponsesServing
 from gateway.serving import OpenAIServing
 from gateway.tracker_client import TrackerClient
 from schemas.errors import AuthenticationError, NotFoundError
 from schemas.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from schemas.openai_responses import ResponsesRequest
 from schemas.session import FailureReason, SessionPhase
 from schemas.settings import Settings
 from schemas.telemetry import GenerationTelemetry
@@ -79,6 +82,12 @@ def build_app(serving: OpenAIServing, settings: Settings) -> Starlette:
         req = await read_model(request, CompletionRequest, settings.max_body_bytes)
         return await serving.completion(req, request)
 
+    responses_api = ResponsesServing(serving)
+
+    async def responses(request: Request) -> Response:
+        req = await read_model(request, ResponsesRequest, settings.max_body_bytes)
+        return await responses_api.respond(req, request)
+
     async def metrics(request: Request) -> Response:
         return Response(serving.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
@@ -97,6 +106,7 @@ def build_app(serving: OpenAIServing, settings: Settings) -> Starlette:
         HttpRoute("/v1/models", models, methods=["GET"]),
         HttpRoute("/v1/chat/completions", chat, methods=["POST"]),
         HttpRoute("/v1/completions", completions, methods=["POST"]),
+        HttpRoute("/v1/responses", responses, methods=["POST"]),
         HttpRoute("/v1/sessions/{sid}/telemetry", telemetry, methods=["GET"]),
     ], exception_handlers=EXCEPTION_HANDLERS)
 

@@ -17,7 +17,7 @@ from bus.http_edge import error_response
 from schemas.errors import CapacityError
 from schemas.settings import Settings
 
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 RETRY_AFTER_S = 1.0
 
 

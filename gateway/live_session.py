@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from nats.aio.client import Client as NATS
@@ -28,7 +28,9 @@ from bus.connection import keep_cancellation
 from bus.liveness import Silence, first_lost
 from bus.nodeclient import NodeClient
 from bus.subjects import Subjects
+from gateway.constraints import check_choices
 from gateway.tracker_client import TrackerClient
+from schemas.constraint import OutputConstraint
 from schemas.errors import (
     BadRequestError,
     CapacityError,
@@ -51,6 +53,7 @@ from schemas.session import (
 )
 from schemas.settings import Settings
 from schemas.telemetry import GenerationTelemetry, PrefillProgress, RouteHopView
+from schemas.tools import ToolCallFormat
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,10 @@ FINISHED_KEPT = 1000
 T = TypeVar("T")
 
 
+Constrain = Callable[[ToolCallFormat | None], OutputConstraint | None]
+"""Builds the tail's output constraint once the head has said how it rendered the tools (``TokenizeReply``)."""
+
+
 @dataclasses.dataclass
 class GenerationRequest:
     model: str
@@ -76,6 +83,8 @@ class GenerationRequest:
     sampling: SamplingParams
     stop: list[str]
     ignore_eos: bool = False
+    n: int = 1  # choices; checked against the route's max_sessions once routed
+    constrain: Constrain | None = None  # between tokenizing and opening: the constraint from the head's tool format
 
 
 class LiveSession:
@@ -89,7 +98,9 @@ class LiveSession:
         self.max_tokens = 0
         self.telemetry: GenerationTelemetry | None = None
         self.end: SessionEnd | None = None
-        self.tokens_seen = 0
+        self.tokens_seen = 0  # of every choice
+        self.n, self.seen = 1, [0]  # choices, and tokens seen per choice (each choice's seq counts from 0)
+        self.tool_format: ToolCallFormat | None = None  # how the head asked the model to write tool calls
         self._queue: asyncio.Queue[TokenEvent | GenerationTelemetry | SessionEnd] = asyncio.Queue()
         self._subs: list[Subscription] = []
         self._nats_stats: dict[str, int] = {}
@@ -192,10 +203,21 @@ class LiveSession:
             if event.phase is SessionPhase.COMPLETE and sent is not None and sent != self.tokens_seen:
                 # The last tokens have no successor to reveal the gap: the end's count does.
                 return self._lost(f"the head sent {sent} tokens, {self.tokens_seen} arrived")
+            if event.phase is SessionPhase.COMPLETE:
+                for choice in event.choices:  # n > 1: the same, choice by choice
+                    seen = self.seen[choice.index] if choice.index < self.n else 0
+                    if choice.completion_tokens != seen:
+                        return self._lost(f"the head sent {choice.completion_tokens} tokens of choice "
+                                          f"{choice.index}, {seen} arrived")
             self.end = event
             return event
-        if event.seq != self.tokens_seen:
-            return self._lost(f"token {self.tokens_seen} was lost on the bus (received token {event.seq})")
+        index = event.index
+        if index >= self.n:
+            return self._lost(f"token of choice {index} on a session of {self.n} choices")
+        if event.seq != self.seen[index]:
+            which = f" of choice {index}" if self.n > 1 else ""
+            return self._lost(f"token {self.seen[index]}{which} was lost on the bus (received token {event.seq})")
+        self.seen[index] += 1
         self.tokens_seen += 1
         return event
 
@@ -341,8 +363,13 @@ class SessionManager:
             tokens = request.prompt_tokens
         else:
             assert request.prompt is not None
-            tokens = await _passthrough(self.nodes.tokenize(head.node_id, head.endpoint, request.prompt,
-                                                            capability=head.capability))
+            reply = await _passthrough(self.nodes.tokenize_reply(head.node_id, head.endpoint, request.prompt,
+                                                                 capability=head.capability))
+            tokens, session.tool_format = reply.tokens, reply.tool_format
+        check_choices(request.n, route.max_sessions)
+        sampling = request.sampling
+        if request.constrain is not None:
+            sampling = sampling.model_copy(update={"constraint": request.constrain(session.tool_format)})
         if not tokens:
             raise BadRequestError("the prompt is empty after tokenization")
         n_ctx = min(route.context_length, CONTEXT_CAP)
@@ -353,11 +380,12 @@ class SessionManager:
             raise ContextLengthError(f"prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) = "
                                      f"{len(tokens) + max_tokens} exceeds the context of {n_ctx} tokens")
         session.prompt_tokens, session.max_tokens = tokens, max_tokens
+        session.n, session.seen = request.n, [0] * request.n
         shared = capability.strip(route)  # each hop gets only its own grant
         opens = [SessionOpen(session_id=session.id, route=shared, hop_index=i, prompt_tokens=tokens,
-                             max_tokens=max_tokens, sampling=request.sampling, stop=request.stop,
+                             max_tokens=max_tokens, sampling=sampling, stop=request.stop,
                              ignore_eos=request.ignore_eos, prefill_chunk=self.settings.prefill_chunk,
-                             capability=route.hops[i].capability)
+                             capability=route.hops[i].capability, n=request.n)
                  for i in range(len(route.hops))]
         downstream = [self.nodes.open_session(route.hops[i].node_id, route.hops[i].endpoint, opens[i])
                       for i in range(1, len(route.hops))]

@@ -73,6 +73,9 @@ class FrameHeader:
     stamps: tuple[HopStamp, ...] = ()
     choice: int = 0
     """n > 1: the choice these hidden states belong to (0..255; one frame per choice and step)."""
+    group: int = 0
+    """n > 1 decode: how many choices' frames make up this step; a hop computes them together, in one forward pass
+    (0: a lone frame, computed as it comes)."""
 
     @property
     def payload_bytes(self) -> int:

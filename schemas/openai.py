@@ -2,8 +2,7 @@
 
 Requests tolerate unknown fields, as OpenAI's own API does, but a field whose meaning we cannot honour is refused
 with a 400 naming it rather than silently ignored: the parameters in ``UNSUPPORTED_PARAMS`` (checked by
-``unsupported_param``), and the issue #19 fields modelled here that the gateway does not serve yet
-(``PENDING_FEATURES``). Field validation errors carry the field in their location (``bus.http_edge`` turns it into
+``unsupported_param``). Field validation errors carry the field in their location (``bus.http_edge`` turns it into
 the error's ``param``); checks across fields are attached to the later field for the same reason.
 
 The Responses API's models are in ``schemas.openai_responses``.
@@ -18,11 +17,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from schemas.session import MAX_CHOICES, MAX_TOP_LOGPROBS
 from schemas.tools import FunctionSpec
-
-PENDING_FEATURES: frozenset[str] = frozenset({"logprobs", "top_logprobs", "response_format", "tools",
-                                              "tool_choice"})
-"""Request fields modelled here whose serving is not wired into the gateway yet (issue #19, part 2): a request
-using one is refused with a 400 naming it, exactly as before they were modelled. Wiring a feature removes it."""
 
 UNSUPPORTED_PARAMS: dict[str, str] = {
     "audio": "audio output is not supported",
@@ -193,14 +187,6 @@ class _GenerationRequest(_Lenient):
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
-
-    @field_validator("logprobs", "top_logprobs", "response_format", "tools", "tool_choice", check_fields=False)
-    @classmethod
-    def _pending(cls, v: object, info: ValidationInfo) -> object:
-        name = info.field_name or ""
-        if name in PENDING_FEATURES and v not in (None, False) and not isinstance(v, TextFormat):
-            raise ValueError(f"{name!r} is not supported by this server yet")
-        return v
 
 
 class ChatCompletionRequest(_GenerationRequest):

@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 
-import schemas.openai as api
 from gateway.constraints import chat_logprobs, chat_tools, check_choices, check_schema, constraint_for, tool_set
 from schemas.constraint import JsonObjectConstraint, JsonSchemaConstraint, ToolCallConstraint
 from schemas.errors import BadRequestError
@@ -59,8 +58,7 @@ def test_tool_sets_follow_the_choice() -> None:
     assert info.value.param == "tool_choice"
 
 
-def test_chat_requests_give_tools_and_logprobs(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(api, "PENDING_FEATURES", frozenset())
+def test_chat_requests_give_tools_and_logprobs() -> None:
     req = ChatCompletionRequest.model_validate({
         "model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 4,
         "tools": [{"type": "function", "function": WEATHER.model_dump()}],

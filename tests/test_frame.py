@@ -388,3 +388,15 @@ def test_activation_frames_carry_their_choice_in_a_reserved_byte() -> None:
     assert back == chosen
     with pytest.raises(ValueError, match="choice 256"):
         frames.encode(dataclasses.replace(h, choice=256), hidden_for(h))
+
+
+def test_a_round_frame_names_its_group_in_byte_38() -> None:
+    h = header(stamps=(HopStamp(0, 1, 2),))
+    plain = frames.encode(h, hidden_for(h))
+    grouped = dataclasses.replace(h, choice=2, group=3)
+    data = frames.encode(grouped, hidden_for(h))
+    assert data[37] == 2 and data[38] == 3 and data[39] == 0 and data[39:] == plain[39:]
+    back, _ = frames.decode(data)
+    assert back == grouped and back.group == 3
+    with pytest.raises(ValueError, match="group 256"):
+        frames.encode(dataclasses.replace(h, group=256), hidden_for(h))

@@ -13,7 +13,6 @@ from openai.types.chat import ChatCompletion as SDKChatCompletion
 from openai.types.chat import ChatCompletionChunk as SDKChatCompletionChunk
 from pydantic import ValidationError
 
-import schemas.openai as api
 from schemas.errors import validation_error
 from schemas.openai import (
     ChatChoice,
@@ -43,12 +42,6 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
-@pytest.fixture
-def served(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every issue #19 feature served, as once the gateway wires them."""
-    monkeypatch.setattr(api, "PENDING_FEATURES", frozenset())
-
-
 def chat(**fields: Any) -> ChatCompletionRequest:
     return ChatCompletionRequest.model_validate({"model": "m", "messages": MESSAGES, **fields})
 
@@ -63,7 +56,6 @@ def bad(fields: dict[str, Any], model: type = ChatCompletionRequest) -> tuple[st
     return error.param, error.message
 
 
-@pytest.mark.usefixtures("served")
 def test_issue_19_fields_parse() -> None:
     req = chat(logprobs=True, top_logprobs=20, n=3, tools=[TOOL], tool_choice={"type": "function", "function": {
         "name": "get_weather"}}, parallel_tool_calls=False, response_format={
@@ -75,7 +67,6 @@ def test_issue_19_fields_parse() -> None:
     assert CompletionRequest.model_validate({"model": "m", "prompt": "x", "logprobs": 5}).logprobs == 5
 
 
-@pytest.mark.usefixtures("served")
 @pytest.mark.parametrize(("fields", "param", "message"), [
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
     ({"top_logprobs": 3}, "top_logprobs", "needs logprobs: true"),
@@ -99,16 +90,13 @@ def test_completions_logprobs_over_the_limit_name_the_field() -> None:
     assert bad({"logprobs": 21}, CompletionRequest)[0] == "logprobs"
 
 
-@pytest.mark.parametrize(("fields", "param"), [
-    ({"logprobs": True}, "logprobs"), ({"tools": [TOOL]}, "tools"), ({"response_format": {"type": "json_object"}},
-                                                                     "response_format"),
-])
-def test_features_not_wired_yet_stay_refused(fields: dict[str, Any], param: str) -> None:
-    # Until gateway/serving.py serves them (api.PENDING_FEATURES), modelling a field must not mean ignoring it.
-    assert api.PENDING_FEATURES
-    got_param, message = bad(fields)
-    assert got_param == param and "not supported by this server yet" in message
-    chat(response_format={"type": "text"}, logprobs=False)  # neutral values pass
+def test_issue_19_fields_are_served_and_neutral_values_pass() -> None:
+    # Served since part 2 (gateway/serving.py): a request using them validates, and so do their neutral values.
+    req = chat(logprobs=True, top_logprobs=3, tools=[TOOL], tool_choice="required",
+               response_format={"type": "json_object"})
+    assert req.top_logprobs == 3 and req.tools is not None and req.tool_choice == "required"
+    assert unsupported_param(req) is None
+    chat(response_format={"type": "text"}, logprobs=False)
 
 
 @pytest.mark.parametrize(("fields", "name"), [

@@ -1,4 +1,5 @@
-"""gateway.serving's token-chunk template: the spliced bytes must equal a full render for any text."""
+"""gateway.serving's token-chunk template: the spliced bytes must equal a full render for any text, and a full
+render is the chunk model's own dump (the shape the official client parses)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 import pytest
 
 from gateway import sse
+from gateway.replies import Kind, Replies
 from gateway.serving import _ChunkTemplate
 from schemas.openai import ChatChunkChoice, ChatCompletionChunk, ChatDelta, Completion, CompletionChoice
 
@@ -15,21 +17,22 @@ TEXTS = ["Paris", " the", "", '"quoted"', "back\\slash", "tab\tnew\nline", "é",
          "\u2028", "</script>", "\x00swarmroute-token-text\x00"]
 
 
-def chat_chunk(text: str | None, finish: str | None, first: bool) -> dict[str, Any]:
-    delta = ChatDelta(role="assistant", content="") if first else ChatDelta(content=text)
-    return ChatCompletionChunk(id="chatcmpl-x", model="m", choices=[
-        ChatChunkChoice(delta=delta, finish_reason=finish)]).model_dump(mode="json", exclude_none=True)
+def model_chunk(kind: Kind, created: int, text: str) -> dict[str, Any]:
+    if kind == "chat":
+        return ChatCompletionChunk(id="x", model="m", created=created, choices=[
+            ChatChunkChoice(delta=ChatDelta(content=text))]).model_dump(mode="json", exclude_none=True)
+    return Completion(id="x", model="m", created=created, object="text_completion", choices=[
+        CompletionChoice(text=text)]).model_dump(mode="json", exclude_none=True)
 
 
-def completion_chunk(text: str | None, finish: str | None, first: bool) -> dict[str, Any]:
-    return Completion(id="cmpl-x", model="m", object="text_completion", choices=[
-        CompletionChoice(text=text or "", finish_reason=finish)]).model_dump(mode="json", exclude_none=True)
-
-
-@pytest.mark.parametrize("make_chunk", [chat_chunk, completion_chunk])
+@pytest.mark.parametrize("kind", ["chat", "completion"])
 @pytest.mark.parametrize("text", TEXTS)
-def test_template_render_equals_a_full_render(make_chunk: Any, text: str) -> None:
-    template = _ChunkTemplate(make_chunk)
-    assert template.render(text) == sse.data(make_chunk(text, None, False))
+def test_template_render_equals_a_full_render(kind: Kind, text: str) -> None:
+    replies = Replies(kind, n=1, logprobs=False, tool_format=None, cid="x", model="m")
+    assert replies.plain
+    template = _ChunkTemplate(replies)
+    full = replies.chunk([replies.plain_choice(text, None)])
+    assert full == model_chunk(kind, replies.created, text)
+    assert template.render(text) == sse.data(full)
     body = json.loads(template.render(text).removeprefix(b"data: "))
     assert body["choices"][0].get("text", body["choices"][0].get("delta", {}).get("content")) == text

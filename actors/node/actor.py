@@ -32,7 +32,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route as HttpRoute
 
-from actors.backend import Backend
+from actors.backend import Backend, ForkingBackend
 from actors.node.admission import Admission
 from actors.node.engine import StepEngine
 from actors.node.head_session import HeadSession
@@ -196,7 +196,8 @@ class Node(NatsActor):
 
     def advertisement(self) -> NodeAdvertisement:
         info = self.backend.info
-        capacity = Capacity(max_sessions=self.backend.max_sessions, active_sessions=len(self.sessions),
+        capacity = Capacity(max_sessions=self.backend.max_sessions,
+                            active_sessions=min(self.sequences_in_use(), self.backend.max_sessions),
                             max_context=min(info.context_length, CONTEXT_CAP),
                             kv_bytes_in_use=self.backend.kv_bytes_in_use(), sessions_opened=self._opened_total)
         return NodeAdvertisement(node_id=self.config.node_id, endpoint=self.endpoint, model_id=self.config.model_id,
@@ -294,8 +295,9 @@ class Node(NatsActor):
     async def _session_closed(self, session: NodeSession) -> None:
         if self.sessions.get(session.id) is session:
             del self.sessions[session.id]
-        with contextlib.suppress(Exception):
-            await self.engine.call(self.backend.close_session, session.id)
+        for backend_id in session.choices.backend_ids():  # n > 1: every choice's forked backend session too
+            with contextlib.suppress(Exception):
+                await self.engine.call(self.backend.close_session, backend_id)
         self._beat_soon.set()
 
     async def open_session(self, request: SessionOpen) -> SessionOpened:
@@ -315,8 +317,16 @@ class Node(NatsActor):
         n_vocab = self.backend.info.n_vocab
         if request.hop_index == 0 and n_vocab and any(not 0 <= t < n_vocab for t in request.prompt_tokens):
             raise BadRequestError(f"prompt token ids must lie in [0, {n_vocab}) for this model", param="prompt")
-        if len(self.sessions) >= self.backend.max_sessions:
-            raise CapacityError(f"node {self.config.node_id} is full ({self.backend.max_sessions} sessions)",
+        if request.n > self.backend.max_sessions:
+            raise BadRequestError(f"n={request.n} choices need as many sequences; node {self.config.node_id} holds "
+                                  f"{self.backend.max_sessions}", param="n")
+        if request.n > 1 and not isinstance(self.backend, ForkingBackend):
+            raise BadRequestError(f"node {self.config.node_id}'s backend cannot fork a session into choices",
+                                  param="n")
+        if self.sequences_in_use() + request.n > self.backend.max_sessions:
+            # Every choice forks into a sequence of its own after prefill: all of them are reserved now.
+            raise CapacityError(f"node {self.config.node_id} is full ({self.backend.max_sessions} sequences, "
+                                f"{self.sequences_in_use()} in use; this session needs {request.n})",
                                 retry_after=1.0)
         await self.engine.call(lambda: self.backend.open_session(
             request.session_id, prompt_tokens=request.prompt_tokens, sampling=request.sampling))
@@ -331,6 +341,10 @@ class Node(NatsActor):
         session.start()
         return SessionOpened(session_id=request.session_id, node_id=self.config.node_id,
                              prompt_tokens=len(request.prompt_tokens))
+
+    def sequences_in_use(self) -> int:
+        """Backend sequences the open sessions hold or have reserved: one per choice."""
+        return sum(s.request.n for s in self.sessions.values())
 
     def _get(self, session_id: str) -> NodeSession:
         session = self.sessions.get(session_id)
@@ -381,7 +395,14 @@ class Node(NatsActor):
         if not self.backend.is_head:
             raise BadRequestError(f"node {self.config.node_id} is not a head: it has no tokenizer input")
         tokens = await self.engine.call(self.backend.tokenize, prompt)
-        return JSONResponse(TokenizeReply(tokens=tokens).model_dump(mode="json"))
+        # With tools the head tells the gateway how it asked the model to write calls (the tail constrains, the
+        # gateway parses that format); a backend that renders no tools refused them in ``tokenize`` already.
+        tool_format = getattr(self.backend, "tool_format", None)
+        if prompt.tools is not None and tool_format is None:
+            raise BadRequestError(f"node {self.config.node_id}'s backend does not render tools", param="tools")
+        reply = TokenizeReply(tokens=tokens,
+                              tool_format=tool_format() if prompt.tools is not None and tool_format else None)
+        return JSONResponse(reply.model_dump(mode="json"))
 
     async def _open(self, request: Request) -> Response:
         open_request = await self._json(request, SessionOpen)

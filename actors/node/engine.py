@@ -184,6 +184,23 @@ class StepEngine:
             pending.taken.wait(HANDOFF_WAIT_S)
         return future
 
+    def enqueue_group(self, items: list[StepInput]) -> list[asyncio.Future[Result]]:
+        """Steps of different sessions that must ride one forward pass (the choices of an n > 1 session, one round
+        of decode): queued at once, so the worker takes them together, in this order, and never inline. A batch's
+        shape moves llama.cpp's results a little: choices that always step together compute the same thing every
+        time, which a seeded request's reproducibility depends on."""
+        loop = self._running_loop()
+        now, mono = time.perf_counter(), time.monotonic()
+        pendings = [_Pending(item, now, future=loop.create_future()) for item in items]
+        for item in items:
+            self._last_step[item.session_id] = mono
+        with self._cond:
+            if self._stopping:
+                raise NodeStoppingError("node is stopping")
+            self._steps.extend(pendings)
+            self._cond.notify()
+        return [p.future for p in pendings if p.future is not None]
+
     def _claim_inline(self, item: StepInput) -> bool:
         now = time.monotonic()
         last = self._last_step

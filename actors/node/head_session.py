@@ -20,6 +20,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from actors.backend import StepInput, StepOutput
+from actors.node.choices import Choice
 from actors.node.engine import StepChain, StepTiming
 from actors.node.runtime import NodeRuntime
 from actors.node.session import NodeSession, SessionFailed, StepFuture
@@ -55,11 +56,6 @@ class HeadSession(NodeSession):
         self._watcher: asyncio.Task[None] | None = None
         """Asks every ``client_probe_s`` whether the session's client still listens (``_watch_client``)."""
         self._chain: StepChain | None = None
-        self._arrivals: dict[int, float] = {}
-        """When each token (by seq) reached ``on_token``, for the step wall time in telemetry."""
-        self._prefetched: tuple[int, StepFuture, bool] | None = None
-        """Multi-node routes: the step ``on_token`` queued for token ``seq`` (its future, and whether its frame has
-        already been forwarded), for the driver to pick up."""
         self.telemetry = TelemetryPublisher(
             self.route, lambda snap: self.rt.publish(self.rt.subjects.telemetry(self.id), snap),
             interval_s=self.rt.settings.telemetry_interval_s)
@@ -78,8 +74,9 @@ class HeadSession(NodeSession):
     def _stopping(self) -> None:
         if self._chain is not None:
             self._chain.stop()
-        if self._prefetched is not None:
-            self._prefetched[1].cancel()
+        for choice in self.choices.all:
+            if choice.prefetched is not None:
+                choice.prefetched[1].cancel()
 
     async def _report(self, reason: FailureReason) -> None:
         self._events.put_nowait(reason)
@@ -94,17 +91,21 @@ class HeadSession(NodeSession):
         arrived = time.perf_counter()
         self._spinner.arrived(arrived)
         self.touch()
-        self._arrivals[event.seq] = arrived
-        if event.finish_reason is None and not self.closed and self._prefetched is None:
+        choice = self.choices.get(event.choice if isinstance(event, SampledToken) else event.index)
+        if self.request.n > 1:  # decoded in rounds (``_decode_rounds``): nothing starts for one choice alone
+            self._events.put_nowait(event)
+            return
+        choice.arrivals[event.seq] = arrived
+        if event.finish_reason is None and not self.closed and choice.prefetched is None:
             self.phase = SessionPhase.DECODE  # the first token ends the prefill, on every count
-            item = self._decode_step(event.token)
+            item = self._decode_step(choice, event.token)
             step = self.rt.engine.enqueue(item, handoff=True)
             forwarded = step.done() and not step.cancelled() and step.exception() is None
             if forwarded:
                 # It ran inline: the frame leaves now, before the driver task even wakes (failures go its way).
-                self._advance(item.n_positions, step.result()[1])
-                self._forward(step.result(), event)
-            self._prefetched = (event.seq, step, forwarded)
+                self._advance(choice, item.n_positions, step.result()[1])
+                self._forward(choice, step.result(), event)
+            choice.prefetched = (event.seq, step, forwarded)
         self._events.put_nowait(event)
 
     # ---- the driver -------------------------------------------------------------------------------------------
@@ -132,65 +133,80 @@ class HeadSession(NodeSession):
         for start in range(0, len(tokens), chunk):
             part = tokens[start:start + chunk]
             last = start + len(part) >= len(tokens)
-            out, timing = await self._compute(StepInput(self.id, start, tokens=part, sample=last and self.is_tail))
+            first = self.choices.first
+            # n > 1: the last chunk forks the prompt's KV into every choice (on the tail: their first tokens too).
+            item = StepInput(self.id, start, tokens=part, sample=last and self.is_tail,
+                             forks=self.choices.fork_ids() if last else ())
+            out, timing = await self._compute(first, item)
+            forks = self._fork(first.position) if item.forks else []
             self.touch()
             if self.is_tail:
                 if last:
-                    assert out.token is not None
-                    self._events.put_nowait(self._sampled(out.token, (self._stamp(timing),)))
+                    stamps = (self._stamp(timing),)
+                    self._events.put_nowait(self._sampled(first, out, stamps))
+                    for fork, fork_out in zip(forks, out.forks, strict=True):
+                        self._events.put_nowait(self._sampled(fork, fork_out, stamps))
             else:
                 assert out.hidden is not None
                 self._queue_frame(FrameKind.PREFILL, start, out.hidden, last, 0, (self._stamp(timing),))
             await self.telemetry.prefill_progress(start + len(part), len(tokens))
 
     async def _decode(self) -> None:
+        if self.request.n > 1:
+            await self._decode_rounds()
+            return
         if self.is_tail:
             await self._decode_local()
             return
-        step_started: float | None = None
+        choice = self.choices.first
         while True:
             event = await self._next_event()
             # Timed from the token's arrival: on_token may already have run the next step inline since.
-            now = self._arrivals.pop(event.seq, None) or time.perf_counter()
-            wall_ms = (now - step_started) * 1e3 if step_started is not None else None
+            now = choice.arrivals.pop(event.seq, None) or time.perf_counter()
+            wall_ms = (now - choice.step_started) * 1e3 if choice.step_started is not None else None
             self.phase = SessionPhase.DECODE
             if event.finish_reason is not None:
                 await self._announce(event, wall_ms)
+                choice.end(event.finish_reason, event.seq + 1)
                 await self._complete(event)
                 return
-            queued, forwarded = self._take_prefetched(event)
-            step_started = now  # the next step started (or was queued) as this token arrived
+            queued, forwarded = self._take_prefetched(choice, event)
+            choice.step_started = now  # the next step started (or was queued) as this token arrived
             if forwarded:
                 await self._announce(event, wall_ms)
                 continue
             if queued is not None and queued.done():
                 # It ran inline but was not forwarded (it failed, or was cancelled): _compute raises that first.
-                self._forward(await self._compute(self._decode_step(event.token), queued), event)
+                self._forward(choice, await self._compute(choice, self._decode_step(choice, event.token), queued),
+                              event)
                 await self._announce(event, wall_ms)
                 continue
             # Start the next forward pass first (on_token has usually queued it already): publishing the token and
             # telemetry then overlaps it instead of delaying it.
-            step = asyncio.ensure_future(self._compute(self._decode_step(event.token), queued))
+            step = asyncio.ensure_future(self._compute(choice, self._decode_step(choice, event.token), queued))
             try:
                 await self._announce(event, wall_ms)
             except BaseException:
                 step.cancel()
                 raise
-            self._forward(await step, event)
+            self._forward(choice, await step, event)
 
-    def _forward(self, result: tuple[StepOutput, StepTiming], event: TokenEvent | SampledToken) -> None:
+    def _forward(self, choice: Choice, result: tuple[StepOutput, StepTiming], event: TokenEvent | SampledToken,
+                 group: int = 0) -> None:
         out, timing = result
         assert out.hidden is not None
-        self._queue_frame(FrameKind.DECODE, self.position - 1, out.hidden, True, event.seq + 1,
-                          (self._stamp(timing),))
+        self._queue_frame(FrameKind.DECODE, choice.position - 1, out.hidden, True, event.seq + 1,
+                          (self._stamp(timing),), choice.index, group)
         self._spinner.idle()
 
-    def _decode_step(self, token: int) -> StepInput:
-        return StepInput(self.id, self.position, tokens=[token], sample=self.is_tail)
+    @staticmethod
+    def _decode_step(choice: Choice, token: int, *, sample: bool = False) -> StepInput:
+        return StepInput(choice.backend_id, choice.position, tokens=[token], sample=sample)
 
-    def _take_prefetched(self, event: TokenEvent) -> tuple[StepFuture | None, bool]:
+    @staticmethod
+    def _take_prefetched(choice: Choice, event: TokenEvent) -> tuple[StepFuture | None, bool]:
         """The step ``on_token`` queued for this token and whether it is forwarded; (None, False) if none."""
-        prefetched, self._prefetched = self._prefetched, None
+        prefetched, choice.prefetched = choice.prefetched, None
         if prefetched is None:
             return None, False
         seq, future, forwarded = prefetched
@@ -203,23 +219,65 @@ class HeadSession(NodeSession):
         """Head and tail on this node: the engine chains the steps itself (each sampled token is the next input),
         so the loop only turns outputs into token events; it stops the chain when generation ends."""
         event = await self._next_event()
+        first = self.choices.first
         last = time.perf_counter()
         wall_ms: float | None = None
         while True:
             self.phase = SessionPhase.DECODE
             if event.finish_reason is None and self._chain is None:
-                self._chain = self.rt.engine.chain(self._decode_step(event.token), self._follow_local)
+                self._chain = self.rt.engine.chain(self._decode_step(first, event.token, sample=True),
+                                                   self._follow_local)
             await self._announce(event, wall_ms)
             if event.finish_reason is not None:
                 if self._chain is not None:
                     self._chain.stop()  # a stop string ended it: the step already queued is dropped
+                first.end(event.finish_reason, event.seq + 1)
                 await self._complete(event)
                 return
             out, timing = await self._next_local(event.token)
             now = time.perf_counter()
             wall_ms, last = (now - last) * 1e3, now
-            assert out.token is not None
-            event = self._event_of(self._sampled(out.token, (self._stamp(timing),)))
+            event = self._event_of(self._sampled(first, out, (self._stamp(timing),)))
+
+    async def _decode_rounds(self) -> None:
+        """n > 1, in rounds: once every live choice's token is in, their steps are queued together and their frames
+        name the round's size, so on every hop one forward pass carries the same choices in the same order (a
+        seeded request comes out the same every time although a batch's shape moves llama.cpp's results)."""
+        pending: dict[int, TokenEvent] = {}
+        last = time.perf_counter()
+        wall_ms: float | None = None
+        while True:
+            live = [c for c in self.choices.all if not c.ended]
+            while len(pending) < len(live):
+                event = await self._next_event()
+                pending[event.index] = event
+            self.phase = SessionPhase.DECODE
+            going: list[tuple[Choice, TokenEvent]] = []
+            for choice in live:
+                event = pending.pop(choice.index)
+                await self._announce(event, wall_ms)
+                if event.finish_reason is not None:
+                    choice.end(event.finish_reason, event.seq + 1)
+                else:
+                    going.append((choice, event))
+            if not going:
+                await self._complete(event)
+                return
+            items = [self._decode_step(choice, event.token, sample=self.is_tail) for choice, event in going]
+            steps = self.rt.engine.enqueue_group(items)
+            timeout = self._token_timeout()
+            try:
+                async with asyncio.timeout(timeout):
+                    results = [await self._compute(c, i, f) for (c, _), i, f in zip(going, items, steps, strict=True)]
+            except TimeoutError:
+                raise self._failed_here("timeout", f"no step on node {self.rt.node_id} for {timeout:g}s") from None
+            now = time.perf_counter()
+            wall_ms, last = (now - last) * 1e3, now
+            for (choice, event), (out, timing) in zip(going, results, strict=True):
+                if self.is_tail:  # head and tail on this node: the next round's tokens are here already
+                    pending[choice.index] = self._event_of(self._sampled(choice, out, (self._stamp(timing),)))
+                else:
+                    self._forward(choice, (out, timing), event, len(going))
 
     def _follow_local(self, item: StepInput, out: StepOutput) -> StepInput | None:
         """On the engine's thread: the next chained step, unless this output ends the generation for certain
@@ -236,7 +294,8 @@ class HeadSession(NodeSession):
     async def _next_local(self, token: int) -> tuple[StepOutput, StepTiming]:
         while True:
             if self._chain is None:
-                self._chain = self.rt.engine.chain(self._decode_step(token), self._follow_local)
+                self._chain = self.rt.engine.chain(self._decode_step(self.choices.first, token, sample=True),
+                                                   self._follow_local)
             timeout = self._token_timeout()
             try:
                 async with asyncio.timeout(timeout):  # no task per token, unlike wait_for
@@ -249,7 +308,7 @@ class HeadSession(NodeSession):
                 raise self._backend_failed(exc) from exc
             if result is not None:
                 out, timing = result
-                self._advance(1, timing)
+                self._advance(self.choices.first, 1, timing)
                 return out, timing
             # The chain ended although the generation goes on (its rules differ from ``Generation``'s): restart it.
             self._chain = None
@@ -311,7 +370,9 @@ class HeadSession(NodeSession):
 
     async def _complete(self, event: TokenEvent) -> None:
         assert event.finish_reason is not None
-        end = self._ended(SessionPhase.COMPLETE, event.seq + 1, finish_reason=event.finish_reason)
+        end = self._ended(SessionPhase.COMPLETE, self.choices.completion_tokens(),
+                          finish_reason=self.choices.first.finish_reason or event.finish_reason)
+        end.choices = self.choices.reports()
         await self.telemetry.complete(event.finish_reason)
         # Every hop frees the session before the client can learn it ended: a client that opens its next session
         # at once must find the slots free, or a swarm within its capacity refuses it (tests/test_load.py).
@@ -385,5 +446,7 @@ class HeadSession(NodeSession):
         hops = self.route.hops
         timings = [HopTiming(node_id=hops[s.hop_index].node_id, compute_ms=s.compute_us / 1000,
                              queue_ms=s.queue_us / 1000) for s in sampled.stamps if s.hop_index < len(hops)]
+        lp = sampled.logprobs
         return TokenEvent(session_id=self.id, seq=sampled.seq, token=sampled.token, text=sampled.text,
-                          finish_reason=sampled.finish_reason, hop_timings=timings)
+                          finish_reason=sampled.finish_reason, hop_timings=timings, index=sampled.choice,
+                          logprobs=None if lp is None else lp.with_bytes(self.rt.engine.backend.token_bytes))

@@ -1,10 +1,11 @@
 """A Route Session on every hop but the head: receive a frame, compute it, forward the hidden state (or, on the tail,
 sample and post the token to the head).
 
-Frames of one session are computed in arrival order: a frame that comes while the previous one is still computing
-waits for it. When the step of a frame runs inline (a lone session's decode position on an idle engine), computing
-and writing its forward both happen before ``on_frame`` returns. A failure downstream, or of this node's backend, is
-reported to the head (the session's owner), or on NATS if the head cannot be reached.
+Frames of one choice (n > 1: each choice decodes as a backend session of its own, ``actors.node.choices``) are
+computed in arrival order: a frame that comes while the previous one is still computing waits for it. When the step
+of a frame runs inline (a lone session's decode position on an idle engine), computing and writing its forward both
+happen before ``on_frame`` returns. A failure downstream, or of this node's backend, is reported to the head (the
+session's owner), or on NATS if the head cannot be reached.
 """
 
 from __future__ import annotations
@@ -12,42 +13,99 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable
 
-from actors.backend import Hidden, StepInput
+from actors.backend import Hidden, StepInput, StepOutput
+from actors.node.choices import Choice
 from actors.node.session import NodeSession, SessionFailed, StepFuture, settled
 from bus import frame as frames
-from schemas.errors import BackendError, FrameError, HopError
+from schemas.errors import BackendError, FrameError, HopError, SessionNotFoundError, SwarmrouteError
 from schemas.frame import FrameHeader, FrameKind, HopStamp
 from schemas.session import FailureReason, SessionEnd, SessionPhase
 
 
 class HopSession(NodeSession):
-    _frame_step: StepFuture | None = None
-    """A frame's step queued for the backend's worker: later frames wait for it (``on_frame``)."""
+    _rounds: dict[int, list[tuple[Choice, FrameHeader, Hidden, int, asyncio.Future[int]]]] | None = None
+    """n > 1: decode frames of a round (by step) waiting for the rest of their group."""
 
     def on_frame(self, header: FrameHeader, hidden: Hidden, nbytes: int) -> int | Awaitable[int]:
-        """Validate, compute and queue the forward of one frame; returns the new KV position, or an awaitable of it
-        when the step had to queue for the backend's worker."""
+        """Validate, compute and queue the forward of one frame; returns the new KV position of its choice, or an
+        awaitable of it when the step had to queue for the backend's worker. Frames of one choice run in arrival
+        order; different choices' frames queue side by side, so the engine batches them."""
         if header.position_shape != self.hidden_shape:
             raise FrameError(f"frame position shape {list(header.position_shape)} does not match this model's "
                              f"{list(self.hidden_shape)}")
+        choice = self.choices.get(header.choice)
         if header.kind is FrameKind.DECODE:
             self._spinner.arrived()
-        if self._frame_step is not None:
-            return self._on_frame_later(header, hidden, nbytes)
-        return self._run_frame(header, hidden, nbytes)
+            if header.group > 1:
+                return self._join_round(choice, header, hidden, nbytes)
+        if choice.frame_step is not None:
+            return self._on_frame_later(choice, header, hidden, nbytes)
+        return self._run_frame(choice, header, hidden, nbytes)
 
-    async def _on_frame_later(self, header: FrameHeader, hidden: Hidden, nbytes: int) -> int:
-        while self._frame_step is not None:
-            await asyncio.wait([self._frame_step])
-        ran = self._run_frame(header, hidden, nbytes)
+    async def _on_frame_later(self, choice: Choice, header: FrameHeader, hidden: Hidden, nbytes: int) -> int:
+        while choice.frame_step is not None:
+            await asyncio.wait([choice.frame_step])
+        ran = self._run_frame(choice, header, hidden, nbytes)
         return ran if isinstance(ran, int) else await ran
 
-    def _run_frame(self, header: FrameHeader, hidden: Hidden, nbytes: int) -> int | Awaitable[int]:
-        if header.start_position != self.position:
-            raise FrameError(f"frame starts at position {header.start_position}; session {self.id} is at "
-                             f"{self.position}", code="position_mismatch")
+    def _join_round(self, choice: Choice, header: FrameHeader, hidden: Hidden, nbytes: int) -> Awaitable[int]:
+        """n > 1: hold a decode frame until its whole round (``header.group`` frames of this step) is in, then
+        queue the round's steps together: one forward pass carries them all, in choice order, every time."""
+        rounds = self._rounds if self._rounds is not None else {}
+        self._rounds = rounds
+        waiting = rounds.setdefault(header.step, [])
+        answer: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        waiting.append((choice, header, hidden, nbytes, answer))
+        if len(waiting) >= header.group:
+            del rounds[header.step]
+            self._run_round(sorted(waiting, key=lambda w: w[0].index))
+        return answer
+
+    def _run_round(self, frames: list[tuple[Choice, FrameHeader, Hidden, int, asyncio.Future[int]]]) -> None:
+        accepted, items = [], []
+        for choice, header, hidden, nbytes, answer in frames:
+            try:
+                items.append(self._frame_step_input(choice, header, hidden, nbytes))
+            except SwarmrouteError as exc:
+                answer.set_exception(exc)
+                continue
+            accepted.append((choice, header, answer))
+        steps = self.rt.engine.enqueue_group(items) if items else []
+        for (choice, header, answer), item, step in zip(accepted, items, steps, strict=True):
+            asyncio.ensure_future(self._round_member(choice, header, item, step, answer))
+
+    async def _round_member(self, choice: Choice, header: FrameHeader, item: StepInput, step: StepFuture,
+                            answer: asyncio.Future[int]) -> None:
+        await settled(step)
+        try:
+            answer.set_result(self._frame_computed(choice, header, item, step))
+        except SwarmrouteError as exc:
+            answer.set_exception(exc)
+        except BaseException:  # its step was cancelled: the session closed under it
+            answer.set_exception(SessionNotFoundError(f"session {self.id} closed on node {self.rt.node_id}"))
+            raise
+
+    def _stopping(self) -> None:
+        for waiting in (self._rounds or {}).values():  # a round that never filled: its frames are answered
+            for *_, answer in waiting:
+                if not answer.done():
+                    answer.set_exception(SessionNotFoundError(f"session {self.id} closed on node {self.rt.node_id}"))
+
+    def _run_frame(self, choice: Choice, header: FrameHeader, hidden: Hidden, nbytes: int) -> int | Awaitable[int]:
+        item = self._frame_step_input(choice, header, hidden, nbytes)
+        step = self.rt.engine.enqueue(item, handoff=True)
+        if step.done():
+            return self._frame_computed(choice, header, item, step)
+        choice.frame_step = step
+        return self._frame_awaited(choice, header, item, step)
+
+    def _frame_step_input(self, choice: Choice, header: FrameHeader, hidden: Hidden, nbytes: int) -> StepInput:
+        """Check a frame against its choice and count it; the step that computes it."""
+        if header.start_position != choice.position:
+            raise FrameError(f"frame starts at position {header.start_position}; session {self.id} (choice "
+                             f"{choice.index}) is at {choice.position}", code="position_mismatch")
         context = self.rt.engine.backend.info.context_length
-        if self.position + header.n_positions > context:
+        if choice.position + header.n_positions > context:
             raise FrameError(f"frame would grow the session past the context of {context} tokens")
         self.touch()
         self.frames_received += 1
@@ -56,41 +114,42 @@ class HopSession(NodeSession):
         self.positions_received += header.n_positions
         if header.kind is FrameKind.DECODE:
             self.phase = SessionPhase.DECODE
-        item = StepInput(self.id, header.start_position, hidden=hidden, sample=header.sample and self.is_tail)
-        step = self.rt.engine.enqueue(item, handoff=True)
-        if step.done():
-            return self._frame_computed(header, item, step)
-        self._frame_step = step
-        return self._frame_awaited(header, item, step)
+        # n > 1: the last prefill chunk (the one the tail samples after) forks the prompt's KV into every choice.
+        forks = self.choices.fork_ids() if header.kind is FrameKind.PREFILL and header.sample else ()
+        return StepInput(choice.backend_id, header.start_position, hidden=hidden,
+                         sample=header.sample and self.is_tail, forks=forks)
 
-    async def _frame_awaited(self, header: FrameHeader, item: StepInput, step: StepFuture) -> int:
+    async def _frame_awaited(self, choice: Choice, header: FrameHeader, item: StepInput, step: StepFuture) -> int:
         try:
             await settled(step)
         finally:
-            self._frame_step = None
-        return self._frame_computed(header, item, step)
+            choice.frame_step = None
+        return self._frame_computed(choice, header, item, step)
 
-    def _frame_computed(self, header: FrameHeader, item: StepInput, step: StepFuture) -> int:
+    def _frame_computed(self, choice: Choice, header: FrameHeader, item: StepInput, step: StepFuture) -> int:
         """The frame's step has run: advance, then send its forward (or the token) on."""
         try:
-            out, timing = self._step_result(item, step)
+            out, timing = self._step_result(choice, item, step)
         except SessionFailed as failed:
             asyncio.create_task(self._report(failed.reason))
             raise BackendError(failed.reason.message) from None
+        forks = self._fork(choice.position) if item.forks else []
         stamps = (*header.stamps, self._stamp(timing))
         if self.is_tail:
             if header.sample:
-                assert out.token is not None
-                self._send_token(out.token, stamps)
+                self._send_token(choice, out, stamps)
+                for fork, first in zip(forks, out.forks, strict=True):
+                    self._send_token(fork, first, stamps)
         else:
             assert out.hidden is not None
-            self._queue_frame(header.kind, header.start_position, out.hidden, header.sample, header.step, stamps)
+            self._queue_frame(header.kind, header.start_position, out.hidden, header.sample, header.step, stamps,
+                              choice.index, header.group)
         if header.kind is FrameKind.DECODE and self.phase is SessionPhase.DECODE:
             self._spinner.idle()
-        return self.position
+        return choice.position
 
-    def _send_token(self, token: int, stamps: tuple[HopStamp, ...]) -> None:
-        sampled = self._sampled(token, stamps)
+    def _send_token(self, choice: Choice, out: StepOutput, stamps: tuple[HopStamp, ...]) -> None:
+        sampled = self._sampled(choice, out, stamps)
         head = self.route.head
         timeout = self.rt.settings.hop_timeout_s
         data = frames.encode_token(sampled)
@@ -98,7 +157,7 @@ class HopSession(NodeSession):
         self.outbox.send(lambda: self.rt.client.send_token(head.node_id, head.endpoint, self.id, data,
                                                            timeout=timeout, session_token=self.session_token),
                          causal=True)
-        if sampled.finish_reason is not None:
+        if sampled.finish_reason is not None and (self.request.n == 1 or self.choices.tail_done()):
             self.phase = SessionPhase.COMPLETE
 
     async def _report(self, reason: FailureReason) -> None:

@@ -17,9 +17,10 @@ from collections.abc import Awaitable, Callable
 from typing import Literal
 
 from actors.backend import Hidden, StepInput, StepOutput
+from actors.node.choices import Choice, Choices
 from actors.node.engine import StepTiming
 from actors.node.generation import Generation
-from actors.node.outbox import Outbox
+from actors.node.outbox import Outbound, Outbox
 from actors.node.runtime import NodeRuntime
 from actors.node.spin import ArrivalSpinner
 from bus import frame as frames
@@ -51,7 +52,6 @@ class NodeSession:
         self.is_head = self.hop_index == 0
         self.is_tail = self.hop_index == len(self.route.hops) - 1
         self.hidden_shape = hidden_shape
-        self.position = 0
         self.phase = SessionPhase.PREFILL
         self.closed = False
         self.last_activity = time.monotonic()
@@ -64,15 +64,35 @@ class NodeSession:
         self._next: Hop | None = None if self.is_tail else self.route.hops[self.hop_index + 1]
         self.outbox = self._make_outbox()
         """Frames to the next hop, or (on a tail that is not the head) tokens to the head; never both."""
-        self.generation: Generation | None = None
-        if self.is_tail:
-            backend = rt.engine.backend
-            self.generation = Generation(max_tokens=request.max_tokens, stops=request.stop,
-                                         ignore_eos=request.ignore_eos, token_bytes=backend.token_bytes,
-                                         is_eog=backend.is_end_of_generation,
-                                         context_length=backend.info.context_length)
+        self.choices = Choices(self.id, request.n, self._new_generation())
+        """Choice 0 is the session itself; n > 1 adds the forks after the last prefill chunk."""
+        self._round_sends: set[asyncio.Task[None]] = set()
+        """n > 1: a round's frames, each sent at once (``_queue_frame``)."""
         self._spinner = ArrivalSpinner(rt.poller, rt.settings.hop_spin_grace_s)
         """Polls the loop until this session's next decode frame or token (multi-node routes)."""
+
+    @property
+    def position(self) -> int:
+        """Choice 0's KV position (every choice's until they fork)."""
+        return self.choices.first.position
+
+    @property
+    def generation(self) -> Generation | None:
+        return self.choices.first.generation
+
+    def _new_generation(self) -> Generation | None:
+        """Tail: one per choice."""
+        if not self.is_tail:
+            return None
+        backend = self.rt.engine.backend
+        request = self.request
+        return Generation(max_tokens=request.max_tokens, stops=request.stop, ignore_eos=request.ignore_eos,
+                          token_bytes=backend.token_bytes, is_eog=backend.is_end_of_generation,
+                          context_length=backend.info.context_length)
+
+    def _fork(self, position: int) -> list[Choice]:
+        """After the last prefill chunk forked the backend session: choices 1..n-1 at ``position``."""
+        return self.choices.add_forks(position, [self._new_generation() for _ in range(self.request.n - 1)])
 
     def _make_outbox(self) -> Outbox | None:
         peer, kind = (self._next, "frame") if self._next is not None else (self.route.head, "token")
@@ -89,7 +109,8 @@ class NodeSession:
 
     def _tasks(self) -> list[asyncio.Task[None]]:
         """The role's own tasks, cancelled at close."""
-        return [self.outbox.task] if self.outbox is not None and self.outbox.task is not None else []
+        own = [self.outbox.task] if self.outbox is not None and self.outbox.task is not None else []
+        return [*own, *self._round_sends]
 
     def _stopping(self) -> None:
         """The role's synchronous clean-up at close, before any task is cancelled."""
@@ -126,21 +147,22 @@ class NodeSession:
 
     # ---- computing ---------------------------------------------------------------------------------------------
 
-    async def _compute(self, item: StepInput, queued: StepFuture | None = None) -> tuple[StepOutput, StepTiming]:
-        """Run ``item`` (or await ``queued``, the same step already queued) and advance the session's position."""
+    async def _compute(self, choice: Choice, item: StepInput,
+                       queued: StepFuture | None = None) -> tuple[StepOutput, StepTiming]:
+        """Run ``item`` (or await ``queued``, the same step already queued) and advance the choice's position."""
         step = queued if queued is not None else self.rt.engine.enqueue(item, handoff=True)
         await settled(step)
-        return self._step_result(item, step)
+        return self._step_result(choice, item, step)
 
-    def _step_result(self, item: StepInput, step: StepFuture) -> tuple[StepOutput, StepTiming]:
-        """A finished step's output, with the session advanced past it; a backend failure as ``SessionFailed``."""
+    def _step_result(self, choice: Choice, item: StepInput, step: StepFuture) -> tuple[StepOutput, StepTiming]:
+        """A finished step's output, with the choice advanced past it; a backend failure as ``SessionFailed``."""
         try:
             out, timing = step.result()
         except SwarmrouteError:
             raise
         except Exception as exc:
             raise self._backend_failed(exc) from exc
-        self._advance(item.n_positions, timing)
+        self._advance(choice, item.n_positions, timing)
         return out, timing
 
     def _backend_failed(self, exc: Exception) -> SessionFailed:
@@ -149,8 +171,8 @@ class NodeSession:
     def _failed_here(self, kind: Literal["timeout", "backend_error"], message: str) -> SessionFailed:
         return SessionFailed(FailureReason(node_id=self.rt.node_id, phase=self.phase, kind=kind, message=message))
 
-    def _advance(self, n_positions: int, timing: StepTiming) -> None:
-        self.position += n_positions
+    def _advance(self, choice: Choice, n_positions: int, timing: StepTiming) -> None:
+        choice.position += n_positions
         # Metrics wait for the next loop turn: right after a forward pass the caches are cold and every line of
         # Python costs several times its usual price; the frame or token goes out first.
         asyncio.get_running_loop().call_soon(self.rt.metrics.step, "decode" if self.phase is SessionPhase.DECODE
@@ -159,27 +181,42 @@ class NodeSession:
     def _stamp(self, timing: StepTiming) -> HopStamp:
         return HopStamp(self.hop_index, int(timing.compute_ms * 1000), int(timing.queue_ms * 1000))
 
-    def _sampled(self, token: int, stamps: tuple[HopStamp, ...]) -> SampledToken:
-        """The tail's record of one sampled token: its text and, if it ends the generation, why."""
-        assert self.generation is not None
-        text, finish = self.generation.accept(token)
-        return SampledToken(session_id=self.raw_id, seq=self.generation.count - 1, token=token, text=text,
-                            finish_reason=finish, stamps=stamps)
+    def _sampled(self, choice: Choice, out: StepOutput, stamps: tuple[HopStamp, ...]) -> SampledToken:
+        """The tail's record of one sampled token: its text and, if it ends the choice's generation, why; its
+        logprobs when the session asked for them."""
+        generation = choice.generation
+        token = out.token
+        assert generation is not None and token is not None
+        text, finish = generation.accept(token)
+        return SampledToken(session_id=self.raw_id, seq=generation.count - 1, token=token, text=text,
+                            finish_reason=finish, stamps=stamps, choice=choice.index, logprobs=out.logprobs)
 
     # ---- sending on --------------------------------------------------------------------------------------------
 
     def _queue_frame(self, kind: FrameKind, start: int, hidden: Hidden, sample: bool, step: int,
-                     stamps: tuple[HopStamp, ...]) -> None:
+                     stamps: tuple[HopStamp, ...], choice: int = 0, group: int = 0) -> None:
         header = FrameHeader(session_id=self.raw_id, kind=kind, dtype=self.rt.wire_dtype, start_position=start,
                              n_positions=int(hidden.shape[0]), position_shape=self.hidden_shape, step=step,
-                             sample=sample, stamps=stamps)
+                             sample=sample, stamps=stamps, choice=choice, group=group)
         data = frames.encode(header, hidden)
         nxt = self._next
         assert nxt is not None and self.outbox is not None
         timeout = self.rt.settings.hop_timeout_s
-        self.outbox.send(lambda: self.rt.client.send_frame(nxt.node_id, nxt.endpoint, self.id, data, timeout=timeout,
-                                                           session_token=self.session_token),
-                         causal=kind is FrameKind.DECODE)
+
+        def send() -> Outbound:
+            return self.rt.client.send_frame(nxt.node_id, nxt.endpoint, self.id, data, timeout=timeout,
+                                             session_token=self.session_token)
+
+        if group > 1:
+            # A round's frames are answered only once the whole round has been computed downstream: each must be
+            # on the wire at once, not when the outbox gets to awaiting it (it awaits them in order, and the first
+            # would wait for the others for good when no idle connection could write them).
+            task = asyncio.ensure_future(send())
+            self._round_sends.add(task)
+            task.add_done_callback(self._round_sends.discard)
+            self.outbox.send(lambda: _answer_of(task), causal=True)
+            return
+        self.outbox.send(send, causal=kind is FrameKind.DECODE)
 
     async def _outbox_failed(self, exc: HopError) -> None:
         await self._report(FailureReason(node_id=exc.node, phase=self.phase, kind=exc.kind, message=str(exc)))
@@ -194,3 +231,8 @@ async def settled(step: StepFuture) -> None:
     waiter still cancels the step."""
     with contextlib.suppress(Exception):
         await step
+
+
+async def _answer_of(request: asyncio.Task[None]) -> None:
+    """What the outbox awaits for a request already under way as a task."""
+    await request

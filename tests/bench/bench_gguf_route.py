@@ -187,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     model = Path(g.assemble(Path.home() / ".cache" / "swarmroute" / "models" / "gemma-3-270m-q4_k_m.gguf"))
     asyncio.set_event_loop(asyncio.new_event_loop())
     loop = asyncio.get_event_loop()
+    from actors.backends.llamacpp.cpu_buffers import buffer_types
+
+    llama_cpp.llama_backend_init()
+    buffer_types().allow_amx(False)  # as every node loads it: AMX kernels crash on some CPUs (SIGILL here)
     llm = llama_cpp.Llama(str(model), n_ctx=2048, n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
     base = Samples()
     routes: dict[str, Route] = {}

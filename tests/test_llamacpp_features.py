@@ -1,0 +1,459 @@
+"""Issue #19 end to end on the real 2-node llama.cpp route: official ``openai`` client -> gateway -> real NATS and
+tracker -> two shard nodes ([0, 12) + [12, 18) of the bundled Gemma 3 270M) -> llama.cpp, streamed and not.
+
+What is proven here:
+* logprobs equal llama-cpp-python's own for the same greedy tokens (within 1e-4): chat (``top_logprobs``) against
+  the log-softmax of ``Llama.eval``'s logits, completions (``logprobs: 5``) against ``create_completion``'s;
+* structured output: replies validate with ``jsonschema`` against several schemas (nested objects, enums, arrays),
+  and ``json_object`` replies parse as objects, whatever this small pretrained model would write on its own;
+* tools: a required call and a named one parse into ``tool_calls`` whose arguments validate against the function's
+  schema, streamed (``delta.tool_calls``) and not; a tool result round-trips into the next turn;
+* n = 3: at temperature 0 three choices equal the n = 1 reply except after near-ties (counted, each within the
+  documented batch noise ``BATCH_NOISE`` of the n = 1 run's own top-2 margin); at temperature 1 with a seed the
+  choices are reproducible; usage counts every choice;
+* the Responses API stream parses with the SDK's own event types (text and a function call), with telemetry on its
+  events;
+* bad input is a 400 in OpenAI's error shape naming the field: an invalid JSON Schema, an unknown tool in
+  ``tool_choice``, ``top_logprobs`` over the limit, ``n`` over the session capacity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import numpy as np
+import openai
+import pytest
+import pytest_asyncio
+from openai.types.responses import (
+    ResponseCompletedEvent,
+    ResponseCreatedEvent,
+    ResponseFunctionCallArgumentsDeltaEvent,
+    ResponseIncompleteEvent,
+    ResponseOutputItemAddedEvent,
+    ResponseTextDeltaEvent,
+)
+
+llama_cpp = pytest.importorskip("llama_cpp")
+
+from actors.backends import load_backend  # noqa: E402
+from bus.server import EmbeddedNats, NatsServerConfig  # noqa: E402
+from schemas.session import Prompt  # noqa: E402
+from tests.support.swarm import Swarm, make_settings, start_swarm  # noqa: E402
+from tests.test_llamacpp_gateway import BATCH_NOISE  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+
+MODEL = "gemma"
+THREADS = 2
+MAX_SESSIONS = 4
+QUESTION = "What is the capital of France?"
+_namespaces = itertools.count()
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 24},
+    "age": {"type": "integer"},
+    "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                                 "country": {"type": "string", "enum": ["France", "Italy", "Spain"]}},
+                "required": ["city", "country"], "additionalProperties": False}},
+    "required": ["name", "age", "address"], "additionalProperties": False}
+COLOUR = {"type": "object", "properties": {"colour": {"type": "string", "enum": ["red", "green", "blue"]},
+                                           "bright": {"type": "boolean"}},
+          "required": ["colour", "bright"], "additionalProperties": False}
+SHOPPING = {"type": "object", "properties": {
+    "items": {"type": "array", "minItems": 1, "maxItems": 3, "items": {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 16}, "count": {"type": "integer"}},
+        "required": ["name", "count"], "additionalProperties": False}}},
+    "required": ["items"], "additionalProperties": False}
+SCHEMAS = {"person": PERSON, "colour": COLOUR, "shopping": SHOPPING}
+
+WEATHER: dict[str, Any] = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+TIME: dict[str, Any] = {"type": "function", "function": {
+    "name": "get_time", "description": "The local time in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
+                   "required": ["city"], "additionalProperties": False}}}
+TOOL_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+
+
+@pytest.fixture(scope="module")
+def module_nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNats]:
+    server = EmbeddedNats(NatsServerConfig(store_dir=tmp_path_factory.mktemp("nats")))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def swarm(module_nats: EmbeddedNats, gemma_path: Path,
+                tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Swarm]:
+    shard_dir = tmp_path_factory.mktemp("shards")
+    backends = [load_backend("llamacpp", model_path=gemma_path, n_ctx=1024, max_sessions=MAX_SESSIONS,
+                             threads=THREADS, layer_start=a, layer_end=b, shard_dir=shard_dir)
+                for a, b in ((0, 12), (12, 18))]
+    # Generous timeouts: this box's two cores are shared with other test processes.
+    settings = make_settings(module_nats.url, tmp_path_factory.mktemp("home"), namespace=f"feat{next(_namespaces)}",
+                             token_timeout_s=60.0, first_token_timeout_s=120.0, hop_timeout_s=60.0)
+    s = await start_swarm(settings, backends, model_id=MODEL)
+    yield s
+    await s.stop()
+    for b in backends:
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def reference(gemma_path: Path) -> Iterator[Any]:
+    llm = llama_cpp.Llama(str(gemma_path), n_ctx=1024, n_threads=THREADS, n_threads_batch=THREADS, verbose=False,
+                          logits_all=True)
+    yield llm
+    llm.close()
+
+
+def client(swarm: Swarm) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=swarm.base_url, api_key="unused", max_retries=0, timeout=300)
+
+
+def messages(question: str = QUESTION) -> list[Any]:
+    return [{"role": "user", "content": question}]
+
+
+async def all_freed(swarm: Swarm) -> None:
+    """No session, and no KV cell of any sequence (every choice's fork included), left on any node."""
+    for _ in range(300):
+        if not any(n.sessions or n.backend.open_sessions for n in swarm.nodes):  # type: ignore[attr-defined]
+            break
+        await asyncio.sleep(0.02)
+    for node in swarm.nodes:
+        backend: Any = node.backend
+        assert not node.sessions and not backend.open_sessions
+        assert all(backend.seq_cells(s) == (-1, -1) for s in range(backend.max_sessions))
+
+
+# ---- logprobs ----------------------------------------------------------------------------------------------------
+
+
+def reference_greedy(llm: Any, tokens: list[int], n: int) -> list[tuple[int, np.ndarray]]:
+    """llama-cpp-python's greedy run of ``tokens``: each pick with the log-softmax of the logits it was picked from."""
+    llm.reset()
+    llm.eval(tokens)
+    out = []
+    for _ in range(n):
+        logits = np.asarray(llm.scores[llm.n_tokens - 1], dtype=np.float64)
+        lp = logits - logits.max()
+        lp -= np.log(np.exp(lp).sum())
+        token = int(np.argmax(logits))
+        out.append((token, lp))
+        if llama_cpp.llama_vocab_is_eog(llama_cpp.llama_model_get_vocab(llm.model), token):
+            break
+        llm.eval([token])
+    return out
+
+
+def check_chat_logprobs(content: list[Any], ref: list[tuple[int, np.ndarray]], piece: Any, top: int) -> None:
+    assert len(content) == len(ref)
+    for entry, (token, lp) in zip(content, ref, strict=True):
+        assert bytes(entry.bytes) == piece(token)
+        assert abs(entry.logprob - lp[token]) < 1e-4
+        best = np.argsort(-lp, kind="stable")[:top]
+        assert [bytes(t.bytes) for t in entry.top_logprobs] == [piece(int(t)) for t in best]
+        assert np.allclose([t.logprob for t in entry.top_logprobs], lp[best], atol=1e-4)
+
+
+async def test_chat_logprobs_equal_llama_cpp_python(swarm: Swarm, reference: Any) -> None:
+    n = 12
+    head: Any = swarm.nodes[0].backend
+    tokens = head.tokenize(Prompt(messages=messages()))
+    # Off the event loop, which runs the nodes (their heartbeats must go on meanwhile).
+    ref = await asyncio.to_thread(reference_greedy, reference, tokens, n)
+    body: dict[str, Any] = {"model": MODEL, "messages": messages(), "max_tokens": n, "temperature": 0,
+                            "logprobs": True, "top_logprobs": 5}
+    whole = await client(swarm).chat.completions.create(**body)
+    choice = whole.choices[0]
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    check_chat_logprobs(choice.logprobs.content, ref[:len(choice.logprobs.content)], head.token_bytes, 5)
+    assert "".join(e.token for e in choice.logprobs.content) == choice.message.content
+    streamed: list[Any] = []
+    text = ""
+    async for chunk in await client(swarm).chat.completions.create(stream=True, **body):
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            if c.logprobs is not None and c.logprobs.content:
+                streamed += c.logprobs.content
+    assert text == choice.message.content
+    check_chat_logprobs(streamed, ref[:len(streamed)], head.token_bytes, 5)
+    assert len(streamed) == len(choice.logprobs.content)
+
+
+async def test_completion_logprobs_equal_llama_cpp_python(swarm: Swarm, reference: Any) -> None:
+    prompt = "The capital of France is"
+    reference.reset()
+    expected = (await asyncio.to_thread(reference.create_completion, prompt, max_tokens=10, temperature=0.0,
+                                        logprobs=5))["choices"][0]
+    whole = await client(swarm).completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0,
+                                                   logprobs=5)
+    got = whole.choices[0]
+    assert got.text == expected["text"]
+    lp = got.logprobs
+    assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+    assert lp.tokens == expected["logprobs"]["tokens"]
+    assert np.allclose(lp.token_logprobs, expected["logprobs"]["token_logprobs"], atol=1e-4)
+    assert lp.text_offset == [o - len(prompt) for o in expected["logprobs"]["text_offset"]]
+    for ours, theirs in zip(lp.top_logprobs, expected["logprobs"]["top_logprobs"], strict=True):
+        assert set(ours) == set(theirs)
+        assert all(abs(ours[k] - theirs[k]) < 1e-4 for k in theirs)
+    stream = await client(swarm).completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0,
+                                                    logprobs=5, stream=True)
+    tokens: list[str] = []
+    values: list[float | None] = []
+    async for chunk in stream:
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                tokens += c.logprobs.tokens or []
+                values += c.logprobs.token_logprobs or []
+    assert tokens == lp.tokens
+    assert np.allclose([v for v in values if v is not None], lp.token_logprobs, atol=1e-6)
+
+
+# ---- structured output -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(SCHEMAS))
+async def test_json_schema_replies_validate(swarm: Swarm, name: str) -> None:
+    schema = SCHEMAS[name]
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+    ask = messages(f"Describe a {name} as JSON.")
+    whole = await client(swarm).chat.completions.create(model=MODEL, messages=ask, max_tokens=200, temperature=0,
+                                                        response_format=fmt)
+    assert whole.choices[0].finish_reason == "stop"
+    text = whole.choices[0].message.content
+    assert text is not None
+    jsonschema.validate(json.loads(text), schema)
+    # Sampled, not greedy: the grammar holds whatever the draw.
+    streamed = ""
+    async for chunk in await client(swarm).chat.completions.create(
+            model=MODEL, messages=ask, max_tokens=200, temperature=1.0, seed=3, response_format=fmt, stream=True):
+        for c in chunk.choices:
+            streamed += c.delta.content or ""
+    jsonschema.validate(json.loads(streamed), schema)
+
+
+async def test_json_object_replies_parse(swarm: Swarm) -> None:
+    whole = await client(swarm).chat.completions.create(model=MODEL, messages=messages("List two fruits."),
+                                                        max_tokens=120, temperature=0,
+                                                        response_format={"type": "json_object"})
+    assert isinstance(json.loads(whole.choices[0].message.content or ""), dict)
+
+
+async def test_completions_take_response_format_too(swarm: Swarm) -> None:
+    got = await client(swarm).completions.create(model=MODEL, prompt="A colour as JSON:", max_tokens=120,
+                                                 temperature=0, extra_body={"response_format": {
+                                                     "type": "json_schema",
+                                                     "json_schema": {"name": "colour", "schema": COLOUR}}})
+    jsonschema.validate(json.loads(got.choices[0].text), COLOUR)
+
+
+# ---- tools ---------------------------------------------------------------------------------------------------------
+
+
+def check_calls(calls: list[Any], names: set[str]) -> None:
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_") and call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), TOOL_SCHEMAS[call.function.name])
+
+
+@pytest.mark.parametrize(("tool_choice", "parallel", "max_tokens"), [
+    ("required", False, 120),
+    # Parallel calls allowed: this small model repeats its call up to the grammar's limit of 8, then must stop.
+    ({"type": "function", "function": {"name": "get_time"}}, None, 320),
+])
+async def test_required_and_named_tool_calls_parse_and_validate(swarm: Swarm, tool_choice: Any, parallel: bool | None,
+                                                                max_tokens: int) -> None:
+    names = {"get_time"} if isinstance(tool_choice, dict) else {"get_weather", "get_time"}
+    ask = messages("What is the weather in Paris right now?")
+    options: dict[str, Any] = {"model": MODEL, "messages": ask, "tools": [WEATHER, TIME], "tool_choice": tool_choice,
+                               "max_tokens": max_tokens, "temperature": 0}
+    if parallel is not None:
+        options["parallel_tool_calls"] = parallel
+    whole = await client(swarm).chat.completions.create(**options)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls", choice.message
+    check_calls(choice.message.tool_calls or [], names)
+    if parallel is False:
+        assert len(choice.message.tool_calls or []) == 1
+    calls: dict[int, dict[str, Any]] = {}
+    finishes = []
+    async for chunk in await client(swarm).chat.completions.create(stream=True, **options):
+        for c in chunk.choices:
+            finishes.append(c.finish_reason)
+            for d in c.delta.tool_calls or []:
+                call = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+                call["id"] = call["id"] or d.id
+                assert d.function is not None
+                call["name"] += d.function.name or ""
+                call["arguments"] += d.function.arguments or ""
+    assert [f for f in finishes if f] == ["tool_calls"]
+    whole_calls = choice.message.tool_calls or []
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [(c.function.name, c.function.arguments)
+                                                                     for c in whole_calls]
+    assert all(c["id"].startswith("call_") for c in calls.values())
+
+
+async def test_auto_tool_choice_gives_a_valid_call_or_text(swarm: Swarm) -> None:
+    tools: Any = [WEATHER, TIME]
+    for question in ("What is the weather in Paris?", "Say hello."):
+        got = await client(swarm).chat.completions.create(model=MODEL, messages=messages(question), tools=tools,
+                                                          parallel_tool_calls=False, max_tokens=120, temperature=0)
+        choice = got.choices[0]
+        if choice.message.tool_calls:
+            assert choice.finish_reason == "tool_calls" and choice.message.content is None
+            check_calls(choice.message.tool_calls, {"get_weather", "get_time"})
+        else:
+            # The generic format's text reply ({"response": ...}) comes out as plain content (this small model may
+            # go on writing it up to max_tokens).
+            assert choice.finish_reason in ("stop", "length") and choice.message.content
+            assert not choice.message.content.lstrip().startswith('{"response"')
+
+
+async def test_a_tool_result_round_trips(swarm: Swarm) -> None:
+    api = client(swarm)
+    ask = messages("What is the weather in Paris?")
+    tools: Any = [WEATHER]
+    first = await api.chat.completions.create(model=MODEL, messages=ask, tools=tools, tool_choice="required",
+                                              parallel_tool_calls=False, max_tokens=120, temperature=0)
+    call: Any = (first.choices[0].message.tool_calls or [])[0]
+    result = '{"temperature": 18, "sky": "cloudy"}'
+    history: list[Any] = [*ask, first.choices[0].message.model_dump(exclude_none=True),
+                          {"role": "tool", "tool_call_id": call.id, "content": result}]
+    second = await api.chat.completions.create(model=MODEL, messages=history, tools=tools, max_tokens=40,
+                                               temperature=0)
+    assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert second.usage is not None and first.usage is not None
+    # The head rendered the call and its result into the second prompt.
+    head: Any = swarm.nodes[0].backend
+    rendered = b"".join(head.token_bytes(t) for t in head.tokenize(Prompt(messages=[
+        {"role": "user", "content": ask[0]["content"]},
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": result}]))).decode()
+    assert result in rendered and call.function.arguments in rendered
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens
+    await all_freed(swarm)
+
+
+# ---- n > 1 ---------------------------------------------------------------------------------------------------------
+
+
+async def test_n3_greedy_choices_equal_n1_but_for_near_ties(swarm: Swarm) -> None:
+    n_tokens = 24
+    body: dict[str, Any] = {"model": MODEL, "messages": messages("Write a short story about a fox."),
+                            "max_tokens": n_tokens, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    single = await client(swarm).chat.completions.create(**body)
+    lone = single.choices[0].logprobs
+    assert lone is not None and lone.content is not None
+    three = await client(swarm).chat.completions.create(n=3, **body)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert three.usage is not None and single.usage is not None
+    assert three.usage.completion_tokens == sum(len(c.logprobs.content or []) for c in three.choices
+                                                if c.logprobs is not None)
+    flips = 0
+    for choice in three.choices:
+        assert choice.logprobs is not None and choice.logprobs.content is not None
+        picks = [bytes(e.bytes) for e in choice.logprobs.content]
+        ref = [bytes(e.bytes) for e in lone.content]
+        at = next((i for i, (a, b) in enumerate(zip(picks, ref, strict=False)) if a != b), None)
+        if at is None:
+            assert picks == ref and choice.message.content == single.choices[0].message.content
+            continue
+        # The choice left the lone run's text: only where the lone run's top two were within batch noise.
+        flips += 1
+        top = lone.content[at].top_logprobs
+        margin = top[0].logprob - top[1].logprob
+        assert margin < BATCH_NOISE, f"choice {choice.index} diverged at token {at} with a margin of {margin:.2f}"
+    print(f"n=3 greedy: {flips} of 3 choices left the n=1 reply at a near-tie; "
+          f"{len({c.message.content for c in three.choices})} distinct text(s) among the 3")
+    await all_freed(swarm)
+
+
+async def test_n3_seeded_choices_are_reproducible(swarm: Swarm) -> None:
+    body: dict[str, Any] = {"model": MODEL, "messages": messages("Name some animals."), "max_tokens": 16,
+                            "temperature": 1.0, "seed": 11, "n": 3}
+    first = await client(swarm).chat.completions.create(**body)
+    texts = {c.index: "" for c in first.choices}
+    async for chunk in await client(swarm).chat.completions.create(stream=True, **body):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert [texts[i] for i in range(3)] == [c.message.content for c in first.choices]
+    assert len({c.message.content for c in first.choices}) > 1  # seed + i: the choices draw differently
+    await all_freed(swarm)
+
+
+# ---- the Responses API -------------------------------------------------------------------------------------------
+
+
+async def test_responses_stream_parses_with_the_sdk_event_types(swarm: Swarm) -> None:
+    api = client(swarm)
+    events = [e async for e in await api.responses.create(model=MODEL, input=QUESTION, max_output_tokens=16,
+                                                           temperature=0, stream=True)]
+    # Cut by max_output_tokens: the SDK's own "incomplete" event ends it.
+    assert isinstance(events[0], ResponseCreatedEvent) and isinstance(events[-1], ResponseIncompleteEvent)
+    deltas = "".join(e.delta for e in events if isinstance(e, ResponseTextDeltaEvent))
+    assert deltas and events[-1].response.output_text == deltas
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    whole = await api.responses.create(model=MODEL, input=QUESTION, max_output_tokens=16, temperature=0)
+    assert whole.output_text == deltas and whole.usage is not None and whole.usage.output_tokens == 16
+    assert whole.status == "incomplete"  # cut by max_output_tokens
+    telemetry = (whole.model_extra or {})["swarmroute"]
+    assert [h["node_id"] for h in telemetry["route"]] == ["n1", "n2"]
+    # Telemetry rides the stream's events under the same key (raw SSE: the SDK keeps only the event's fields).
+    async with httpx.AsyncClient(timeout=120) as http, http.stream(
+            "POST", f"{swarm.base_url}/responses",
+            json={"model": MODEL, "input": QUESTION, "max_output_tokens": 4, "stream": True}) as r:
+        data = [json.loads(line[6:]) async for line in r.aiter_lines() if line.startswith("data: ")]
+    assert "swarmroute" in data[0] and data[-1]["swarmroute"]["phase"] == "complete"
+
+
+async def test_responses_function_call(swarm: Swarm) -> None:
+    tool: Any = {"type": "function", **WEATHER["function"]}
+    events = [e async for e in await client(swarm).responses.create(
+        model=MODEL, input="What is the weather in Rome?", tools=[tool], tool_choice="required",
+        parallel_tool_calls=False, max_output_tokens=120, temperature=0, stream=True)]
+    added = [e for e in events if isinstance(e, ResponseOutputItemAddedEvent) and e.item.type == "function_call"]
+    assert added
+    arguments = "".join(e.delta for e in events if isinstance(e, ResponseFunctionCallArgumentsDeltaEvent))
+    final = events[-1]
+    assert isinstance(final, ResponseCompletedEvent)
+    calls = [o for o in final.response.output if o.type == "function_call"]
+    assert calls and calls[0].arguments == arguments and calls[0].name == "get_weather"
+    jsonschema.validate(json.loads(arguments), TOOL_SCHEMAS["get_weather"])
+
+
+# ---- bad input ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object",
+                                                                                          "required": "name"}}}},
+     "response_format"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_stock_price"}}},
+     "tool_choice"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"n": MAX_SESSIONS + 1}, "n"),
+])
+async def test_bad_input_is_a_400_naming_the_field(swarm: Swarm, extra: dict[str, Any], param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        await client(swarm).chat.completions.create(model=MODEL, messages=messages(), max_tokens=4, **extra)
+    assert info.value.status_code == 400
+    assert info.value.param == param, info.value.body
+    assert isinstance(info.value.body, dict) and info.value.body["message"]
+    await all_freed(swarm)
