@@ -39,7 +39,7 @@ from collections.abc import AsyncIterator, Iterator  # noqa: E402
 
 from bus.server import EmbeddedNats, NatsServerConfig  # noqa: E402
 from schemas.settings import Settings  # noqa: E402
-from tests.support.swarm import make_settings  # noqa: E402
+from tests.support.swarm import Swarms, make_settings  # noqa: E402
 
 
 @pytest.fixture
@@ -54,6 +54,14 @@ def nats_server(tmp_path: Path) -> Iterator[EmbeddedNats]:
 @pytest.fixture
 def settings(nats_server: EmbeddedNats, tmp_path: Path) -> Settings:
     return make_settings(nats_server.url, tmp_path / "home")
+
+
+@pytest.fixture
+async def swarms(nats_server: EmbeddedNats) -> AsyncIterator[Swarms]:
+    """Starts swarms, actors, proxies and node processes for a test and stops them all when it ends, before its
+    NATS server (tests/support/swarm.py)."""
+    async with Swarms() as started:
+        yield started
 
 
 @pytest.fixture
