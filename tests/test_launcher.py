@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,7 +12,8 @@ import httpx
 import openai
 import pytest
 
-from tests.support.up import Up, alive, descendants, free_port
+from tests.support.up import Up, descendants, free_port, still_alive
+from tests.support.waiting import eventually_sync
 
 pytestmark = pytest.mark.slow
 
@@ -57,10 +57,8 @@ def test_the_readme_first_command_serves_the_bundled_model(launched: list[Up], t
     children = descendants(up.proc.pid)
     os.kill(up.proc.pid, signal.SIGINT)
     assert up.proc.wait(60) == 0, up.output
-    deadline = time.monotonic() + 15
-    while any(alive(pid, started) for pid, started in children.items()):
-        assert time.monotonic() < deadline, [pid for pid, s in children.items() if alive(pid, s)]
-        time.sleep(0.1)
+    eventually_sync(lambda: not still_alive(children), timeout=15, interval=0.1,
+                    what=lambda: f"every child exiting (alive: {still_alive(children)})")
 
 
 @pytest.mark.parametrize(("backend", "signum"), [("stub", signal.SIGKILL), ("llamacpp", signal.SIGSEGV)])
@@ -91,22 +89,16 @@ def test_a_head_dying_mid_stream_ends_the_stream_with_an_error_and_the_swarm_rec
     assert "node-1" in error["message"], error
 
     name = signal.Signals(signum).name
-    deadline = time.monotonic() + 30
-    while f"node-1 (pid {head}) killed by signal {int(signum)} ({name})" not in up.output:
-        assert time.monotonic() < deadline, up.output
-        time.sleep(0.2)
+    named = f"node-1 (pid {head}) killed by signal {int(signum)} ({name})"
+    eventually_sync(lambda: named in up.output, timeout=30, interval=0.2,
+                    what=lambda: f"up naming the death ({named!r}):\n{up.output}")
     assert "its last lines:" in up.output and "node-1 will be restarted in" in up.output, up.output
 
     # The swarm goes on: once node-1 is back, a request is served again.
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            text = client.completions.create(model=model, prompt="Hello", max_tokens=4, temperature=0)
-            break
-        except (openai.APIStatusError, openai.APIConnectionError) as exc:
-            assert time.monotonic() < deadline, f"{exc}\n{up.output}"
-            time.sleep(0.5)
+    text = eventually_sync(lambda: client.completions.create(model=model, prompt="Hello", max_tokens=4, temperature=0),
+                           timeout=120, interval=0.5, ignoring=(openai.APIStatusError, openai.APIConnectionError),
+                           what=lambda: f"a request served again:\n{up.output}")
     assert text.choices[0].finish_reason in ("length", "stop")
     assert up.proc.poll() is None, up.output
     assert up.child("node", "node-1") != head

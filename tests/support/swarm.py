@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import inspect
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -141,8 +142,14 @@ class Swarms:
         return proc
 
     def on_teardown(self, callback: Callable[[], object]) -> None:
-        """Run ``callback`` at teardown, before whatever was started earlier is stopped."""
-        self._stack.callback(callback)
+        """Run ``callback`` (and await what it returns, if anything) at teardown, before whatever was started
+        earlier is stopped."""
+        async def run() -> None:
+            result = callback()
+            if inspect.isawaitable(result):
+                await result
+
+        self._stack.push_async_callback(run)
 
     async def __aenter__(self) -> Swarms:
         return self

@@ -58,6 +58,11 @@ def alive(pid: int, started: int) -> bool:
     return info is not None and info[2] == started and info[1] != "Z"
 
 
+def still_alive(children: dict[int, int]) -> list[int]:
+    """Those of ``children`` (pids with their start times, from ``descendants``) still running."""
+    return [pid for pid, started in children.items() if alive(pid, started)]
+
+
 class Up:
     """``python -m swarmroute up`` in its own process group, its output collected by a thread. ``argv`` follows
     ``up``; ``env`` is added to the environment (``SWARMROUTE_*`` settings)."""
