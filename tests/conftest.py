@@ -39,6 +39,7 @@ from collections.abc import AsyncIterator, Iterator  # noqa: E402
 
 from bus.server import EmbeddedNats, NatsServerConfig  # noqa: E402
 from schemas.settings import Settings  # noqa: E402
+from tests.support.actors import Children  # noqa: E402
 from tests.support.swarm import Swarms, make_settings  # noqa: E402
 
 
@@ -61,6 +62,13 @@ async def swarms(nats_server: EmbeddedNats) -> AsyncIterator[Swarms]:
     """Starts swarms, actors, proxies and node processes for a test and stops them all when it ends, before its
     NATS server (tests/support/swarm.py)."""
     async with Swarms() as started:
+        yield started
+
+
+@pytest.fixture
+def children() -> Iterator[Children]:
+    """Child processes a test starts (``children.add(...)``), each stopped when it ends (tests/support/actors.py)."""
+    with Children() as started:
         yield started
 
 

@@ -356,7 +356,7 @@ async def test_nats_killed_briefly_never_corrupts_a_stream(nats_fleet: Fleet, ow
         kv_s = await registry_has(server.url, nats_fleet.settings, {"h", "t"})  # the nodes re-created the bucket
     except AssertionError:
         for p in nats_fleet.procs:
-            print("=====", p.role, "\n".join(p.output[-40:]))
+            print("=====", p.role, "\n".join(p.lines[-40:]))
         raise
     figures.add("chaos", "nats_kill_brief_injected")
     figures.add("chaos", "nats_kill_brief_completed" if running.error is None else "nats_kill_brief_gap_detected")

@@ -9,27 +9,23 @@ import re
 import signal
 import socket
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
 
 from schemas.settings import Settings
+from tests.support.actors import Children, descendants, still_alive
 from tests.support.swarm import Swarms, stub
-from tests.support.up import Up, descendants, free_port, still_alive
+from tests.support.up import Up, free_port
 from tests.support.waiting import eventually_sync
 
 MODEL = "stub-model"
 
 
 @pytest.fixture
-def up(tmp_path: Path) -> Iterator[Up]:
-    port = free_port()
-    proc = Up("--backend", "stub", "--port", str(port), "--home", str(tmp_path / "home"))
-    yield proc
-    if proc.proc.poll() is None:
-        proc.kill_all()
+def up(tmp_path: Path, children: Children) -> Up:
+    return children.add(Up("--backend", "stub", "--port", str(free_port()), "--home", str(tmp_path / "home")))
 
 
 def test_up_serves_chat_and_sigint_stops_every_child(up: Up) -> None:

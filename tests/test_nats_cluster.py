@@ -26,6 +26,7 @@ from actors.backends.stub import StubBackend, StubConfig
 from actors.node import Node, NodeConfig
 from actors.tracker import Tracker
 from schemas.session import Prompt
+from tests.support.actors import Children
 from tests.support.fleet import Proc, stub_reference, write_fleet
 from tests.support.nats_cluster import NatsCluster, free_port, start_cluster, wait_jetstream
 from tests.support.swarm import make_settings
@@ -113,54 +114,52 @@ def _new_session_routes(port: int, prompt: str, timeout: float) -> str:
     return reply.choices[0].text
 
 
-def test_killing_a_nats_server_mid_stream_loses_nothing(cluster: NatsCluster, tmp_path: Path) -> None:
+def test_killing_a_nats_server_mid_stream_loses_nothing(cluster: NatsCluster, tmp_path: Path,
+                                                       children: Children) -> None:
     port = free_port()
     fleet_file = write_fleet(tmp_path / "fleet.yaml", _fleet(cluster, port))
-    up = Proc(["fleet", "up", str(fleet_file), "--home", str(tmp_path / "home"), "--timeout", "120"])
-    try:
-        up.wait_for(r"fleet cluster is up", timeout=150)
-        keys, info = asyncio.run(_registry(cluster))
-        assert keys == ["head", "tail"]
-        assert info.config.num_replicas == 3 and info.cluster is not None and len(info.cluster.replicas or []) == 2
+    up = children.add(Proc(["fleet", "up", str(fleet_file), "--home", str(tmp_path / "home"), "--timeout", "120"]))
+    up.wait_for(r"fleet cluster is up", timeout=150)
+    keys, info = asyncio.run(_registry(cluster))
+    assert keys == ["head", "tail"]
+    assert info.config.num_replicas == 3 and info.cluster is not None and len(info.cluster.replicas or []) == 2
 
-        s0, s1, _ = cluster.members
-        asyncio.run(_lead_registry_from(cluster, "s1"))
-        assert {"node-head", "node-tail", "tracker"} <= s1.connection_names()
-        assert "gateway" in s0.connection_names() and "gateway" not in s1.connection_names()
+    s0, s1, _ = cluster.members
+    asyncio.run(_lead_registry_from(cluster, "s1"))
+    assert {"node-head", "node-tail", "tracker"} <= s1.connection_names()
+    assert "gateway" in s0.connection_names() and "gateway" not in s1.connection_names()
 
-        prompt = "a stream that outlives its NATS server"
-        expected = stub_reference(Prompt(text=prompt), N_TOKENS)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-        stream = client.completions.create(model="stub-model", prompt=prompt, max_tokens=N_TOKENS, temperature=0,
-                                           stream=True, extra_body={"ignore_eos": True})
-        pieces: list[str] = []
-        arrived: list[float] = []
-        finish = None
-        for chunk in stream:
-            if chunk.choices:
-                pieces.append(chunk.choices[0].text)
-                arrived.append(time.monotonic())
-                finish = chunk.choices[0].finish_reason or finish
-            if len(pieces) == KILL_AFTER:
-                s1.server.kill()  # SIGKILL: no goodbye to the tracker, the nodes or the cluster
-        assert s1.server.pid is None
-        assert "".join(pieces) == expected and finish == "length"
-        gaps = sorted(b - a for a, b in zip(arrived[1:], arrived[2:], strict=False))
-        print(f"\nfailover: longest gap between tokens {gaps[-1] * 1e3:.0f} ms, "
-              f"median {gaps[len(gaps) // 2] * 1e3:.1f} ms")
+    prompt = "a stream that outlives its NATS server"
+    expected = stub_reference(Prompt(text=prompt), N_TOKENS)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    stream = client.completions.create(model="stub-model", prompt=prompt, max_tokens=N_TOKENS, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    pieces: list[str] = []
+    arrived: list[float] = []
+    finish = None
+    for chunk in stream:
+        if chunk.choices:
+            pieces.append(chunk.choices[0].text)
+            arrived.append(time.monotonic())
+            finish = chunk.choices[0].finish_reason or finish
+        if len(pieces) == KILL_AFTER:
+            s1.server.kill()  # SIGKILL: no goodbye to the tracker, the nodes or the cluster
+    assert s1.server.pid is None
+    assert "".join(pieces) == expected and finish == "length"
+    gaps = sorted(b - a for a, b in zip(arrived[1:], arrived[2:], strict=False))
+    print(f"\nfailover: longest gap between tokens {gaps[-1] * 1e3:.0f} ms, "
+          f"median {gaps[len(gaps) // 2] * 1e3:.1f} ms")
 
-        # everyone moved to a surviving server, and the fleet keeps routing new sessions
-        assert cluster.where("node-head") is not None and cluster.where("tracker") is not None
-        again = _new_session_routes(port, "after the failover", timeout=40)
-        assert again == stub_reference(Prompt(text="after the failover"), 12)
-        keys, info = asyncio.run(_registry(cluster))
-        assert keys == ["head", "tail"]
-        assert info.cluster is not None and info.cluster.leader in ("s0", "s2")
+    # everyone moved to a surviving server, and the fleet keeps routing new sessions
+    assert cluster.where("node-head") is not None and cluster.where("tracker") is not None
+    again = _new_session_routes(port, "after the failover", timeout=40)
+    assert again == stub_reference(Prompt(text="after the failover"), 12)
+    keys, info = asyncio.run(_registry(cluster))
+    assert keys == ["head", "tail"]
+    assert info.cluster is not None and info.cluster.leader in ("s0", "s2")
 
-        status = Proc(["fleet", "status", str(fleet_file), "--json", "--nats", ",".join(cluster.urls[::2])])
-        assert status.run(60) == 0, "\n".join(status.output)
-    finally:
-        up.stop()
+    status = Proc(["fleet", "status", str(fleet_file), "--json", "--nats", ",".join(cluster.urls[::2])])
+    assert status.run(60) == 0, "\n".join(status.lines)
 
 
 async def test_a_node_stays_live_while_its_registry_writes_go_unacknowledged(open_cluster: NatsCluster,

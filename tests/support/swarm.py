@@ -138,7 +138,7 @@ class Swarms:
         """A ``NodeProcess`` (``swarmroute node`` as a child), started off the event loop: the test's in-process
         actors keep serving while it loads."""
         proc = await asyncio.to_thread(NodeProcess, settings, node_id, args, **kw)
-        self._stack.push_async_callback(asyncio.to_thread, proc.stop)
+        self._stack.push_async_callback(asyncio.to_thread, proc.close)
         return proc
 
     def on_teardown(self, callback: Callable[[], object]) -> None:
