@@ -46,10 +46,15 @@ from tests.support.swarm import Swarms, make_settings  # noqa: E402
 @pytest.fixture
 def nats_server(tmp_path: Path) -> Iterator[EmbeddedNats]:
     """A real nats-server with JetStream on a random port, per test."""
-    server = EmbeddedNats(NatsServerConfig(store_dir=tmp_path / "nats"))
-    server.start()
-    yield server
-    server.stop()
+    with EmbeddedNats(NatsServerConfig(store_dir=tmp_path / "nats")) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def module_nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNats]:
+    """One nats-server for a module's tests (each then works in a namespace of its own)."""
+    with EmbeddedNats(NatsServerConfig(store_dir=tmp_path_factory.mktemp("nats"))) as server:
+        yield server
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import asyncio
 import itertools
 import json
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from pydantic import SecretStr
 
 from actors.backends.stub import StubBackend
 from bus import codec
-from bus.server import EmbeddedNats, NatsServerConfig
+from bus.server import EmbeddedNats
 from bus.subjects import Subjects
 from schemas.session import Prompt
 from schemas.settings import Settings
@@ -48,14 +48,6 @@ def client(swarm: Swarm, api_key: str = "unused") -> openai.AsyncOpenAI:
 # One NATS server and two swarms (in their own namespaces) serve the whole module: starting a swarm per test
 # would cost about a second each. Tests that need other settings start their own swarm in a fresh namespace.
 pytestmark = pytest.mark.asyncio(loop_scope="module")
-
-
-@pytest.fixture(scope="module")
-def module_nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNats]:
-    server = EmbeddedNats(NatsServerConfig(store_dir=tmp_path_factory.mktemp("nats")))
-    server.start()
-    yield server
-    server.stop()
 
 
 _namespaces = itertools.count()

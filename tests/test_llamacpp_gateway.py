@@ -27,7 +27,7 @@ llama_cpp = pytest.importorskip("llama_cpp")
 from actors.backend import StepInput  # noqa: E402
 from actors.backends import load_backend  # noqa: E402
 from actors.backends.llamacpp.backend import LlamaCppBackend  # noqa: E402
-from bus.server import EmbeddedNats, NatsServerConfig  # noqa: E402
+from bus.server import EmbeddedNats  # noqa: E402
 from schemas.session import Prompt, SamplingParams  # noqa: E402
 from schemas.settings import Settings  # noqa: E402
 from tests.support.swarm import Swarm, Swarms, make_settings, start_swarm  # noqa: E402
@@ -50,14 +50,6 @@ fixes the batch compositions and bounds flips by both runs' logits (``TIE``); he
 forward pass, and only the lone run's logits are at hand. ggml's CPU kernels are not batch-invariant and move this
 model's logits by up to ~1.4 between a lone and a batched run (measured, see ``tests/test_llamacpp.TIE``); a CI run
 saw a flip at a margin of 0.45. A session mixed up with another's KV or positions diverges at once and by more."""
-
-
-@pytest.fixture(scope="module")
-def module_nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNats]:
-    server = EmbeddedNats(NatsServerConfig(store_dir=tmp_path_factory.mktemp("nats")))
-    server.start()
-    yield server
-    server.stop()
 
 
 def _settings(server: EmbeddedNats, home: Path) -> Settings:

@@ -83,14 +83,13 @@ async def start_swarm(settings: Settings, backends: Sequence[Backend], *, model_
                       wire_dtype: str = "f32") -> Swarm:
     """A tracker, a node per backend (``n1``, ``n2``, ...) and a gateway, once the model is routable over all the
     nodes; whatever started is stopped again if that fails. Tests use ``Swarms.start``, which also stops it."""
-    async with contextlib.AsyncExitStack() as started:
-        tracker = await started.enter_async_context(Tracker(settings))
-        nodes = [await started.enter_async_context(
-            Node(NodeConfig(node_id=f"n{i + 1}", model_id=model_id, wire_dtype=wire_dtype), b, settings))
-            for i, b in enumerate(backends)]
-        gateway = await started.enter_async_context(Gateway(settings, port=0))
+    async with Swarms() as starting:
+        tracker = await starting.actor(Tracker(settings))
+        nodes = [await starting.actor(Node(NodeConfig(node_id=f"n{i + 1}", model_id=model_id, wire_dtype=wire_dtype),
+                                           b, settings)) for i, b in enumerate(backends)]
+        gateway = await starting.actor(Gateway(settings, port=0))
         await wait_model(tracker, model_id, n_nodes=len(nodes))
-        started.pop_all()
+        starting.pop_all()  # the Swarm stops them
     return Swarm(settings, tracker, nodes, gateway)
 
 
@@ -151,11 +150,22 @@ class Swarms:
 
         self._stack.push_async_callback(run)
 
+    def pop_all(self) -> Swarms:
+        """Hand everything started so far to a new ``Swarms`` (this one then stops nothing): start several things in
+        ``async with Swarms() as starting`` and keep them with ``starting.pop_all()`` once all are up."""
+        kept = Swarms()
+        kept._stack = self._stack.pop_all()
+        return kept
+
+    async def aclose(self) -> None:
+        """Stop everything started, newest first."""
+        await self._stack.aclose()
+
     async def __aenter__(self) -> Swarms:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        await self._stack.aclose()
+        await self.aclose()
 
 
 def make_settings(nats_url: str, home: Path, **overrides: object) -> Settings:
