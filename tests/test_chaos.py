@@ -103,7 +103,7 @@ async def all_freed(nodes: list[ActorProcess], timeout: float = 10.0) -> float:
     counts: list[int | None] = []
 
     async def freed() -> bool:
-        counts[:] = [await sessions_on(n.url or "") for n in nodes]
+        counts[:] = [await sessions_on(n.url) for n in nodes]
         return all(c == 0 for c in counts)
 
     await eventually(freed, timeout=timeout, interval=0.1,
@@ -168,7 +168,7 @@ async def test_node_killed_fails_only_its_session(fleet: Fleet, phase: str) -> N
     for node_id, layers in (("a1", "0:4"), ("a2", "4:8"), ("b1", "0:4"), ("b2", "4:8")):
         fleet.node(node_id, layers, max_sessions=1, delay=0.03 if phase == "prefill" else STEP_S)
     gateway = fleet.gateway()
-    assert gateway.url
+    assert gateway.url.startswith("http://127.0.0.1:")  # where it said it serves, on loopback
     await wait_routable(gateway.url)
     await all_freed(fleet.nodes())
     await asyncio.sleep(fleet.settings.heartbeat_s * 2)  # the probe's route no longer counts as pending
@@ -211,7 +211,7 @@ async def test_tracker_killed_does_not_disturb_sessions_and_restart_routes_again
     fleet.node("h", "0:4")
     fleet.node("t", "4:8")
     gateway = fleet.gateway()
-    assert gateway.url
+    assert gateway.url.startswith("http://127.0.0.1:")  # where it said it serves, on loopback
     await wait_routable(gateway.url)
     running = Outcome()
     task = asyncio.create_task(stream(gateway.url, running, max_tokens=100))
@@ -240,7 +240,7 @@ async def test_gateway_killed_breaks_only_its_clients_and_nodes_free_the_kv(flee
     fleet.node("h", "0:4")
     fleet.node("t", "4:8")
     doomed, spare = fleet.gateway(), fleet.gateway()
-    assert doomed.url and spare.url
+    assert doomed.url.startswith("http://127.0.0.1:") and spare.url.startswith("http://127.0.0.1:")
     await wait_routable(doomed.url)
     victim, bystander = Outcome(), Outcome()
     # At ~25 ms per token the orphan would run for ~100 s to its max_tokens; the head cancels it long before.
@@ -335,7 +335,7 @@ async def test_nats_killed_briefly_never_corrupts_a_stream(nats_fleet: Fleet, ow
     nats_fleet.node("h", "0:4")
     nats_fleet.node("t", "4:8")
     gateway = nats_fleet.gateway()
-    assert gateway.url
+    assert gateway.url.startswith("http://127.0.0.1:")  # where it said it serves, on loopback
     await wait_routable(gateway.url)
     reference = await stream(gateway.url, Outcome(), max_tokens=100)
     assert reference.finished and reference.tokens == 100
@@ -369,7 +369,7 @@ async def test_nats_down_fails_sessions_cleanly_and_recovers(nats_fleet: Fleet, 
     nats_fleet.node("h", "0:4")
     nats_fleet.node("t", "4:8")
     gateway = nats_fleet.gateway()
-    assert gateway.url
+    assert gateway.url.startswith("http://127.0.0.1:")  # where it said it serves, on loopback
     await wait_routable(gateway.url)
     running = Outcome()
     task = asyncio.create_task(stream(gateway.url, running, max_tokens=400))
@@ -399,7 +399,7 @@ async def test_llamacpp_tail_killed_mid_decode(fleet: Fleet, gemma_path: Path) -
     head = fleet.start("node", ["--node-id", "lh", "--layers", "0:9", *common], ready_timeout=180)
     fleet.start("node", ["--node-id", "lt", "--layers", "9:18", *common], ready_timeout=180)
     gateway = fleet.gateway()
-    assert gateway.url
+    assert gateway.url.startswith("http://127.0.0.1:")  # where it said it serves, on loopback
     client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
     async def complete_model() -> str | None:  # the model id is content-derived: taken once the route is complete

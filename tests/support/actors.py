@@ -234,15 +234,15 @@ def swarmroute(*args: str) -> list[str]:
 
 
 class ActorProcess(ChildProcess):
-    """``python -m swarmroute <role> ...``, returned once it reports ready; ``url`` is the gateway's or node's
-    base URL then."""
+    """``python -m swarmroute <role> ...``, returned once it reports ready; ``url`` is the base URL the gateway or
+    node reported then (a tracker reports none: "")."""
 
     def __init__(self, role: str, settings: Settings, args: list[str], *, ready_timeout: float = 60.0,
                  prefix: Sequence[str] = (), log_level: str = "info") -> None:
         """``prefix`` goes before the interpreter (e.g. ``ip netns exec HOST``)."""
         self.role = role
         super().__init__([*prefix, *swarmroute(role, "--log-level", log_level, *args)], env=settings_env(settings))
-        self.url: str | None = None
+        self.url = ""
         try:
             ready = self.wait_for(_READY[role], ready_timeout)
         except (ChildExited, AssertionError):
@@ -250,4 +250,4 @@ class ActorProcess(ChildProcess):
         if ready is None or self.proc.poll() is not None:
             self.kill()
             raise RuntimeError(f"{role} did not start:\n" + self.tail(30))
-        self.url = ready.group(1) if ready.groups() else None
+        self.url = ready.group(1) if ready.groups() else ""

@@ -103,7 +103,7 @@ class NodeProcess(ActorProcess):
                          prefix=prefix, log_level="warning")
 
     @property
-    def endpoint(self) -> str | None:
+    def endpoint(self) -> str:
         return self.url
 
 
