@@ -13,12 +13,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 from pydantic import SecretStr
 
-from actors.backends.stub import StubBackend, StubConfig
 from actors.node.metrics import count_artifact_fetched, count_artifact_served
 from gateway.app import Gateway
 from schemas.session import Prompt
 from schemas.settings import Settings
-from tests.support.swarm import Swarms
+from tests.support.swarm import Swarms, stub
 from tests.support.waiting import eventually
 
 
@@ -58,7 +57,7 @@ def _has(names: set[str], wanted: Iterable[str]) -> None:
 
 
 async def test_metrics_after_a_streamed_request(settings: Settings, swarms: Swarms) -> None:
-    head, tail = StubBackend(StubConfig(layer_end=4, delay_s=0.002)), StubBackend(StubConfig(layer_start=4))
+    head, tail = stub(0, 4, delay_s=0.002), stub(4, 8)
     swarm = await swarms.start(settings, [head, tail], model_id="stub-model")
     client = openai.AsyncOpenAI(base_url=swarm.base_url, api_key="unused", max_retries=0)
     n_tokens = 20
@@ -136,7 +135,7 @@ async def test_metrics_after_a_streamed_request(settings: Settings, swarms: Swar
 
 
 async def test_artifact_counters_and_refused_requests_are_counted(settings: Settings, swarms: Swarms) -> None:
-    swarm = await swarms.start(settings, [StubBackend(StubConfig())], model_id="stub-model")
+    swarm = await swarms.start(settings, [stub()], model_id="stub-model")
     keyed = await swarms.actor(Gateway(settings.model_copy(update={"api_keys": [SecretStr("sk-1")]}), port=0))
     before = await scrape(swarm.nodes[0].endpoint)
     fetched0 = sum(s.value for s in before.samples if s.name == "swarmroute_artifact_bytes_fetched_total")

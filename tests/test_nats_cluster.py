@@ -22,14 +22,13 @@ import nats
 import openai
 import pytest
 
-from actors.backends.stub import StubBackend, StubConfig
 from actors.node import Node, NodeConfig
 from actors.tracker import Tracker
 from schemas.session import Prompt
 from tests.support.actors import Children
 from tests.support.fleet import Proc, stub_reference, write_fleet
 from tests.support.nats_cluster import NatsCluster, free_port, start_cluster, wait_jetstream
-from tests.support.swarm import make_settings
+from tests.support.swarm import make_settings, stub
 from tests.support.waiting import eventually, eventually_sync
 
 AUTH_CONF = Path(__file__).resolve().parent.parent / "deploy" / "nats" / "auth.conf"
@@ -172,7 +171,7 @@ async def test_a_node_stays_live_while_its_registry_writes_go_unacknowledged(ope
     await wait_jetstream(c.urls)
     settings = make_settings(c.urls[0], tmp_path / "home", heartbeat_s=0.5, registry_ttl_s=3.0,
                              registry_replicas=3)
-    backend = StubBackend(StubConfig(model="stub-model", n_layers=8, layer_start=0, layer_end=8))
+    backend = stub(0, 8)
     async with Tracker(settings) as tracker, Node(NodeConfig(node_id="n1", model_id="stub-model"), backend,
                                                  settings):
         registry = tracker.registry

@@ -13,12 +13,11 @@ from typing import Any
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from actors.backends.stub import StubBackend, StubConfig
 from bus import codec
 from bus.subjects import Subjects
 from schemas.route import RouteReply, RouteRequest
 from schemas.settings import Settings
-from tests.support.swarm import Swarms
+from tests.support.swarm import Swarms, stub
 
 
 async def _collect(nc: NATS, subject: str, wait_s: float = 0.5) -> list[dict[str, Any]]:
@@ -37,8 +36,7 @@ async def _collect(nc: NATS, subject: str, wait_s: float = 0.5) -> list[dict[str
 
 
 async def test_srv_ping_lists_tracker_nodes_and_gateway(settings: Settings, nc: NATS, swarms: Swarms) -> None:
-    swarm = await swarms.start(settings, [StubBackend(StubConfig(layer_end=4)), StubBackend(StubConfig(layer_start=4))],
-                               model_id="stub-model")
+    swarm = await swarms.start(settings, [stub(0, 4), stub(4, 8)], model_id="stub-model")
     pings = await _collect(nc, "$SRV.PING")
     members = sorted((p["name"], p["metadata"]["member"]) for p in pings)
     assert members == [("swarmroute-gateway", "gateway"), ("swarmroute-node", "n1"), ("swarmroute-node", "n2"),
