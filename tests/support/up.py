@@ -11,7 +11,9 @@ import socket
 import threading
 from pathlib import Path
 
-from tests.support.actors import ChildProcess, descendants, swarmroute
+from tests.support.actors import ChildProcess, alive, descendants, still_alive, swarmroute
+
+__all__ = ["Up", "alive", "descendants", "free_port", "still_alive"]  # the process-tree helpers live in actors.py
 
 
 def free_port() -> int:
