@@ -39,21 +39,42 @@ from collections.abc import AsyncIterator, Iterator  # noqa: E402
 
 from bus.server import EmbeddedNats, NatsServerConfig  # noqa: E402
 from schemas.settings import Settings  # noqa: E402
-from tests.support.swarm import make_settings  # noqa: E402
+from tests.support.actors import Children  # noqa: E402
+from tests.support.swarm import Swarms, make_settings  # noqa: E402
 
 
 @pytest.fixture
 def nats_server(tmp_path: Path) -> Iterator[EmbeddedNats]:
     """A real nats-server with JetStream on a random port, per test."""
-    server = EmbeddedNats(NatsServerConfig(store_dir=tmp_path / "nats"))
-    server.start()
-    yield server
-    server.stop()
+    with EmbeddedNats(NatsServerConfig(store_dir=tmp_path / "nats")) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def module_nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNats]:
+    """One nats-server for a module's tests (each then works in a namespace of its own)."""
+    with EmbeddedNats(NatsServerConfig(store_dir=tmp_path_factory.mktemp("nats"))) as server:
+        yield server
 
 
 @pytest.fixture
 def settings(nats_server: EmbeddedNats, tmp_path: Path) -> Settings:
     return make_settings(nats_server.url, tmp_path / "home")
+
+
+@pytest.fixture
+async def swarms(nats_server: EmbeddedNats) -> AsyncIterator[Swarms]:
+    """Starts swarms, actors, proxies and node processes for a test and stops them all when it ends, before its
+    NATS server (tests/support/swarm.py)."""
+    async with Swarms() as started:
+        yield started
+
+
+@pytest.fixture
+def children() -> Iterator[Children]:
+    """Child processes a test starts (``children.add(...)``), each stopped when it ends (tests/support/actors.py)."""
+    with Children() as started:
+        yield started
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import dataclasses
 import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -30,7 +30,7 @@ from artifacts.arch_support import SUPPORT  # noqa: E402
 from artifacts.gguf_shape import shape_from_gguf  # noqa: E402
 from artifacts.shard import write_shard  # noqa: E402
 from artifacts.synthetic.matrix import MATRIX, MatrixCase, case, ranges  # noqa: E402
-from bus.server import EmbeddedNats, NatsServerConfig  # noqa: E402
+from bus.server import EmbeddedNats  # noqa: E402
 from schemas.errors import BadRequestError, ModelLoadError  # noqa: E402
 from tests.support import arch_doc  # noqa: E402
 from tests.support.arch_matrix import (  # noqa: E402
@@ -80,17 +80,9 @@ def shard_dir(models: Path, c: MatrixCase, quant: str) -> Path:
     return models / f"{c.name}-{quant}.shards"
 
 
-@pytest.fixture(scope="module")
-def nats_module(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNats]:
-    server = EmbeddedNats(NatsServerConfig(store_dir=tmp_path_factory.mktemp("nats")))
-    server.start()
-    yield server
-    server.stop()
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def harness(nats_module: EmbeddedNats, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[RouteHarness]:
-    h = await RouteHarness.start(nats_module, tmp_path_factory.mktemp("home"))
+async def harness(module_nats: EmbeddedNats, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[RouteHarness]:
+    h = await RouteHarness.start(module_nats, tmp_path_factory.mktemp("home"))
     yield h
     await h.stop()
 

@@ -8,12 +8,8 @@ import json
 import os
 import queue
 import shutil
-import signal
 import subprocess
 import sys
-import threading
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import nats
@@ -29,32 +25,34 @@ from bus.server import EmbeddedNats
 from bus.subjects import Subjects
 from schemas.artifact import ArtifactPeer, FetchProgress
 from schemas.manifest import ModelManifest
+from tests.support.actors import ChildProcess, Children, swarmroute
 from tests.support.gguf_factory import write_tiny_gguf
+from tests.support.swarm import Swarms
+from tests.support.waiting import eventually
 
 REPO = Path(__file__).resolve().parent.parent
 CORRUPT_PEER = REPO / "tests" / "support" / "corrupt_peer.py"
 SUBJECTS = Subjects()
 
 
-class Proc:
+class Proc(ChildProcess):
     """A child process whose JSON stdout lines are read in the background; stderr goes to a log file."""
+
+    stop_timeout = 15.0
 
     def __init__(self, argv: list[str], env: dict[str, str], log: Path) -> None:
         self.log = log
         self._err = log.open("w")
-        self.proc = subprocess.Popen(argv, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=self._err, text=True)
-        self.lines: queue.Queue[dict[str, object]] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+        self.json_lines: queue.Queue[dict[str, object]] = queue.Queue()
+        super().__init__(argv, env_replace=env, cwd=REPO, stderr=self._err)
 
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("{"):
-                self.lines.put(json.loads(line))
+    def on_line(self, line: str) -> None:
+        if line.startswith("{"):
+            self.json_lines.put(json.loads(line))
 
     def next_json(self, timeout: float) -> dict[str, object]:
         try:
-            return self.lines.get(timeout=timeout)
+            return self.json_lines.get(timeout=timeout)
         except queue.Empty:
             raise AssertionError(f"no output in {timeout}s (rc={self.proc.poll()}): {self.log.read_text()[-2000:]}"
                                  ) from None
@@ -63,28 +61,20 @@ class Proc:
         """``next_json`` without blocking the event loop (NATS callbacks keep running meanwhile)."""
         return await asyncio.to_thread(self.next_json, timeout)
 
-    def kill(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+    def close(self) -> None:
+        self.stop()
         self._err.close()
 
 
 class Swarm:
-    def __init__(self, tmp: Path, nats_url: str) -> None:
+    def __init__(self, tmp: Path, nats_url: str, children: Children) -> None:
         self.tmp = tmp
         self.env = {**os.environ, "SWARMROUTE_NATS_URL": nats_url, "PYTHONPATH": str(REPO)}
-        self.procs: list[Proc] = []
+        self.children = children
 
     def artifact(self, name: str, *args: str) -> Proc:
-        argv = [sys.executable, "-m", "swarmroute", "artifact", *args, "--node-id", name]
-        proc = Proc(argv, self.env, self.tmp / f"{name}.log")
-        self.procs.append(proc)
-        return proc
+        return self.children.add(Proc(swarmroute("artifact", *args, "--node-id", name), self.env,
+                                      self.tmp / f"{name}.log"))
 
     async def seed(self, name: str, home: Path, model_id: str) -> tuple[Proc, dict[str, object]]:
         proc = self.artifact(name, "seed", model_id, "--home", str(home))
@@ -94,23 +84,16 @@ class Swarm:
         return self.artifact(name, "fetch", "--home", str(home), "--quiet", *args)
 
     async def corrupt_peer(self, manifest: Path, directory: Path) -> int:
-        proc = Proc([sys.executable, str(CORRUPT_PEER), str(manifest), str(directory)], self.env,
-                    self.tmp / "corrupt.log")
-        self.procs.append(proc)
+        proc = self.children.add(Proc([sys.executable, str(CORRUPT_PEER), str(manifest), str(directory)], self.env,
+                                      self.tmp / "corrupt.log"))
         port = (await proc.json(60))["port"]
         assert isinstance(port, int)
         return port
 
-    def stop(self) -> None:
-        for proc in self.procs:
-            proc.kill()
-
 
 @pytest.fixture
-def swarm(tmp_path: Path, nats_server: EmbeddedNats) -> Iterator[Swarm]:
-    s = Swarm(tmp_path, nats_server.url)
-    yield s
-    s.stop()
+def swarm(tmp_path: Path, nats_server: EmbeddedNats, children: Children) -> Swarm:
+    return Swarm(tmp_path, nats_server.url, children)
 
 
 class Watch:
@@ -135,12 +118,6 @@ class Watch:
 
     def ranges_of(self, node_id: str) -> list[list[tuple[int, int]]]:
         return [[(r.start, r.end) for r in p.ranges] for p in self.peers if p.node_id == node_id]
-
-    async def until(self, predicate: object, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while not predicate():  # type: ignore[operator]
-            assert time.monotonic() < deadline, "condition not met on NATS in time"
-            await asyncio.sleep(0.05)
 
     async def close(self) -> None:
         await self.nc.drain()
@@ -175,10 +152,11 @@ def gemma_copy(gemma_path: Path, tmp_path: Path) -> Path:
 
 @pytest.mark.slow
 async def test_two_leechers_fetch_their_ranges_and_advertise_only_them(
-        swarm: Swarm, nats_server: EmbeddedNats, gemma_copy: Path, tmp_path: Path) -> None:
+        swarm: Swarm, nats_server: EmbeddedNats, swarms: Swarms, gemma_copy: Path, tmp_path: Path) -> None:
     manifest = seed_store(tmp_path / "h0", gemma_copy)
     mid = manifest.model_id
     watch = await Watch().start(nats_server.url, mid)
+    swarms.on_teardown(watch.close)
     _, seeding = await swarm.seed("seed0", tmp_path / "h0", mid)
     assert seeding["ranges"] == [[0, 18]]
     splits = {"leechA": (0, 9), "leechB": (9, 18)}
@@ -186,7 +164,8 @@ async def test_two_leechers_fetch_their_ranges_and_advertise_only_them(
     procs = {n: swarm.fetch(n, tmp_path / n, "--model-id", mid, "--range", f"{a}:{b}", "--seed-after")
              for n, (a, b) in splits.items()}
     results = {n: FetchProgress.model_validate(await p.json(300)) for n, p in procs.items()}
-    await watch.until(lambda: all([r] in watch.ranges_of(n) for n, r in splits.items()), 10)
+    await eventually(lambda: all([r] in watch.ranges_of(n) for n, r in splits.items()), timeout=10,
+                     what="both leechers advertising their ranges")
     for node, (a, b) in splits.items():
         r = results[node]
         assert r.model_extra is not None and r.model_extra["event"] == "fetched" and r.phase == "done"
@@ -197,35 +176,36 @@ async def test_two_leechers_fetch_their_ranges_and_advertise_only_them(
         assert all(ranges in ([], [(a, b)]) for ranges in watch.ranges_of(node))
         phases = [p.phase for p in watch.progress if p.node_id == node]
         assert "fetching" in phases and phases[-1] == "done"
-    assert all(ranges == [(0, 18)] for ranges in watch.ranges_of("seed0"))
+    assert watch.ranges_of("seed0") and all(ranges == [(0, 18)] for ranges in watch.ranges_of("seed0"))
     # a 2-way split moves 2 x ~219 MB: the 178 MB tied embedding is needed by both the head and the tail
     print("downloaded", {n: r.bytes_downloaded for n, r in results.items()}, "file", manifest.file_size)
-    await watch.close()
 
 
-async def test_flipped_byte_is_detected_and_never_advertised(swarm: Swarm, nats_server: EmbeddedNats,
+async def test_flipped_byte_is_detected_and_never_advertised(swarm: Swarm, nats_server: EmbeddedNats, swarms: Swarms,
                                                              tmp_path: Path) -> None:
     source = write_tiny_gguf(tmp_path / "tiny.gguf", n_layers=6)
     manifest = seed_store(tmp_path / "h0", source)
     store = Store(tmp_path / "h0")
     flip_in_tensors(store.data_path(manifest), manifest, ["blk.2.attn_v.weight"])
     watch = await Watch().start(nats_server.url, manifest.model_id)
+    swarms.on_teardown(watch.close)
     _, seeding = await swarm.seed("seed0", tmp_path / "h0", manifest.model_id)
     assert seeding["ranges"] == [[0, 2], [3, 6]]
-    await watch.until(lambda: watch.ranges_of("seed0"), 10)
+    await eventually(lambda: watch.ranges_of("seed0"), timeout=10,
+                     what="the seeder advertising")
     assert all(not any(a <= 2 < b for a, b in ranges) for ranges in watch.ranges_of("seed0"))
     out = subprocess.run([sys.executable, "-m", "swarmroute", "artifact", "verify", "--home", str(tmp_path / "h0")],
                          capture_output=True, text=True, cwd=REPO, env=swarm.env)
     assert out.returncode == 1 and "hash_mismatch: blk.2.attn_v.weight" in out.stdout
-    await watch.close()
 
 
 @pytest.mark.slow
-async def test_interrupted_fetch_resumes(swarm: Swarm, nats_server: EmbeddedNats, gemma_copy: Path,
+async def test_interrupted_fetch_resumes(swarm: Swarm, nats_server: EmbeddedNats, swarms: Swarms, gemma_copy: Path,
                                          tmp_path: Path) -> None:
     manifest = seed_store(tmp_path / "h0", gemma_copy)
     mid = manifest.model_id
     watch = await Watch().start(nats_server.url, mid)
+    swarms.on_teardown(watch.close)
     await swarm.seed("seed0", tmp_path / "h0", mid)
     wanted = wanted_bytes(manifest, 6, 12)
     first = swarm.fetch("leech", tmp_path / "h1", "--model-id", mid, "--range", "6:12",
@@ -234,8 +214,9 @@ async def test_interrupted_fetch_resumes(swarm: Swarm, nats_server: EmbeddedNats
     def far_enough() -> bool:
         return any(p.node_id == "leech" and p.pieces_done >= 0.4 * p.pieces_wanted > 0 for p in watch.progress)
 
-    await watch.until(far_enough, 60)
-    first.kill(signal.SIGKILL)  # a crash: no chance to save anything
+    await eventually(far_enough, timeout=60,
+                     what="the leecher fetching 40% of its pieces")
+    first.kill()  # SIGKILL, a crash: no chance to save anything
     held = max(p.pieces_done for p in watch.progress if p.node_id == "leech")
     assert held < max(p.pieces_wanted for p in watch.progress if p.node_id == "leech")
     second = FetchProgress.model_validate(
@@ -245,11 +226,10 @@ async def test_interrupted_fetch_resumes(swarm: Swarm, nats_server: EmbeddedNats
     piece = manifest.torrent.piece_size
     # the restart fetched only what the crash left missing (a few in-flight pieces may be lost)
     assert second.bytes_downloaded <= wanted - (held - 8) * piece
-    await watch.close()
 
 
 @pytest.mark.slow
-async def test_corrupt_peer_is_survived(swarm: Swarm, nats_server: EmbeddedNats, gemma_copy: Path,
+async def test_corrupt_peer_is_survived(swarm: Swarm, nats_server: EmbeddedNats, swarms: Swarms, gemma_copy: Path,
                                         tmp_path: Path) -> None:
     manifest = seed_store(tmp_path / "h0", gemma_copy)
     mid = manifest.model_id
@@ -261,12 +241,13 @@ async def test_corrupt_peer_is_survived(swarm: Swarm, nats_server: EmbeddedNats,
                     [n for il in range(6, 12) for n in manifest.groups.layers[il]])
     bad_port = await swarm.corrupt_peer(manifest_file, bad_dir)
     watch = await Watch().start(nats_server.url, mid)
+    swarms.on_teardown(watch.close)
     leech = swarm.fetch("leech", tmp_path / "h1", "--manifest", str(manifest_file), "--range", "6:12",
                         "--peer", f"127.0.0.1:{bad_port}")
     # at first the liar is the only peer: wait until its data has failed the piece hashes
-    await watch.until(lambda: any(p.node_id == "leech" and p.hash_failures for p in watch.progress), 60)
+    await eventually(lambda: any(p.node_id == "leech" and p.hash_failures for p in watch.progress), timeout=60,
+                     what="a hash failure on the leecher")
     await swarm.seed("seed0", tmp_path / "h0", mid)  # an honest seeder joins, found over NATS
     result = FetchProgress.model_validate(await leech.json(120))
     assert result.phase == "done" and result.hash_failures >= 1 and result.model_extra is not None
     assert verify_shard(manifest, Path(result.model_extra["shard"]), 6, 12).ok
-    await watch.close()

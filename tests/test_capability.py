@@ -3,7 +3,6 @@ request about the session must carry the session token. Real tracker, nodes, gat
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import time
@@ -14,7 +13,6 @@ import numpy as np
 import openai
 import pytest
 
-from actors.backends.stub import StubBackend, StubConfig
 from actors.node.admission import Admission
 from bus import capability as caps
 from bus import frame as frames
@@ -25,14 +23,11 @@ from schemas.node import LayerRange
 from schemas.route import Hop, Route, RouteRequest
 from schemas.session import SessionOpen
 from schemas.settings import Settings
-from tests.support.swarm import Swarm, make_settings, start_swarm
+from tests.support.swarm import Swarm, Swarms, make_settings, stub
+from tests.support.waiting import eventually
 
 MODEL = "stub-model"
 SECRET = "capability-test-secret-" + "x" * 16
-
-
-def stub(start: int, end: int, **kw: object) -> StubBackend:
-    return StubBackend(StubConfig(model=MODEL, n_layers=8, layer_start=start, layer_end=end, **kw))  # type: ignore[arg-type]
 
 
 def a_route(session_id: str = "a" * 32) -> Route:
@@ -140,38 +135,33 @@ def secure_settings(nats_server: object, tmp_path: Path) -> Settings:
     return make_settings(nats_server.url, tmp_path / "home", swarm_secret=SECRET)  # type: ignore[attr-defined]
 
 
-async def test_swarm_with_secret_serves_and_binds_each_session(secure_settings: Settings) -> None:
+async def test_swarm_with_secret_serves_and_binds_each_session(secure_settings: Settings, swarms: Swarms) -> None:
     head, tail = stub(0, 4), stub(4, 8)
-    swarm = await start_swarm(secure_settings, [head, tail], model_id=MODEL)
-    try:
-        client = openai.AsyncOpenAI(base_url=swarm.base_url, api_key="unused", max_retries=0)
-        seen_tokens: list[str | None] = []
+    swarm = await swarms.start(secure_settings, [head, tail], model_id=MODEL)
+    client = openai.AsyncOpenAI(base_url=swarm.base_url, api_key="unused", max_retries=0)
+    seen_tokens: list[str | None] = []
 
-        def spy_open(node_index: int) -> None:
-            node = swarm.nodes[node_index]
-            original = node.open_session
+    def spy_open(node_index: int) -> None:
+        node = swarm.nodes[node_index]
+        original = node.open_session
 
-            async def wrapped(request: SessionOpen):  # type: ignore[no-untyped-def]
-                opened = await original(request)
-                seen_tokens.append(node.sessions[request.session_id].session_token)
-                assert request.route.hops[0].capability == "" and request.capability  # only its own grant
-                return opened
+        async def wrapped(request: SessionOpen):  # type: ignore[no-untyped-def]
+            opened = await original(request)
+            seen_tokens.append(node.sessions[request.session_id].session_token)
+            assert request.route.hops[0].capability == "" and request.capability  # only its own grant
+            return opened
 
-            node.open_session = wrapped  # type: ignore[method-assign]
+        node.open_session = wrapped  # type: ignore[method-assign]
 
-        spy_open(0)
-        spy_open(1)
-        result = await client.completions.create(model=MODEL, prompt="hello", max_tokens=8, temperature=0,
-                                                 extra_body={"ignore_eos": True})
-        assert result.usage is not None and result.usage.completion_tokens == 8
-        assert len(seen_tokens) == 2 and seen_tokens[0] and seen_tokens[0] == seen_tokens[1]
-        for _ in range(100):
-            if not head.open_sessions and not tail.open_sessions:
-                break
-            await asyncio.sleep(0.02)
-        assert head.open_sessions == [] and tail.open_sessions == []  # the gateway's close carried the token
-    finally:
-        await swarm.stop()
+    spy_open(0)
+    spy_open(1)
+    result = await client.completions.create(model=MODEL, prompt="hello", max_tokens=8, temperature=0,
+                                             extra_body={"ignore_eos": True})
+    assert result.usage is not None and result.usage.completion_tokens == 8
+    assert len(seen_tokens) == 2 and seen_tokens[0] and seen_tokens[0] == seen_tokens[1]
+    await eventually(lambda: not head.open_sessions and not tail.open_sessions, timeout=2.0, interval=0.02,
+                     what="both nodes closing the session")
+    assert head.open_sessions == [] and tail.open_sessions == []  # the gateway's close carried the token
 
 
 def _frame(session_id: str, start: int, n: int = 1) -> bytes:
@@ -192,54 +182,52 @@ async def _open_tail_directly(swarm: Swarm, session_id: str) -> tuple[Route, str
     return route, caps.peek(tail.capability).session_token
 
 
-async def test_node_refuses_requests_without_the_right_grant_with_a_reason(secure_settings: Settings) -> None:
-    swarm = await start_swarm(secure_settings, [stub(0, 4), stub(4, 8)], model_id=MODEL)
-    try:
-        sid = "d" * 32
-        route, token = await _open_tail_directly(swarm, sid)
-        head, tail = route.hops
-        url = f"{tail.endpoint}/v1/sessions/{sid}"
-        async with httpx.AsyncClient() as http:
-            async def post_frame(headers: dict[str, str], start: int = 0) -> httpx.Response:
-                return await http.post(f"{url}/frames", content=_frame(sid, start),
-                                       headers={"content-type": FRAME_CONTENT_TYPE, **headers})
+async def test_node_refuses_requests_without_the_right_grant_with_a_reason(secure_settings: Settings,
+                                                                          swarms: Swarms) -> None:
+    swarm = await swarms.start(secure_settings, [stub(0, 4), stub(4, 8)], model_id=MODEL)
+    sid = "d" * 32
+    route, token = await _open_tail_directly(swarm, sid)
+    head, tail = route.hops
+    url = f"{tail.endpoint}/v1/sessions/{sid}"
+    async with httpx.AsyncClient() as http:
+        async def post_frame(headers: dict[str, str], start: int = 0) -> httpx.Response:
+            return await http.post(f"{url}/frames", content=_frame(sid, start),
+                                   headers={"content-type": FRAME_CONTENT_TYPE, **headers})
 
-            r = await post_frame({})
-            assert r.status_code == 401 and caps.HEADER_SESSION_TOKEN in r.json()["error"]["message"]
-            r = await post_frame({caps.HEADER_SESSION_TOKEN: "x" * 32})
-            assert r.status_code == 403 and "wrong session token" in r.json()["error"]["message"]
-            r = await post_frame({caps.HEADER_SESSION_TOKEN: token})
-            assert r.status_code == 200 and r.json()["position"] == 1  # the tail computed it
-            r = await http.get(url)
-            assert r.status_code == 401
-            r = await http.delete(url)
-            assert r.status_code == 401 and sid in swarm.nodes[1].sessions  # not closed by a stranger
+        r = await post_frame({})
+        assert r.status_code == 401 and caps.HEADER_SESSION_TOKEN in r.json()["error"]["message"]
+        r = await post_frame({caps.HEADER_SESSION_TOKEN: "x" * 32})
+        assert r.status_code == 403 and "wrong session token" in r.json()["error"]["message"]
+        r = await post_frame({caps.HEADER_SESSION_TOKEN: token})
+        assert r.status_code == 200 and r.json()["position"] == 1  # the tail computed it
+        r = await http.get(url)
+        assert r.status_code == 401
+        r = await http.delete(url)
+        assert r.status_code == 401 and sid in swarm.nodes[1].sessions  # not closed by a stranger
 
-            # Opening needs this node's own, unexpired grant for this hop of this route.
-            other = "e" * 32
-            reply = swarm.tracker.route(RouteRequest(model=MODEL, session_id=other))
-            assert reply.route is not None
-            for body, status, reason in [
-                (an_open(reply.route, 1).model_copy(update={"capability": ""}), 401, "missing session capability"),
-                (an_open(reply.route, 1).model_copy(update={"capability": reply.route.hops[0].capability}), 403,
-                 "is for node"),
-                (an_open(reply.route, 1).model_copy(update={"capability": caps.issue(
-                    reply.route, caps.HmacKey(b"not-the-swarm-secret!"), 30).hops[1].capability}), 401,
-                 "does not verify"),
-            ]:
-                r = await http.post(f"{tail.endpoint}/v1/sessions", json=body.model_dump(mode="json"))
-                assert r.status_code == status and reason in r.json()["error"]["message"], r.text
-            r = await http.post(f"{head.endpoint}/v1/tokenize", json={"text": "hi"})
-            assert r.status_code == 401
-            r = await http.post(f"{head.endpoint}/v1/tokenize", json={"text": "hi"},
-                                headers={caps.HEADER_CAPABILITY: head.capability})
-            assert r.status_code == 200 and r.json()["tokens"]
-            r = await http.delete(url, headers={caps.HEADER_SESSION_TOKEN: token})
-            assert r.status_code == 200 and sid not in swarm.nodes[1].sessions
-            r = await http.post(f"{tail.endpoint}/v1/sessions", json=an_open(route, 1).model_dump(mode="json"))
-            assert r.status_code == 403 and "already used" in r.json()["error"]["message"]  # no replay
-    finally:
-        await swarm.stop()
+        # Opening needs this node's own, unexpired grant for this hop of this route.
+        other = "e" * 32
+        reply = swarm.tracker.route(RouteRequest(model=MODEL, session_id=other))
+        assert reply.route is not None
+        for body, status, reason in [
+            (an_open(reply.route, 1).model_copy(update={"capability": ""}), 401, "missing session capability"),
+            (an_open(reply.route, 1).model_copy(update={"capability": reply.route.hops[0].capability}), 403,
+             "is for node"),
+            (an_open(reply.route, 1).model_copy(update={"capability": caps.issue(
+                reply.route, caps.HmacKey(b"not-the-swarm-secret!"), 30).hops[1].capability}), 401,
+             "does not verify"),
+        ]:
+            r = await http.post(f"{tail.endpoint}/v1/sessions", json=body.model_dump(mode="json"))
+            assert r.status_code == status and reason in r.json()["error"]["message"], r.text
+        r = await http.post(f"{head.endpoint}/v1/tokenize", json={"text": "hi"})
+        assert r.status_code == 401
+        r = await http.post(f"{head.endpoint}/v1/tokenize", json={"text": "hi"},
+                            headers={caps.HEADER_CAPABILITY: head.capability})
+        assert r.status_code == 200 and r.json()["tokens"]
+        r = await http.delete(url, headers={caps.HEADER_SESSION_TOKEN: token})
+        assert r.status_code == 200 and sid not in swarm.nodes[1].sessions
+        r = await http.post(f"{tail.endpoint}/v1/sessions", json=an_open(route, 1).model_dump(mode="json"))
+        assert r.status_code == 403 and "already used" in r.json()["error"]["message"]  # no replay
 
 
 async def test_mismatched_secrets_fail_cleanly_as_a_route_error(nats_server: object, tmp_path: Path) -> None:

@@ -9,7 +9,6 @@ new sessions route again once the registry recovers, and no process outlives the
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import time
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ from schemas.settings import Settings
 from tests.support import figures
 from tests.support.actors import ActorProcess, orphans
 from tests.support.swarm import make_settings
+from tests.support.waiting import eventually
 
 MODEL = "stub-model"
 STEP_S = 0.01
@@ -83,15 +83,10 @@ async def wait_routable(gateway_url: str, timeout: float = 20.0) -> float:
     """Until a real request succeeds through ``gateway_url``; returns how long that took."""
     started = time.monotonic()
     client = openai.AsyncOpenAI(base_url=gateway_url + "/v1", api_key="unused", max_retries=0, timeout=10)
-    last: Exception | None = None
-    while time.monotonic() - started < timeout:
-        try:
-            await client.completions.create(model=MODEL, prompt="ping", max_tokens=1)
-            return time.monotonic() - started
-        except (openai.APIStatusError, openai.APIConnectionError) as exc:
-            last = exc
-            await asyncio.sleep(0.2)
-    raise AssertionError(f"no route through {gateway_url} within {timeout:g}s: {last}")
+    await eventually(lambda: client.completions.create(model=MODEL, prompt="ping", max_tokens=1), timeout=timeout,
+                     interval=0.2, ignoring=(openai.APIStatusError, openai.APIConnectionError),
+                     what=f"a route through {gateway_url}")
+    return time.monotonic() - started
 
 
 async def sessions_on(endpoint: str) -> int | None:
@@ -105,12 +100,15 @@ async def sessions_on(endpoint: str) -> int | None:
 async def all_freed(nodes: list[ActorProcess], timeout: float = 10.0) -> float:
     """Until every live node reports 0 sessions; returns the time it took."""
     started = time.monotonic()
-    while time.monotonic() - started < timeout:
-        counts = [await sessions_on(n.url or "") for n in nodes]
-        if all(c == 0 for c in counts):
-            return time.monotonic() - started
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"nodes still hold sessions after {timeout:g}s: {counts}")
+    counts: list[int | None] = []
+
+    async def freed() -> bool:
+        counts[:] = [await sessions_on(n.url) for n in nodes]
+        return all(c == 0 for c in counts)
+
+    await eventually(freed, timeout=timeout, interval=0.1,
+                     what=lambda: f"the nodes freeing their sessions (they hold: {counts})")
+    return time.monotonic() - started
 
 
 @dataclasses.dataclass
@@ -157,14 +155,6 @@ async def _consume(client: openai.AsyncOpenAI, out: Outcome, prompt: str, max_to
             out.finished = True
 
 
-async def until(predicate: Any, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)
-
-
 def by_id(fleet: Fleet, node_id: str) -> ActorProcess:
     return next(p for p in fleet.procs if p.role == "node" and f"--node-id {node_id} " in " ".join(p.proc.args) + " ")
 
@@ -178,22 +168,26 @@ async def test_node_killed_fails_only_its_session(fleet: Fleet, phase: str) -> N
     for node_id, layers in (("a1", "0:4"), ("a2", "4:8"), ("b1", "0:4"), ("b2", "4:8")):
         fleet.node(node_id, layers, max_sessions=1, delay=0.03 if phase == "prefill" else STEP_S)
     gateway = fleet.gateway()
-    assert gateway.url
+    assert gateway.url.startswith("http://127.0.0.1:")  # where it said it serves, on loopback
     await wait_routable(gateway.url)
     await all_freed(fleet.nodes())
     await asyncio.sleep(fleet.settings.heartbeat_s * 2)  # the probe's route no longer counts as pending
     victim, bystander = Outcome(), Outcome()
     prompt = "p" * 160 if phase == "prefill" else "hello"  # 161 tokens in chunks of 4: seconds of prefill
     hit = asyncio.create_task(stream(gateway.url, victim, prompt=prompt))
-    await until(lambda: bool(victim.route))
+    await eventually(lambda: bool(victim.route), timeout=20.0, interval=0.01,
+                     what="the victim's stream showing its route")
     other = asyncio.create_task(stream(gateway.url, bystander, max_tokens=80))
-    await until(lambda: bool(bystander.route))
+    await eventually(lambda: bool(bystander.route), timeout=20.0, interval=0.01,
+                     what="the bystander's stream showing its route")
     assert not set(victim.route) & set(bystander.route)
     if phase == "prefill":
-        await until(lambda: victim.prefill_done >= 40)
+        await eventually(lambda: victim.prefill_done >= 40, timeout=20.0, interval=0.01,
+                         what="the victim's prefill reaching 40 positions")
         assert victim.tokens == 0
     else:
-        await until(lambda: victim.tokens >= 5)
+        await eventually(lambda: victim.tokens >= 5, timeout=20.0, interval=0.01,
+                         what="5 tokens on the victim's stream")
     dead = victim.route[-1]
     killed_at = time.monotonic()
     by_id(fleet, dead).kill()
@@ -217,11 +211,11 @@ async def test_tracker_killed_does_not_disturb_sessions_and_restart_routes_again
     fleet.node("h", "0:4")
     fleet.node("t", "4:8")
     gateway = fleet.gateway()
-    assert gateway.url
+    assert gateway.url.startswith("http://127.0.0.1:")  # where it said it serves, on loopback
     await wait_routable(gateway.url)
     running = Outcome()
     task = asyncio.create_task(stream(gateway.url, running, max_tokens=100))
-    await until(lambda: running.tokens >= 5)
+    await eventually(lambda: running.tokens >= 5, timeout=20.0, interval=0.01, what="5 tokens on the running stream")
     tracker.kill()
     client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.APIStatusError) as refused:
@@ -246,13 +240,14 @@ async def test_gateway_killed_breaks_only_its_clients_and_nodes_free_the_kv(flee
     fleet.node("h", "0:4")
     fleet.node("t", "4:8")
     doomed, spare = fleet.gateway(), fleet.gateway()
-    assert doomed.url and spare.url
+    assert doomed.url.startswith("http://127.0.0.1:") and spare.url.startswith("http://127.0.0.1:")
     await wait_routable(doomed.url)
     victim, bystander = Outcome(), Outcome()
     # At ~25 ms per token the orphan would run for ~100 s to its max_tokens; the head cancels it long before.
     hit = asyncio.create_task(stream(doomed.url, victim, max_tokens=4000))
     other = asyncio.create_task(stream(spare.url, bystander, max_tokens=80))
-    await until(lambda: victim.tokens >= 5 and bystander.tokens >= 5)
+    await eventually(lambda: victim.tokens >= 5 and bystander.tokens >= 5, timeout=20.0, interval=0.01,
+                     what="5 tokens on both streams")
     doomed.kill()
     killed_at = time.monotonic()
     await asyncio.wait_for(hit, 30)
@@ -273,29 +268,44 @@ async def test_gateway_killed_breaks_only_its_clients_and_nodes_free_the_kv(flee
 
 # ---- NATS -------------------------------------------------------------------------------------------------------
 
-@pytest.fixture
-def own_nats(tmp_path: Path) -> Iterator[EmbeddedNats]:
-    """A NATS server this test may kill and restart on the same port."""
-    server = EmbeddedNats(NatsServerConfig(store_dir=tmp_path / "nats-own"))
-    server.start()
-    yield server
-    server.stop()
+class OwnNats:
+    """A NATS server a test may kill and restart on the same port."""
+
+    def __init__(self, store_dir: Path) -> None:
+        self.store_dir = store_dir
+        self.server = EmbeddedNats(NatsServerConfig(store_dir=store_dir)).start()
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def kill(self) -> None:
+        self.server.kill()
+
+    async def restart(self) -> EmbeddedNats:
+        """A new server on the killed one's port and store; the one stopped at the end."""
+        port = self.server.port
+        await asyncio.to_thread(wait_port_free, "127.0.0.1", port)
+        self.server = await asyncio.to_thread(
+            EmbeddedNats(NatsServerConfig(store_dir=self.store_dir, port=port)).start)
+        return self.server
 
 
 @pytest.fixture
-def nats_fleet(own_nats: EmbeddedNats, tmp_path: Path) -> Iterator[Fleet]:
+def own_nats(tmp_path: Path) -> Iterator[OwnNats]:
+    own = OwnNats(tmp_path / "nats-own")
+    yield own
+    own.server.stop()
+
+
+@pytest.fixture
+def nats_fleet(own_nats: OwnNats, tmp_path: Path) -> Iterator[Fleet]:
     # Client probes at the default spacing: while the server restarts, a head may reconnect before its gateway.
     settings = make_settings(own_nats.url, tmp_path / "home", token_timeout_s=3.0, first_token_timeout_s=5.0,
                              hop_timeout_s=2.0, client_probe_s=5.0)
     f = Fleet(settings)
     yield f
     assert f.close() == [], "processes outlived the test"
-
-
-async def _restart(server: EmbeddedNats, tmp_path: Path) -> EmbeddedNats:
-    port = server.port
-    await asyncio.to_thread(wait_port_free, "127.0.0.1", port)
-    return await asyncio.to_thread(EmbeddedNats(NatsServerConfig(store_dir=tmp_path / "nats-own", port=port)).start)
 
 
 async def registry_has(url: str, settings: Settings, node_ids: set[str], timeout: float = 15.0) -> float:
@@ -305,21 +315,17 @@ async def registry_has(url: str, settings: Settings, node_ids: set[str], timeout
     from bus.subjects import Subjects
 
     started = time.monotonic()
-    nc = await nats.connect(url)
-    try:
-        while time.monotonic() - started < timeout:
-            with contextlib.suppress(Exception):
-                kv = await nc.jetstream().key_value(Subjects(settings.namespace).registry_bucket)
-                if node_ids <= set(await kv.keys()):
-                    return time.monotonic() - started
-            await asyncio.sleep(0.2)
-    finally:
-        await nc.close()
-    raise AssertionError(f"the registry bucket did not list {sorted(node_ids)} within {timeout:g}s")
+    async with await nats.connect(url) as nc:
+        async def listed() -> bool:
+            kv = await nc.jetstream().key_value(Subjects(settings.namespace).registry_bucket)
+            return node_ids <= set(await kv.keys())
+
+        await eventually(listed, timeout=timeout, interval=0.2, ignoring=(Exception,),
+                         what=f"the registry bucket listing {sorted(node_ids)}")
+    return time.monotonic() - started
 
 
-async def test_nats_killed_briefly_never_corrupts_a_stream(nats_fleet: Fleet, own_nats: EmbeddedNats,
-                                                           tmp_path: Path) -> None:
+async def test_nats_killed_briefly_never_corrupts_a_stream(nats_fleet: Fleet, own_nats: OwnNats) -> None:
     """Core NATS is at-most-once: token events in the dead server's socket buffers are gone. A stream must then
     either complete exactly as without the fault (everything after the outage was buffered by the head's client and
     replayed in order) or fail with the structured 'lost on the bus' reason — never a silently different text. The
@@ -329,49 +335,45 @@ async def test_nats_killed_briefly_never_corrupts_a_stream(nats_fleet: Fleet, ow
     nats_fleet.node("h", "0:4")
     nats_fleet.node("t", "4:8")
     gateway = nats_fleet.gateway()
-    assert gateway.url
+    assert gateway.url.startswith("http://127.0.0.1:")  # where it said it serves, on loopback
     await wait_routable(gateway.url)
     reference = await stream(gateway.url, Outcome(), max_tokens=100)
     assert reference.finished and reference.tokens == 100
     running = Outcome()
     task = asyncio.create_task(stream(gateway.url, running, max_tokens=100))
-    await until(lambda: running.tokens >= 5)
+    await eventually(lambda: running.tokens >= 5, timeout=20.0, interval=0.01, what="5 tokens on the running stream")
     own_nats.kill()
-    server = await _restart(own_nats, tmp_path)
+    server = await own_nats.restart()
+    await asyncio.wait_for(task, 30)
+    if running.error is None:
+        assert running.finished and running.text == reference.text
+    else:
+        assert isinstance(running.error, openai.APIError) and running.failure.get("kind") == "protocol"
+        assert "lost on the bus" in running.error.message
+    recovery_s = await wait_routable(gateway.url)
+    await all_freed(nats_fleet.nodes())
     try:
-        await asyncio.wait_for(task, 30)
-        if running.error is None:
-            assert running.finished and running.text == reference.text
-        else:
-            assert isinstance(running.error, openai.APIError) and running.failure.get("kind") == "protocol"
-            assert "lost on the bus" in running.error.message
-        recovery_s = await wait_routable(gateway.url)
-        await all_freed(nats_fleet.nodes())
-        try:
-            kv_s = await registry_has(server.url, nats_fleet.settings, {"h", "t"})  # the nodes re-created the bucket
-        except AssertionError:
-            for p in nats_fleet.procs:
-                print("=====", p.role, "\n".join(p.output[-40:]))
-            raise
-    finally:
-        server.stop()
+        kv_s = await registry_has(server.url, nats_fleet.settings, {"h", "t"})  # the nodes re-created the bucket
+    except AssertionError:
+        for p in nats_fleet.procs:
+            print("=====", p.role, "\n".join(p.lines[-40:]))
+        raise
     figures.add("chaos", "nats_kill_brief_injected")
     figures.add("chaos", "nats_kill_brief_completed" if running.error is None else "nats_kill_brief_gap_detected")
     figures.record("chaos_nats_kill_brief", last_outcome="completed" if running.error is None else "gap detected",
                    routable_after_restart_s=round(recovery_s, 2), registry_kv_back_s=round(kv_s, 2))
 
 
-async def test_nats_down_fails_sessions_cleanly_and_recovers(nats_fleet: Fleet, own_nats: EmbeddedNats,
-                                                             tmp_path: Path) -> None:
+async def test_nats_down_fails_sessions_cleanly_and_recovers(nats_fleet: Fleet, own_nats: OwnNats) -> None:
     nats_fleet.tracker()
     nats_fleet.node("h", "0:4")
     nats_fleet.node("t", "4:8")
     gateway = nats_fleet.gateway()
-    assert gateway.url
+    assert gateway.url.startswith("http://127.0.0.1:")  # where it said it serves, on loopback
     await wait_routable(gateway.url)
     running = Outcome()
     task = asyncio.create_task(stream(gateway.url, running, max_tokens=400))
-    await until(lambda: running.tokens >= 5)
+    await eventually(lambda: running.tokens >= 5, timeout=20.0, interval=0.01, what="5 tokens on the running stream")
     own_nats.kill()
     killed_at = time.monotonic()
     await asyncio.wait_for(task, 30)
@@ -379,11 +381,8 @@ async def test_nats_down_fails_sessions_cleanly_and_recovers(nats_fleet: Fleet, 
     assert isinstance(running.error, openai.APIError) and running.failure.get("kind") == "timeout"
     assert "silent" in running.error.message or "stopped answering" in running.error.message
     freed_s = await all_freed(nats_fleet.nodes())  # the gateway closed the session on every hop over HTTP
-    server = await _restart(own_nats, tmp_path)
-    try:
-        recovery_s = await wait_routable(gateway.url, timeout=30)
-    finally:
-        server.stop()
+    await own_nats.restart()
+    recovery_s = await wait_routable(gateway.url, timeout=30)
     figures.add("chaos", "nats_kill_long_injected")
     figures.record("chaos_nats_kill_long", detected_s=round(detected_s, 2), freed_s=round(freed_s, 2),
                    routable_after_restart_s=round(recovery_s, 2))
@@ -400,18 +399,15 @@ async def test_llamacpp_tail_killed_mid_decode(fleet: Fleet, gemma_path: Path) -
     head = fleet.start("node", ["--node-id", "lh", "--layers", "0:9", *common], ready_timeout=180)
     fleet.start("node", ["--node-id", "lt", "--layers", "9:18", *common], ready_timeout=180)
     gateway = fleet.gateway()
-    assert gateway.url
+    assert gateway.url.startswith("http://127.0.0.1:")  # where it said it serves, on loopback
     client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    deadline = time.monotonic() + 60
-    model = ""
-    while not model:  # the model id is content-derived: take it from /v1/models once the route is complete
-        assert time.monotonic() < deadline, "the llama.cpp route never became routable"
+
+    async def complete_model() -> str | None:  # the model id is content-derived: taken once the route is complete
         complete = [m.id for m in (await client.models.list()).data if (m.model_extra or {}).get("complete")]
-        if complete:
-            model = complete[0]
-            await client.completions.create(model=model, prompt="hi", max_tokens=1)
-        else:
-            await asyncio.sleep(0.5)
+        return complete[0] if complete else None
+
+    model = await eventually(complete_model, timeout=60, interval=0.5, what="the llama.cpp route becoming routable")
+    await client.completions.create(model=model, prompt="hi", max_tokens=1)
     await asyncio.sleep(fleet.settings.heartbeat_s * 2)  # the warm-up's route no longer counts as pending
     tokens = 0
     with pytest.raises(openai.APIError) as failure:

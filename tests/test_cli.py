@@ -9,28 +9,23 @@ import re
 import signal
 import socket
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
 
-from actors.backends.stub import StubBackend, StubConfig
 from schemas.settings import Settings
-from tests.support.swarm import start_swarm
-from tests.support.up import Up, alive, descendants, free_port
+from tests.support.actors import Children, descendants, still_alive
+from tests.support.swarm import Swarms, stub
+from tests.support.up import Up, free_port
+from tests.support.waiting import eventually_sync
 
 MODEL = "stub-model"
 
 
 @pytest.fixture
-def up(tmp_path: Path) -> Iterator[Up]:
-    port = free_port()
-    proc = Up("--backend", "stub", "--port", str(port), "--home", str(tmp_path / "home"))
-    yield proc
-    if proc.proc.poll() is None:
-        proc.kill_all()
+def up(tmp_path: Path, children: Children) -> Up:
+    return children.add(Up("--backend", "stub", "--port", str(free_port()), "--home", str(tmp_path / "home")))
 
 
 def test_up_serves_chat_and_sigint_stops_every_child(up: Up) -> None:
@@ -55,33 +50,26 @@ def test_up_serves_chat_and_sigint_stops_every_child(up: Up) -> None:
     # SIGINT to the launcher alone (a terminal's Ctrl-C would reach the children too): it must stop them itself.
     os.kill(up.proc.pid, signal.SIGINT)
     assert up.proc.wait(30) == 0, up.output
-    deadline = time.monotonic() + 10
-    while any(alive(pid, started) for pid, started in children.items()):
-        assert time.monotonic() < deadline, [pid for pid, s in children.items() if alive(pid, s)]
-        time.sleep(0.1)
+    eventually_sync(lambda: not still_alive(children), timeout=10, interval=0.1,
+                    what=lambda: f"every child exiting (alive: {still_alive(children)})")
     with socket.socket() as s:  # nobody listens on the gateway's port any more (TIME_WAIT aside)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", int(url.group(1).rsplit(":", 1)[1])))
 
 
-async def test_watch_once_lists_the_nodes(settings: Settings) -> None:
-    backends = [StubBackend(StubConfig(model=MODEL, n_layers=8, layer_start=a, layer_end=b))
-                for a, b in ((0, 5), (5, 8))]
-    swarm = await start_swarm(settings, backends, model_id=MODEL)
-    try:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "swarmroute", "watch", "--once", "--nats", settings.nats_url, "--namespace",
-            settings.namespace, "--log-level", "warning", stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE)
-        stdout, stderr = await asyncio.wait_for(proc.communicate(), 60)
-        assert proc.returncode == 0, stderr.decode()
-        rows = {line.split()[0]: line for line in stdout.decode().splitlines() if line.strip()}
-        assert "NODE" in rows
-        for node, layers in zip(swarm.nodes, ("[0, 5)", "[5, 8)"), strict=True):
-            row = rows[node.config.node_id]
-            assert MODEL in row and layers in row and node.endpoint in row
-    finally:
-        await swarm.stop()
+async def test_watch_once_lists_the_nodes(settings: Settings, swarms: Swarms) -> None:
+    swarm = await swarms.start(settings, [stub(0, 5), stub(5, 8)], model_id=MODEL)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "swarmroute", "watch", "--once", "--nats", settings.nats_url, "--namespace",
+        settings.namespace, "--log-level", "warning", stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE)
+    stdout, stderr = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, stderr.decode()
+    rows = {line.split()[0]: line for line in stdout.decode().splitlines() if line.strip()}
+    assert "NODE" in rows
+    for node, layers in zip(swarm.nodes, ("[0, 5)", "[5, 8)"), strict=True):
+        row = rows[node.config.node_id]
+        assert MODEL in row and layers in row and node.endpoint in row
 
 
 def test_up_survives_a_burst_of_stop_signals(up: Up) -> None:
@@ -92,7 +80,5 @@ def test_up_survives_a_burst_of_stop_signals(up: Up) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(up.proc.pid, signum)
     assert up.proc.wait(30) == 0, up.output
-    deadline = time.monotonic() + 10
-    while any(alive(pid, started) for pid, started in children.items()):
-        assert time.monotonic() < deadline, [pid for pid, s in children.items() if alive(pid, s)]
-        time.sleep(0.1)
+    eventually_sync(lambda: not still_alive(children), timeout=10, interval=0.1,
+                    what=lambda: f"every child exiting (alive: {still_alive(children)})")

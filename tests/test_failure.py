@@ -15,7 +15,8 @@ import pytest
 from actors.tracker import Tracker
 from gateway.app import Gateway
 from schemas.settings import Settings
-from tests.support.swarm import NodeProcess, make_settings, wait_model
+from tests.support.swarm import Swarms, make_settings, wait_model
+from tests.support.waiting import eventually
 
 MODEL = "stub-model"
 
@@ -24,18 +25,9 @@ def stub_args(layers: str, delay: float) -> list[str]:
     return ["--backend", "stub", "--model", MODEL, "--layers", layers, "--n-layers", "8", "--stub-delay", str(delay)]
 
 
-async def _sessions_on(endpoint: str) -> int:
+async def _holds_no_session(endpoint: str) -> bool:
     async with httpx.AsyncClient() as client:
-        return int((await client.get(f"{endpoint}/health")).json()["sessions"])
-
-
-async def _wait_freed(endpoint: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if await _sessions_on(endpoint) == 0:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"the surviving node at {endpoint} still holds the session")
+        return int((await client.get(f"{endpoint}/health")).json()["sessions"]) == 0
 
 
 async def _stream_until_failure(base_url: str, kill: object, *, after_tokens: int, prompt: str = "hello") -> tuple[
@@ -63,95 +55,90 @@ def fast_settings(nats_server: object, tmp_path: object) -> Settings:
 
 
 @pytest.mark.parametrize("victim", ["tail", "head"])
-async def test_node_killed_mid_decode_fails_session_and_survivor_frees_it(fast_settings: Settings, victim: str) -> None:
-    head = NodeProcess(fast_settings, "head", stub_args("0:4", 0.01))
-    tail = NodeProcess(fast_settings, "tail", stub_args("4:8", 0.01))
-    async with Tracker(fast_settings) as tracker, Gateway(fast_settings, port=0) as gateway:
-        try:
-            await wait_model(tracker, MODEL, n_nodes=2)
-            dead, alive = (tail, head) if victim == "tail" else (head, tail)
-            error, seen, waited = await _stream_until_failure(gateway.url + "/v1", dead.kill, after_tokens=5)
-            assert seen >= 5
-            assert dead.node_id in error.message and "decode" in error.message
-            body = error.body if isinstance(error.body, dict) else {}
-            failure = body.get("failure") or {}
-            assert failure.get("node_id") == dead.node_id and failure.get("phase") == "decode"
-            assert waited < fast_settings.token_timeout_s + fast_settings.hop_timeout_s + 5
-            assert alive.endpoint is not None
-            await _wait_freed(alive.endpoint)
-        finally:
-            head.stop()
-            tail.stop()
+async def test_node_killed_mid_decode_fails_session_and_survivor_frees_it(fast_settings: Settings, swarms: Swarms,
+                                                                          victim: str) -> None:
+    head = await swarms.node_process(fast_settings, "head", stub_args("0:4", 0.01))
+    tail = await swarms.node_process(fast_settings, "tail", stub_args("4:8", 0.01))
+    tracker = await swarms.actor(Tracker(fast_settings))
+    gateway = await swarms.actor(Gateway(fast_settings, port=0))
+    await wait_model(tracker, MODEL, n_nodes=2)
+    dead, alive = (tail, head) if victim == "tail" else (head, tail)
+    error, seen, waited = await _stream_until_failure(gateway.url + "/v1", dead.kill, after_tokens=5)
+    assert seen >= 5
+    assert dead.node_id in error.message and "decode" in error.message
+    body = error.body if isinstance(error.body, dict) else {}
+    failure = body.get("failure") or {}
+    assert failure.get("node_id") == dead.node_id and failure.get("phase") == "decode"
+    assert waited < fast_settings.token_timeout_s + fast_settings.hop_timeout_s + 5
+    assert alive.endpoint.startswith("http://127.0.0.1:")  # where it said it serves
+    await eventually(lambda: _holds_no_session(alive.endpoint),
+                     what=f"the surviving node at {alive.endpoint} freeing the session")
 
 
-async def test_node_killed_mid_prefill_fails_in_prefill(fast_settings: Settings) -> None:
-    head = NodeProcess(fast_settings, "head", stub_args("0:4", 0.05))
-    tail = NodeProcess(fast_settings, "tail", stub_args("4:8", 0.05))
-    async with Tracker(fast_settings) as tracker, Gateway(fast_settings, port=0) as gateway:
-        try:
-            await wait_model(tracker, MODEL, n_nodes=2)
-            client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
-            # 200 prompt tokens in chunks of 4 at 50 ms per chunk per node: prefill lasts seconds.
-            stream = await client.completions.create(model=MODEL, prompt="p" * 200, max_tokens=5, stream=True,
-                                                     extra_body={"stream_options": {"include_telemetry": True}})
-            killed = False
-            with pytest.raises(openai.APIError) as failure:
-                async for chunk in stream:
-                    snap = (chunk.model_extra or {}).get("swarmroute") or {}
-                    if not killed and snap.get("phase") == "prefill" and snap["prefill"]["done"] >= 40:
-                        tail.kill()
-                        killed = True
-            assert killed
-            assert "tail" in failure.value.message and "prefill" in failure.value.message
-            assert head.endpoint is not None
-            await _wait_freed(head.endpoint)
-        finally:
-            head.stop()
-            tail.stop()
+async def test_node_killed_mid_prefill_fails_in_prefill(fast_settings: Settings, swarms: Swarms) -> None:
+    head = await swarms.node_process(fast_settings, "head", stub_args("0:4", 0.05))
+    tail = await swarms.node_process(fast_settings, "tail", stub_args("4:8", 0.05))
+    tracker = await swarms.actor(Tracker(fast_settings))
+    gateway = await swarms.actor(Gateway(fast_settings, port=0))
+    await wait_model(tracker, MODEL, n_nodes=2)
+    client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+    # 200 prompt tokens in chunks of 4 at 50 ms per chunk per node: prefill lasts seconds.
+    stream = await client.completions.create(model=MODEL, prompt="p" * 200, max_tokens=5, stream=True,
+                                             extra_body={"stream_options": {"include_telemetry": True}})
+    killed = False
+    with pytest.raises(openai.APIError) as failure:
+        async for chunk in stream:
+            snap = (chunk.model_extra or {}).get("swarmroute") or {}
+            if not killed and snap.get("phase") == "prefill" and snap["prefill"]["done"] >= 40:
+                tail.kill()
+                killed = True
+    assert killed
+    assert "tail" in failure.value.message and "prefill" in failure.value.message
+    assert head.endpoint.startswith("http://127.0.0.1:")  # where it said it serves
+    await eventually(lambda: _holds_no_session(head.endpoint),
+                     what=f"the surviving node at {head.endpoint} freeing the session")
 
 
-async def test_hung_node_is_named_after_the_timeout(fast_settings: Settings) -> None:
+async def test_hung_node_is_named_after_the_timeout(fast_settings: Settings, swarms: Swarms) -> None:
     """SIGSTOP: the process exists and its socket accepts, but it never answers."""
-    head = NodeProcess(fast_settings, "head", stub_args("0:4", 0.01))
-    tail = NodeProcess(fast_settings, "tail", stub_args("4:8", 0.01))
-    async with Tracker(fast_settings) as tracker, Gateway(fast_settings, port=0) as gateway:
-        try:
-            await wait_model(tracker, MODEL, n_nodes=2)
-            started = time.monotonic()
-            error, _, waited = await _stream_until_failure(
-                gateway.url + "/v1", lambda: os.kill(tail.proc.pid, signal.SIGSTOP), after_tokens=3)
-            assert "tail" in error.message
-            assert waited < fast_settings.hop_timeout_s + fast_settings.token_timeout_s + 5
-            assert time.monotonic() - started < 30
-            assert head.endpoint is not None
-            await _wait_freed(head.endpoint)
-        finally:
-            os.kill(tail.proc.pid, signal.SIGCONT)
-            head.stop()
-            tail.stop()
+    head = await swarms.node_process(fast_settings, "head", stub_args("0:4", 0.01))
+    tail = await swarms.node_process(fast_settings, "tail", stub_args("4:8", 0.01))
+    tracker = await swarms.actor(Tracker(fast_settings))
+    gateway = await swarms.actor(Gateway(fast_settings, port=0))
+    swarms.on_teardown(lambda: os.kill(tail.proc.pid, signal.SIGCONT))  # first thing: a stopped process stops slowly
+    await wait_model(tracker, MODEL, n_nodes=2)
+    started = time.monotonic()
+    error, _, waited = await _stream_until_failure(
+        gateway.url + "/v1", lambda: os.kill(tail.proc.pid, signal.SIGSTOP), after_tokens=3)
+    assert "tail" in error.message
+    assert waited < fast_settings.hop_timeout_s + fast_settings.token_timeout_s + 5
+    assert time.monotonic() - started < 30
+    assert head.endpoint.startswith("http://127.0.0.1:")  # where it said it serves
+    await eventually(lambda: _holds_no_session(head.endpoint),
+                     what=f"the surviving node at {head.endpoint} freeing the session")
 
 
-async def test_retry_after_failure_is_a_new_session_on_a_new_route(fast_settings: Settings) -> None:
-    head = NodeProcess(fast_settings, "head", stub_args("0:4", 0.01))
-    tail = NodeProcess(fast_settings, "tail", stub_args("4:8", 0.01))
-    spare = NodeProcess(fast_settings, "spare", stub_args("4:8", 0.01))
-    async with Tracker(fast_settings) as tracker, Gateway(fast_settings, port=0) as gateway:
-        try:
-            await wait_model(tracker, MODEL, n_nodes=3)
-            client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
-            first = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}],
-                                                         max_tokens=3)
-            route = [h["node_id"] for h in first.model_extra["swarmroute"]["route"]]  # type: ignore[index]
-            victim = tail if route[-1] == "tail" else spare
-            victim.kill()
-            await asyncio.sleep(fast_settings.registry_ttl_s + 1.0)  # the registry forgets the dead node
-            second = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}],
-                                                          max_tokens=3)
-            assert second.id != first.id
-            assert victim.node_id not in [h["node_id"] for h in second.model_extra["swarmroute"]["route"]]  # type: ignore[index]
-        finally:
-            for p in (head, tail, spare):
-                p.stop()
+async def test_retry_after_failure_is_a_new_session_on_a_new_route(fast_settings: Settings, swarms: Swarms) -> None:
+    await swarms.node_process(fast_settings, "head", stub_args("0:4", 0.01))
+    tail = await swarms.node_process(fast_settings, "tail", stub_args("4:8", 0.01))
+    spare = await swarms.node_process(fast_settings, "spare", stub_args("4:8", 0.01))
+    tracker = await swarms.actor(Tracker(fast_settings))
+    gateway = await swarms.actor(Gateway(fast_settings, port=0))
+    await wait_model(tracker, MODEL, n_nodes=3)
+    client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+    first = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}],
+                                                 max_tokens=3)
+    route = [h["node_id"] for h in first.model_extra["swarmroute"]["route"]]  # type: ignore[index]
+    victim = tail if route[-1] == "tail" else spare
+    victim.kill()
+    registry = tracker.registry
+    assert registry is not None
+    await eventually(lambda: victim.node_id not in {a.node_id for a in registry.live()},
+                     timeout=fast_settings.registry_ttl_s + 1.0, what=f"the registry forgetting {victim.node_id}")
+    second = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}],
+                                                  max_tokens=3)
+    assert second.id != first.id
+    assert victim.node_id not in [h["node_id"] for h in second.model_extra["swarmroute"]["route"]]  # type: ignore[index]
 
 
 @pytest.fixture
@@ -165,83 +152,73 @@ def patient_settings(nats_server: object, tmp_path: object) -> Settings:
 
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
 async def test_a_dead_head_fails_the_stream_at_once_not_after_the_token_timeout(patient_settings: Settings,
-                                                                                phase: str) -> None:
+                                                                                swarms: Swarms, phase: str) -> None:
     """The head dies. In prefill nobody on the route can report it (the tail only waits for frames), so the
     gateway's probes of the silent session must; in decode the tail finds it when its token bounces. Either way the
     stream ends with an error naming the head and the phase, long before any timeout could have fired."""
-    head = NodeProcess(patient_settings, "head", stub_args("0:4", 0.05))
-    tail = NodeProcess(patient_settings, "tail", stub_args("4:8", 0.05))
-    async with Tracker(patient_settings) as tracker, Gateway(patient_settings, port=0) as gateway:
-        try:
-            await wait_model(tracker, MODEL, n_nodes=2)
-            client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
-            stream = await client.completions.create(model=MODEL, prompt="p" * 200, max_tokens=200, stream=True,
-                                                     extra_body={"stream_options": {"include_telemetry": True},
-                                                                 "ignore_eos": True})
-            killed_at = 0.0
-            with pytest.raises(openai.APIError) as failure:
-                async for chunk in stream:
-                    snap = (chunk.model_extra or {}).get("swarmroute") or {}
-                    if not killed_at and snap.get("phase") == phase and (phase == "decode" or
-                                                                         snap["prefill"]["done"] >= 40):
-                        head.kill()
-                        killed_at = time.monotonic()
-            assert killed_at
-            waited = time.monotonic() - killed_at
-            body = failure.value.body if isinstance(failure.value.body, dict) else {}
-            assert body.get("failure", {}).get("node_id") == "head", body
-            assert body["failure"]["phase"] == phase and body["failure"]["kind"] == "unreachable", body
-            if phase == "prefill":  # nobody on the route talks to the head: the gateway's probe found it
-                assert "its process died" in failure.value.message
-            assert waited < patient_settings.token_timeout_s / 4, waited
-        finally:
-            head.stop()
-            tail.stop()
+    head = await swarms.node_process(patient_settings, "head", stub_args("0:4", 0.05))
+    await swarms.node_process(patient_settings, "tail", stub_args("4:8", 0.05))
+    tracker = await swarms.actor(Tracker(patient_settings))
+    gateway = await swarms.actor(Gateway(patient_settings, port=0))
+    await wait_model(tracker, MODEL, n_nodes=2)
+    client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+    stream = await client.completions.create(model=MODEL, prompt="p" * 200, max_tokens=200, stream=True,
+                                             extra_body={"stream_options": {"include_telemetry": True},
+                                                         "ignore_eos": True})
+    killed_at = 0.0
+    with pytest.raises(openai.APIError) as failure:
+        async for chunk in stream:
+            snap = (chunk.model_extra or {}).get("swarmroute") or {}
+            if not killed_at and snap.get("phase") == phase and (phase == "decode" or
+                                                                 snap["prefill"]["done"] >= 40):
+                head.kill()
+                killed_at = time.monotonic()
+    assert killed_at
+    waited = time.monotonic() - killed_at
+    body = failure.value.body if isinstance(failure.value.body, dict) else {}
+    assert body.get("failure", {}).get("node_id") == "head", body
+    assert body["failure"]["phase"] == phase and body["failure"]["kind"] == "unreachable", body
+    if phase == "prefill":  # nobody on the route talks to the head: the gateway's probe found it
+        assert "its process died" in failure.value.message
+    assert waited < patient_settings.token_timeout_s / 4, waited
 
 
 async def test_a_node_dead_but_still_registered_is_routed_around_and_a_gap_is_a_503(
-        patient_settings: Settings) -> None:
+        patient_settings: Settings, swarms: Swarms) -> None:
     """The registry still lists a killed node (its entry has not expired): opening a session on it finds nothing
     listening, so the gateway routes again without it; with nobody else serving its layers the client gets the
     tracker's 503 naming them, not a 502 about a node that is already gone."""
-    head = NodeProcess(patient_settings, "head", stub_args("0:4", 0.0))
-    tail = NodeProcess(patient_settings, "tail", stub_args("4:8", 0.0))
-    async with Tracker(patient_settings) as tracker, Gateway(patient_settings, port=0) as gateway:
-        try:
-            await wait_model(tracker, MODEL, n_nodes=2)
-            tail.kill()
-            assert any(a.node_id == "tail" for a in tracker.registry.live())  # type: ignore[union-attr]
-            client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
-            with pytest.raises(openai.APIStatusError) as refused:
-                await client.completions.create(model=MODEL, prompt="hello", max_tokens=3)
-            assert refused.value.status_code == 503, refused.value
-            assert "[4, 8)" in refused.value.message or "4-8" in refused.value.message, refused.value.message
-        finally:
-            head.stop()
-            tail.stop()
+    await swarms.node_process(patient_settings, "head", stub_args("0:4", 0.0))
+    tail = await swarms.node_process(patient_settings, "tail", stub_args("4:8", 0.0))
+    tracker = await swarms.actor(Tracker(patient_settings))
+    gateway = await swarms.actor(Gateway(patient_settings, port=0))
+    await wait_model(tracker, MODEL, n_nodes=2)
+    tail.kill()
+    assert any(a.node_id == "tail" for a in tracker.registry.live())  # type: ignore[union-attr]
+    client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.APIStatusError) as refused:
+        await client.completions.create(model=MODEL, prompt="hello", max_tokens=3)
+    assert refused.value.status_code == 503, refused.value
+    assert "[4, 8)" in refused.value.message or "4-8" in refused.value.message, refused.value.message
 
 
-async def test_a_stopping_gateway_ends_its_streams_with_an_error(fast_settings: Settings) -> None:
+async def test_a_stopping_gateway_ends_its_streams_with_an_error(fast_settings: Settings, swarms: Swarms) -> None:
     """Not a bare ``[DONE]`` that reads like a complete answer: the client learns the gateway went away."""
-    head = NodeProcess(fast_settings, "head", stub_args("0:4", 0.02))
-    tail = NodeProcess(fast_settings, "tail", stub_args("4:8", 0.02))
-    async with Tracker(fast_settings) as tracker:
-        gateway = await Gateway(fast_settings, port=0).start()
-        try:
-            await wait_model(tracker, MODEL, n_nodes=2)
-            client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
-            stream = await client.completions.create(model=MODEL, prompt="hello", max_tokens=400, stream=True,
-                                                     extra_body={"ignore_eos": True})
-            stopping: asyncio.Task[None] | None = None
-            with pytest.raises(openai.APIError, match="the gateway is shutting down"):
-                async for chunk in stream:
-                    if chunk.choices and chunk.choices[0].text and stopping is None:
-                        stopping = asyncio.create_task(gateway.stop())
-            assert stopping is not None
-            await stopping
-            assert head.endpoint is not None
-            await _wait_freed(head.endpoint)
-        finally:
-            await gateway.stop()
-            head.stop()
-            tail.stop()
+    head = await swarms.node_process(fast_settings, "head", stub_args("0:4", 0.02))
+    await swarms.node_process(fast_settings, "tail", stub_args("4:8", 0.02))
+    tracker = await swarms.actor(Tracker(fast_settings))
+    gateway = await swarms.actor(Gateway(fast_settings, port=0))
+    await wait_model(tracker, MODEL, n_nodes=2)
+    client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+    stream = await client.completions.create(model=MODEL, prompt="hello", max_tokens=400, stream=True,
+                                             extra_body={"ignore_eos": True})
+    stopping: asyncio.Task[None] | None = None
+    with pytest.raises(openai.APIError, match="the gateway is shutting down"):
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].text and stopping is None:
+                stopping = asyncio.create_task(gateway.stop())
+    assert stopping is not None
+    await stopping
+    assert head.endpoint.startswith("http://127.0.0.1:")  # where it said it serves
+    await eventually(lambda: _holds_no_session(head.endpoint),
+                     what=f"the surviving node at {head.endpoint} freeing the session")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,16 +16,8 @@ from artifacts.torrent import SwarmConfig, TorrentSession, is_private_address
 from artifacts.verify import check_data_file, verify_shard
 from schemas.artifact import FetchProgress
 from schemas.errors import BadRequestError
-from schemas.manifest import ModelManifest
 from tests.support.gguf_factory import write_tiny_gguf
-
-
-def seed(session: TorrentSession, store: Store, manifest: ModelManifest, timeout_s: float = 60.0) -> None:
-    job = session.add(manifest, store.model_dir(manifest.model_id), [])
-    deadline = time.monotonic() + timeout_s
-    while str(job.status().state) != "seeding":
-        assert time.monotonic() < deadline, f"seeder stuck in {job.status().state}"
-        session.pump(0.05)
+from tests.support.seeding import seed
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ from schemas.fleet import Fleet, parse_fleet
 from schemas.session import Prompt
 from swarmroute.fleet import member_argv, member_settings, resolve_layers
 from swarmroute.fleet_file import load_fleet
+from tests.support.actors import Children
 from tests.support.fleet import Proc, stub_reference, write_fleet
 from tests.support.nats_cluster import free_port
 
@@ -190,8 +191,8 @@ def _status(fleet_file: Path | None, home: Path, *extra: str) -> tuple[int, dict
     target = [str(fleet_file)] if fleet_file is not None else []
     proc = Proc(["fleet", "status", *target, "--json", "--home", str(home), "--log-level", "warning", *extra])
     code = proc.run(60)
-    start = next(i for i, line in enumerate(proc.output) if line.startswith("{"))
-    return code, json.loads("\n".join(proc.output[start:]))
+    start = next(i for i, line in enumerate(proc.lines) if line.startswith("{"))
+    return code, json.loads("\n".join(proc.lines[start:]))
 
 
 def _chat(port: int, content: str, n: int) -> tuple[str, list[str]]:
@@ -202,79 +203,72 @@ def _chat(port: int, content: str, n: int) -> tuple[str, list[str]]:
     return reply.choices[0].message.content or "", route
 
 
-def test_fleet_up_serves_a_request_end_to_end(nats_server: EmbeddedNats, tmp_path: Path) -> None:
+def test_fleet_up_serves_a_request_end_to_end(nats_server: EmbeddedNats, tmp_path: Path, children: Children) -> None:
     port = free_port()
     fleet_file = write_fleet(tmp_path / "fleet.yaml", _stub_fleet(nats_server.url, port))
-    up = Proc(["fleet", "up", str(fleet_file), "--home", str(tmp_path / "home"), "--timeout", "90"])
-    try:
-        up.wait_for(r"fleet test is up \(4 members\)", timeout=120)
-        text, route = _chat(port, "Hello fleet", 24)
-        expected = stub_reference(Prompt(messages=[{"role": "user", "content": "Hello fleet"}]), 24)
-        assert text == expected
-        assert route == ["node-1", "node-2"]  # the auto split: node-1 holds [0, 4), node-2 [4, 8)
+    up = children.add(Proc(["fleet", "up", str(fleet_file), "--home", str(tmp_path / "home"), "--timeout", "90"]))
+    up.wait_for(r"fleet test is up \(4 members\)", timeout=120)
+    text, route = _chat(port, "Hello fleet", 24)
+    expected = stub_reference(Prompt(messages=[{"role": "user", "content": "Hello fleet"}]), 24)
+    assert text == expected
+    assert route == ["node-1", "node-2"]  # the auto split: node-1 holds [0, 4), node-2 [4, 8)
 
-        code, report = _status(fleet_file, tmp_path / "home")
-        assert code == 0 and report["healthy"]
-        states = {(m["role"], m["name"]): m["state"] for m in report["members"]}
-        assert states == {("tracker", "tracker-1"): "ok", ("node", "node-1"): "ok", ("node", "node-2"): "ok",
-                          ("gateway", "gateway"): "ok"}
-        details = {m["name"]: m["detail"] for m in report["members"]}
-        assert "stub-model 0:4" in details["node-1"] and "stub-model 4:8" in details["node-2"]
-        assert details["gateway"] == f"http://127.0.0.1:{port}"
-        assert report["models"] == {"stub-model": True}
+    code, report = _status(fleet_file, tmp_path / "home")
+    assert code == 0 and report["healthy"]
+    states = {(m["role"], m["name"]): m["state"] for m in report["members"]}
+    assert states == {("tracker", "tracker-1"): "ok", ("node", "node-1"): "ok", ("node", "node-2"): "ok",
+                      ("gateway", "gateway"): "ok"}
+    details = {m["name"]: m["detail"] for m in report["members"]}
+    assert "stub-model 0:4" in details["node-1"] and "stub-model 4:8" in details["node-2"]
+    assert details["gateway"] == f"http://127.0.0.1:{port}"
+    assert report["models"] == {"stub-model": True}
 
-        # without the file, whatever answers on NATS is the fleet
-        code, report = _status(None, tmp_path / "home", "--nats", nats_server.url)
-        assert code == 0 and {(m["name"], m["state"]) for m in report["members"]} == {
-            ("tracker-1", "ok"), ("node-1", "ok"), ("node-2", "ok"), ("gateway", "ok")}
-    finally:
-        up.stop()
-    assert up.proc.returncode == 0
+    # without the file, whatever answers on NATS is the fleet
+    code, report = _status(None, tmp_path / "home", "--nats", nats_server.url)
+    assert code == 0 and {(m["name"], m["state"]) for m in report["members"]} == {
+        ("tracker-1", "ok"), ("node-1", "ok"), ("node-2", "ok"), ("gateway", "ok")}
+    assert up.stop() == 0
 
 
 def test_members_started_one_by_one_and_status_names_the_missing_one(nats_server: EmbeddedNats,
-                                                                     tmp_path: Path) -> None:
+                                                                     tmp_path: Path, children: Children) -> None:
     port = free_port()
     fleet_file = write_fleet(tmp_path / "fleet.yaml", _stub_fleet(nats_server.url, port))
     home = ["--home", str(tmp_path / "home")]
-    members = [Proc(["tracker", "--fleet", str(fleet_file), "--name", "tracker-1", *home]),
-               Proc(["node", "--fleet", str(fleet_file), "--name", "node-1", *home]),
-               Proc(["gateway", "--fleet", str(fleet_file), "--name", "gateway", *home])]
-    try:
-        members[1].wait_for(r"node node-1 ready at \S+ serving stub-model layers \[0, 4\)", timeout=60)
-        members[2].wait_for(rf"gateway ready at http://127.0.0.1:{port}", timeout=60)
-        code, report = _status(fleet_file, tmp_path / "home")
-        states = {m["name"]: m["state"] for m in report["members"]}
-        assert code == 1 and not report["healthy"]
-        assert states == {"tracker-1": "ok", "node-1": "ok", "node-2": "missing", "gateway": "ok"}
-        assert report["models"] == {"stub-model": False}  # layers 4:8 have no node yet
+    members = [children.add(Proc(["tracker", "--fleet", str(fleet_file), "--name", "tracker-1", *home])),
+               children.add(Proc(["node", "--fleet", str(fleet_file), "--name", "node-1", *home])),
+               children.add(Proc(["gateway", "--fleet", str(fleet_file), "--name", "gateway", *home]))]
+    members[1].wait_for(r"node node-1 ready at \S+ serving stub-model layers \[0, 4\)", timeout=60)
+    members[2].wait_for(rf"gateway ready at http://127.0.0.1:{port}", timeout=60)
+    code, report = _status(fleet_file, tmp_path / "home")
+    states = {m["name"]: m["state"] for m in report["members"]}
+    assert code == 1 and not report["healthy"]
+    assert states == {"tracker-1": "ok", "node-1": "ok", "node-2": "missing", "gateway": "ok"}
+    assert report["models"] == {"stub-model": False}  # layers 4:8 have no node yet
 
-        members.append(Proc(["node", "--fleet", str(fleet_file), "--name", "node-2", *home]))
-        members[3].wait_for(r"node node-2 ready at \S+ serving stub-model layers \[4, 8\)", timeout=60)
-        code, report = _status(fleet_file, tmp_path / "home")
-        assert code == 0 and report["healthy"], report
-        text, route = _chat(port, "one by one", 16)
-        assert text == stub_reference(Prompt(messages=[{"role": "user", "content": "one by one"}]), 16)
-        assert route == ["node-1", "node-2"]
-    finally:
-        for m in members:
-            m.stop()
+    members.append(children.add(Proc(["node", "--fleet", str(fleet_file), "--name", "node-2", *home])))
+    members[3].wait_for(r"node node-2 ready at \S+ serving stub-model layers \[4, 8\)", timeout=60)
+    code, report = _status(fleet_file, tmp_path / "home")
+    assert code == 0 and report["healthy"], report
+    text, route = _chat(port, "one by one", 16)
+    assert text == stub_reference(Prompt(messages=[{"role": "user", "content": "one by one"}]), 16)
+    assert route == ["node-1", "node-2"]
 
 
 def test_a_member_with_a_bad_file_or_name_exits_with_a_message(tmp_path: Path) -> None:
     fleet_file = write_fleet(tmp_path / "fleet.yaml", _mutate("nodes[0].layers", "0:3"))
     proc = Proc(["node", "--fleet", str(fleet_file), "--name", "n1"])
     assert proc.run(60) != 0
-    assert any("models.stub-model: layers 3:4 are served by no node" in line for line in proc.output)
+    assert any("models.stub-model: layers 3:4 are served by no node" in line for line in proc.lines)
     good = write_fleet(tmp_path / "good.yaml", BASE)
     proc = Proc(["tracker", "--fleet", str(good), "--name", "nobody"])
     assert proc.run(60) != 0
-    assert any("the fleet has no tracker named 'nobody'" in line for line in proc.output)
+    assert any("the fleet has no tracker named 'nobody'" in line for line in proc.lines)
 
 
 @pytest.mark.slow
 def test_fleet_up_with_a_llamacpp_node_matches_llama_cpp(nats_server: EmbeddedNats, tmp_path: Path,
-                                                         gemma_path: Path) -> None:
+                                                         gemma_path: Path, children: Children) -> None:
     """The real model through a fleet file (one whole-model llama.cpp node; its layer count read from the GGUF)
     writes what llama-cpp-python writes by itself for the same prompt tokens, greedy."""
     from llama_cpp import Llama
@@ -289,14 +283,11 @@ def test_fleet_up_with_a_llamacpp_node_matches_llama_cpp(nats_server: EmbeddedNa
     doc["nodes"][0]["threads"] = 2
     fleet_file = write_fleet(tmp_path / "fleet.yaml", doc)
     assert resolve_layers(load_fleet(fleet_file)) == {"node-1": (0, 18)}
-    up = Proc(["fleet", "up", str(fleet_file), "--home", str(tmp_path / "home"), "--timeout", "240"])
-    try:
-        up.wait_for(r"fleet test is up", timeout=300)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-        reply = client.completions.create(model="gemma", prompt=tokens, max_tokens=16, temperature=0)
-        assert reply.choices[0].text == expected
-    finally:
-        up.stop()
+    up = children.add(Proc(["fleet", "up", str(fleet_file), "--home", str(tmp_path / "home"), "--timeout", "240"]))
+    up.wait_for(r"fleet test is up", timeout=300)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    reply = client.completions.create(model="gemma", prompt=tokens, max_tokens=16, temperature=0)
+    assert reply.choices[0].text == expected
 
 
 # ---- models fetched from the swarm (issue #17) --------------------------------------------------------------------

@@ -28,7 +28,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from actors.backends.stub import StubBackend, StubConfig
 from bus import codec
 from bus import frame as frames
 from bus.nodeclient import FRAME_CONTENT_TYPE
@@ -38,7 +37,8 @@ from schemas.route import ModelsReply, RouteReply, RouteRequest
 from schemas.session import SessionOpen
 from schemas.settings import Settings
 from tests.support import figures
-from tests.support.swarm import Swarm, make_settings, start_swarm
+from tests.support.swarm import Swarm, Swarms, make_settings, stub
+from tests.support.waiting import eventually
 
 MODEL = "stub-model"
 EXAMPLES = 150
@@ -46,17 +46,11 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
-def stub(start: int, end: int, **kw: object) -> StubBackend:
-    return StubBackend(StubConfig(model=MODEL, n_layers=8, layer_start=start, layer_end=end, **kw))  # type: ignore[arg-type]
-
-
 @pytest.fixture
-async def swarm(nats_server: object, tmp_path: Path) -> Any:
+async def swarm(nats_server: object, tmp_path: Path, swarms: Swarms) -> Swarm:
     fuzz_settings = make_settings(nats_server.url, tmp_path / "home", default_max_tokens=8,  # type: ignore[attr-defined]
                                   max_body_bytes=64 * 1024)
-    s = await start_swarm(fuzz_settings, [stub(0, 4), stub(4, 8, delay_s=0.002)], model_id=MODEL)
-    yield s
-    await s.stop()
+    return await swarms.start(fuzz_settings, [stub(0, 4), stub(4, 8, delay_s=0.002)], model_id=MODEL)
 
 
 async def reference_text(swarm: Swarm, prompt: str, n: int) -> str:
@@ -80,13 +74,9 @@ async def healthy_stream(swarm: Swarm, prompt: str, n: int, stop: asyncio.Event)
     return texts
 
 
-async def nothing_open(swarm: Swarm, timeout: float = 10.0) -> bool:
+def nothing_open(swarm: Swarm) -> bool:
     assert swarm.gateway.serving is not None
-    for _ in range(int(timeout / 0.05)):
-        if not swarm.gateway.serving.sessions.live and not any(n.sessions for n in swarm.nodes):
-            return True
-        await asyncio.sleep(0.05)
-    return False
+    return not swarm.gateway.serving.sessions.live and not any(n.sessions for n in swarm.nodes)
 
 
 def check_answer(r: httpx.Response, statuses: collections.Counter[int]) -> None:
@@ -229,11 +219,8 @@ def advertisements(draw: st.DrawFn, template: dict[str, Any]) -> bytes:
     return msgpack.packb(advert, use_bin_type=True)
 
 
-async def test_fuzzed_nats_messages_never_stop_the_tracker(swarm: Swarm, nats_server: object) -> None:
-    import nats
-
+async def test_fuzzed_nats_messages_never_stop_the_tracker(swarm: Swarm, nc: Any) -> None:
     subjects = Subjects(swarm.settings.namespace)
-    nc = await nats.connect(nats_server.url)  # type: ignore[attr-defined]
     js = nc.jetstream()
     kv = await js.key_value(subjects.registry_bucket)
     template = swarm.nodes[0].advertisement().model_dump(mode="json")
@@ -268,15 +255,12 @@ async def test_fuzzed_nats_messages_never_stop_the_tracker(swarm: Swarm, nats_se
             key = "fuzz-" + data.draw(st.text("abcdef0123", min_size=1, max_size=6))
             call(put(key, data.draw(advertisements(template))))
 
-    try:
-        await asyncio.to_thread(run)
-        # Still answering, and still routing the real model over the real nodes.
-        reply = codec.decode((await nc.request(subjects.route_request, codec.encode(
-            RouteRequest(model=MODEL, session_id="after-fuzz")), timeout=5)).data, RouteReply)
-        assert reply.route is not None and [h.node_id for h in reply.route.hops] == ["n1", "n2"]
-        assert await reference_text(swarm, "after", 4)
-    finally:
-        await nc.drain()
+    await asyncio.to_thread(run)
+    # Still answering, and still routing the real model over the real nodes.
+    reply = codec.decode((await nc.request(subjects.route_request, codec.encode(
+        RouteRequest(model=MODEL, session_id="after-fuzz")), timeout=5)).data, RouteReply)
+    assert reply.route is not None and [h.node_id for h in reply.route.hops] == ["n1", "n2"]
+    assert await reference_text(swarm, "after", 4)
     assert sum(answered.values()) >= EXAMPLES
     figures.record("fuzz_nats", cases=sum(answered.values()), by_subject=dict(answered))
 
@@ -356,41 +340,39 @@ async def test_fuzzed_openai_requests_get_4xx_and_leave_no_session(swarm: Swarm)
 
     await asyncio.to_thread(run)
     http.close()
-    assert await nothing_open(swarm), "a session outlived its request"
+    await eventually(lambda: nothing_open(swarm), what="every session ending with its request")
     assert statuses[400] > 0 and sum(statuses.values()) >= EXAMPLES
     figures.record("fuzz_gateway", cases=sum(statuses.values()), statuses=dict(statuses))
 
 
-async def test_fuzzed_frames_on_a_secured_node_are_refused_before_parsing(nats_server: object, tmp_path: Path) -> None:
+async def test_fuzzed_frames_on_a_secured_node_are_refused_before_parsing(nats_server: object, tmp_path: Path,
+                                                                          swarms: Swarms) -> None:
     secured: Settings = make_settings(nats_server.url, tmp_path / "home",  # type: ignore[attr-defined]
                                       swarm_secret="fuzz-secret-0123456789abcdef")
-    s = await start_swarm(secured, [stub(0, 4), stub(4, 8)], model_id=MODEL)
+    s = await swarms.start(secured, [stub(0, 4), stub(4, 8)], model_id=MODEL)
     statuses: collections.Counter[int] = collections.Counter()
     http = httpx.Client(timeout=10)
-    try:
-        sid = uuid.uuid4().hex
-        reply = s.tracker.route(RouteRequest(model=MODEL, session_id=sid))
-        assert reply.route is not None
-        from bus import capability as caps
+    swarms.on_teardown(http.close)
+    sid = uuid.uuid4().hex
+    reply = s.tracker.route(RouteRequest(model=MODEL, session_id=sid))
+    assert reply.route is not None
+    from bus import capability as caps
 
-        open_body = SessionOpen(session_id=sid, route=caps.strip(reply.route), hop_index=1, prompt_tokens=[1],
-                                max_tokens=4, capability=reply.route.hops[1].capability)
-        assert (await asyncio.to_thread(http.post, f"{s.nodes[1].endpoint}/v1/sessions",
-                                        json=open_body.model_dump(mode="json"))).status_code == 201
+    open_body = SessionOpen(session_id=sid, route=caps.strip(reply.route), hop_index=1, prompt_tokens=[1],
+                            max_tokens=4, capability=reply.route.hops[1].capability)
+    assert (await asyncio.to_thread(http.post, f"{s.nodes[1].endpoint}/v1/sessions",
+                                    json=open_body.model_dump(mode="json"))).status_code == 201
 
-        @FUZZ
-        @given(body=frame_bodies(sid, 0), token=st.sampled_from(["", "x" * 32]) | st.text(
-            st.characters(min_codepoint=33, max_codepoint=126), max_size=40))
-        def run(body: bytes, token: str) -> None:
-            r = http.post(f"{s.nodes[1].endpoint}/v1/sessions/{sid}/frames", content=body,
-                          headers={"content-type": FRAME_CONTENT_TYPE, "x-swarmroute-session-token": token})
-            check_answer(r, statuses)
-            assert r.status_code in (401, 403)
+    @FUZZ
+    @given(body=frame_bodies(sid, 0), token=st.sampled_from(["", "x" * 32]) | st.text(
+        st.characters(min_codepoint=33, max_codepoint=126), max_size=40))
+    def run(body: bytes, token: str) -> None:
+        r = http.post(f"{s.nodes[1].endpoint}/v1/sessions/{sid}/frames", content=body,
+                      headers={"content-type": FRAME_CONTENT_TYPE, "x-swarmroute-session-token": token})
+        check_answer(r, statuses)
+        assert r.status_code in (401, 403)
 
-        await asyncio.to_thread(run)
-    finally:
-        http.close()
-        await s.stop()
+    await asyncio.to_thread(run)
     figures.record("fuzz_frames_secured", cases=sum(statuses.values()), statuses=dict(statuses))
 
 

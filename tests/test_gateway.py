@@ -11,7 +11,7 @@ import asyncio
 import itertools
 import json
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +22,15 @@ import pytest
 import pytest_asyncio
 from pydantic import SecretStr
 
-from actors.backends.stub import StubBackend, StubConfig
+from actors.backends.stub import StubBackend
 from bus import codec
-from bus.server import EmbeddedNats, NatsServerConfig
+from bus.server import EmbeddedNats
 from bus.subjects import Subjects
 from schemas.session import Prompt
 from schemas.settings import Settings
 from schemas.telemetry import GenerationTelemetry
-from tests.support.swarm import Swarm, make_settings, start_swarm
+from tests.support.swarm import Swarm, Swarms, make_settings, start_swarm, stub
+from tests.support.waiting import eventually
 
 MODEL = "stub-model"
 MESSAGES = [{"role": "user", "content": "Tell me about the fox."}]
@@ -37,8 +38,7 @@ GREEDY: dict[str, Any] = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 
 
 def stubs(delay_s: float = 0.0, **kw: Any) -> list[StubBackend]:
-    return [StubBackend(StubConfig(model=MODEL, n_layers=8, layer_start=a, layer_end=b, delay_s=delay_s, **kw))
-            for a, b in ((0, 3), (3, 8))]
+    return [stub(a, b, delay_s=delay_s, **kw) for a, b in ((0, 3), (3, 8))]
 
 
 def client(swarm: Swarm, api_key: str = "unused") -> openai.AsyncOpenAI:
@@ -48,14 +48,6 @@ def client(swarm: Swarm, api_key: str = "unused") -> openai.AsyncOpenAI:
 # One NATS server and two swarms (in their own namespaces) serve the whole module: starting a swarm per test
 # would cost about a second each. Tests that need other settings start their own swarm in a fresh namespace.
 pytestmark = pytest.mark.asyncio(loop_scope="module")
-
-
-@pytest.fixture(scope="module")
-def module_nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNats]:
-    server = EmbeddedNats(NatsServerConfig(store_dir=tmp_path_factory.mktemp("nats")))
-    server.start()
-    yield server
-    server.stop()
 
 
 _namespaces = itertools.count()
@@ -79,6 +71,13 @@ async def slow_swarm(module_nats: EmbeddedNats, tmp_path_factory: pytest.TempPat
                           model_id=MODEL)
     yield s
     await s.stop()
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def swarms() -> AsyncIterator[Swarms]:
+    """The shared ``swarms`` fixture (tests/conftest.py) on this module's event loop and NATS server."""
+    async with Swarms() as started:
+        yield started
 
 
 @pytest_asyncio.fixture(loop_scope="module")
@@ -112,15 +111,6 @@ async def tap(nc: Any, slow_swarm: Swarm) -> TelemetryTap:
     await nc.subscribe(Subjects(slow_swarm.settings.namespace).telemetry_all, cb=t.on_msg)
     await nc.flush()
     return t
-
-
-async def wait_for(predicate: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not met in time")
 
 
 # ---- chat and completions -----------------------------------------------------------------------------------------
@@ -271,7 +261,8 @@ async def test_telemetry_on_nats_in_order_before_first_token_and_during_decode(s
         if first_token_at is None and chunk.choices and chunk.choices[0].delta.content:
             first_token_at = time.monotonic()
     assert first_token_at is not None
-    await wait_for(lambda: any(s.phase.terminal for _, s in tap.of(sid)))
+    await eventually(lambda: any(s.phase.terminal for _, s in tap.of(sid)), interval=0.02,
+                     what=f"a terminal snapshot of {sid} on NATS")
     snaps = tap.of(sid)
     seqs = [s.seq for _, s in snaps]
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs), seqs
@@ -283,8 +274,16 @@ async def test_telemetry_on_nats_in_order_before_first_token_and_during_decode(s
     assert early and early[0][0] < first_token_at
     during = [s for _, s in snaps if s.phase.value == "decode" and 0 < s.generated_tokens < max_tokens]
     assert len(during) >= 2
-    # The first token comes out of prefill; from the first decode step on, the per-link overhead is measured.
-    assert all(s.hop_overhead_ms is not None and s.hop_overhead_ms >= 0 for s in during if s.generated_tokens >= 2)
+    # The first token comes out of prefill; from the first decode step on, the per-link overhead is measured: per
+    # link, the mean over the decode steps so far of (step wall time - the hops' compute and queueing), at least 0.
+    # The steps so far (tokens 2..n, timed from one token's arrival to the next) all fall inside the session's
+    # elapsed time, so the mean cannot exceed elapsed / (n - 1) split over the route's links.
+    links = len(snaps[-1][1].route)
+    measured = [s for s in during if s.generated_tokens >= 2]
+    assert measured and all(s.hop_overhead_ms is not None
+                            and 0 <= s.hop_overhead_ms < s.elapsed_ms / (links * (s.generated_tokens - 1))
+                            for s in measured), [(s.hop_overhead_ms, s.elapsed_ms, s.generated_tokens)
+                                                 for s in measured]
     assert [h.node_id for h in snaps[-1][1].route] == ["n1", "n2"]
     assert all(h.mean_compute_ms is not None for h in snaps[-1][1].route)
 
@@ -468,40 +467,34 @@ async def test_prompt_plus_max_tokens_over_context_is_400_naming_the_numbers(swa
     assert ok.choices[0].finish_reason in ("length", "stop")
 
 
-async def test_prompt_alone_over_context_is_400(module_nats: EmbeddedNats, tmp_path: Path) -> None:
-    swarm = await start_swarm(fresh_settings(module_nats, tmp_path), stubs(context_length=64), model_id=MODEL)
-    try:
-        prompt = "z" * 80
-        with pytest.raises(openai.BadRequestError) as info:
-            await client(swarm).completions.create(model=MODEL, prompt=prompt, max_tokens=1)
-        assert str(prompt_tokens(swarm, text=prompt)) in info.value.message and "64" in info.value.message
-    finally:
-        await swarm.stop()
+async def test_prompt_alone_over_context_is_400(module_nats: EmbeddedNats, tmp_path: Path, swarms: Swarms) -> None:
+    swarm = await swarms.start(fresh_settings(module_nats, tmp_path), stubs(context_length=64), model_id=MODEL)
+    prompt = "z" * 80
+    with pytest.raises(openai.BadRequestError) as info:
+        await client(swarm).completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    assert str(prompt_tokens(swarm, text=prompt)) in info.value.message and "64" in info.value.message
 
 
-async def test_oversized_body_is_413(module_nats: EmbeddedNats, tmp_path: Path) -> None:
+async def test_oversized_body_is_413(module_nats: EmbeddedNats, tmp_path: Path, swarms: Swarms) -> None:
     limit = 2048
     s = fresh_settings(module_nats, tmp_path, max_body_bytes=limit)
-    swarm = await start_swarm(s, stubs(), model_id=MODEL)
-    try:
-        with pytest.raises(openai.APIStatusError) as info:
-            await client(swarm).completions.create(model=MODEL, prompt="w" * (2 * limit), max_tokens=1)
-        assert info.value.status_code == 413 and str(limit) in info.value.message
+    swarm = await swarms.start(s, stubs(), model_id=MODEL)
+    with pytest.raises(openai.APIStatusError) as info:
+        await client(swarm).completions.create(model=MODEL, prompt="w" * (2 * limit), max_tokens=1)
+    assert info.value.status_code == 413 and str(limit) in info.value.message
 
-        async def chunked() -> AsyncIterator[bytes]:  # no content-length: the limit is enforced while reading
-            yield b'{"model": "stub-model", "prompt": "'
-            for _ in range(10):
-                yield b"w" * 512
-            yield b'"}'
+    async def chunked() -> AsyncIterator[bytes]:  # no content-length: the limit is enforced while reading
+        yield b'{"model": "stub-model", "prompt": "'
+        for _ in range(10):
+            yield b"w" * 512
+        yield b'"}'
 
-        async with httpx.AsyncClient(timeout=10) as http:
-            r = await http.post(f"{swarm.base_url}/completions", content=chunked(),
-                                headers={"content-type": "application/json"})
-        assert_openai_error(r, 413, str(limit))
-        small = await client(swarm).completions.create(model=MODEL, prompt="w" * 100, max_tokens=1)
-        assert small.choices
-    finally:
-        await swarm.stop()
+    async with httpx.AsyncClient(timeout=10) as http:
+        r = await http.post(f"{swarm.base_url}/completions", content=chunked(),
+                            headers={"content-type": "application/json"})
+    assert_openai_error(r, 413, str(limit))
+    small = await client(swarm).completions.create(model=MODEL, prompt="w" * 100, max_tokens=1)
+    assert small.choices
 
 
 async def test_unknown_endpoint_is_404_json(swarm: Swarm) -> None:
@@ -522,33 +515,30 @@ async def test_unknown_session_telemetry_is_404(swarm: Swarm) -> None:
 
 # ---- API keys -----------------------------------------------------------------------------------------------------
 
-async def test_api_keys(module_nats: EmbeddedNats, tmp_path: Path) -> None:
+async def test_api_keys(module_nats: EmbeddedNats, tmp_path: Path, swarms: Swarms) -> None:
     s = fresh_settings(module_nats, tmp_path, api_keys=[SecretStr("key-one"), SecretStr("key-two")])
-    swarm = await start_swarm(s, stubs(), model_id=MODEL)
-    try:
-        with pytest.raises(openai.AuthenticationError) as info:
-            await client(swarm, api_key="wrong").chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
-        assert info.value.status_code == 401
-        async with httpx.AsyncClient(timeout=5) as http:
-            for headers in ({}, {"authorization": "key-one"}, {"authorization": "Bearer"},
-                            {"authorization": "Bearer key-one-and-more"}, {"authorization": "Basic key-one"}):
-                r = await http.post(f"{swarm.base_url}/chat/completions", headers=headers,
-                                    json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2})
-                error = assert_openai_error(r, 401)
-                assert error["type"] == "authentication_error"
-                assert "key-one" not in r.text
-            r = await http.get(f"{swarm.base_url}/models")
-            assert r.status_code == 401
-            assert (await http.get(f"{swarm.url}/health")).status_code == 200  # probes need no key
-        for key in ("key-one", "key-two"):
-            ok = await client(swarm, api_key=key).chat.completions.create(model=MODEL, messages=MESSAGES,
-                                                                          max_tokens=2, **GREEDY)
-            assert ok.choices[0].finish_reason == "length"
-        stream = await client(swarm, api_key="key-two").chat.completions.create(
-            model=MODEL, messages=MESSAGES, max_tokens=4, stream=True, **GREEDY)
-        assert sum(1 for ch in [c async for c in stream] if ch.choices and ch.choices[0].delta.content) == 4
-    finally:
-        await swarm.stop()
+    swarm = await swarms.start(s, stubs(), model_id=MODEL)
+    with pytest.raises(openai.AuthenticationError) as info:
+        await client(swarm, api_key="wrong").chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+    assert info.value.status_code == 401
+    async with httpx.AsyncClient(timeout=5) as http:
+        for headers in ({}, {"authorization": "key-one"}, {"authorization": "Bearer"},
+                        {"authorization": "Bearer key-one-and-more"}, {"authorization": "Basic key-one"}):
+            r = await http.post(f"{swarm.base_url}/chat/completions", headers=headers,
+                                json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2})
+            error = assert_openai_error(r, 401)
+            assert error["type"] == "authentication_error"
+            assert "key-one" not in r.text
+        r = await http.get(f"{swarm.base_url}/models")
+        assert r.status_code == 401
+        assert (await http.get(f"{swarm.url}/health")).status_code == 200  # probes need no key
+    for key in ("key-one", "key-two"):
+        ok = await client(swarm, api_key=key).chat.completions.create(model=MODEL, messages=MESSAGES,
+                                                                      max_tokens=2, **GREEDY)
+        assert ok.choices[0].finish_reason == "length"
+    stream = await client(swarm, api_key="key-two").chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=4, stream=True, **GREEDY)
+    assert sum(1 for ch in [c async for c in stream] if ch.choices and ch.choices[0].delta.content) == 4
 
 
 # ---- a client that goes away --------------------------------------------------------------------------------------
@@ -574,11 +564,9 @@ async def test_client_disconnect_mid_stream_frees_the_session_everywhere(slow_sw
                 break
         assert any(n.sessions for n in slow_swarm.nodes)  # still generating when we walk away
     # The response is closed here: the client went away mid-stream.
-    deadline = time.monotonic() + 10
-    while not await _all_freed(slow_swarm):
-        assert time.monotonic() < deadline, "the session was not freed on every node"
-        await asyncio.sleep(0.05)
-    await wait_for(lambda: any(s.phase.value == "cancelled" for _, s in tap.of(sid)), 5)
+    await eventually(lambda: _all_freed(slow_swarm), what="the session being freed on every node")
+    await eventually(lambda: any(s.phase.value == "cancelled" for _, s in tap.of(sid)), timeout=5, interval=0.02,
+                     what=f"a cancelled snapshot of {sid} on NATS")
     generated = max(s.generated_tokens for _, s in tap.of(sid))
     assert generated < 3000  # generation really stopped, it did not run to max_tokens
     cancelled = [s for _, s in tap.of(sid) if s.phase.value == "cancelled"]
@@ -589,14 +577,12 @@ async def test_client_disconnect_during_non_streaming_request_frees_the_session(
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
     async with httpx.AsyncClient(timeout=10) as http:
         request = asyncio.create_task(http.post(f"{slow_swarm.base_url}/chat/completions", json=body))
-        await wait_for(lambda: any(n.sessions for n in slow_swarm.nodes), 5)
+        await eventually(lambda: any(n.sessions for n in slow_swarm.nodes), timeout=5, interval=0.02,
+                         what="the request opening a session on the nodes")
         await asyncio.sleep(0.3)
         request.cancel()
         await asyncio.gather(request, return_exceptions=True)
-    deadline = time.monotonic() + 10
-    while not await _all_freed(slow_swarm):
-        assert time.monotonic() < deadline, "the session was not freed after the client went away"
-        await asyncio.sleep(0.05)
+    await eventually(lambda: _all_freed(slow_swarm), what="the session being freed after the client went away")
 
 
 async def _collect_sse(events: AsyncIterator[bytes], timeout: float) -> list[bytes]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from artifacts.synthetic import BUILDERS, Dims
 from artifacts.torrent import TorrentSession
 from artifacts.verify import check_data_file, verify_shard, verify_store
 from schemas.errors import BadRequestError
+from tests.support.seeding import seed
 
 DIMS = Dims(n_layers=6, n_nextn=0)
 
@@ -168,11 +168,7 @@ def test_a_middle_range_of_a_set_is_fetched_and_verified(split: Path, tmp_path: 
     seeder, leecher = sessions
     seed_store = Store(tmp_path / "seed")
     manifest = seed_store.import_gguf(split, piece_size=16 << 10)
-    job = seeder.add(manifest, seed_store.model_dir(manifest.model_id), [])
-    deadline = time.monotonic() + 60
-    while str(job.status().state) != "seeding":
-        assert time.monotonic() < deadline, f"seeder stuck in {job.status().state}"
-        seeder.pump(0.05)
+    seed(seeder, seed_store, manifest)
     store = Store(tmp_path / "leech")
     result = fetch_range(store, manifest, 2, 4, session=leecher, peers=lambda: [seeder.address],
                          options=FetchOptions(timeout_s=60))

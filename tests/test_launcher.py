@@ -5,27 +5,17 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests.support.up import Up, alive, descendants, free_port
+from tests.support.actors import Children, descendants, still_alive
+from tests.support.up import Up, free_port
+from tests.support.waiting import eventually_sync
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def launched() -> Iterator[list[Up]]:
-    """Every ``Up`` a test starts, killed (with its whole tree) if the test left it running."""
-    ups: list[Up] = []
-    yield ups
-    for up in ups:
-        if up.proc.poll() is None:
-            up.kill_all()
 
 
 def _ready(up: Up, timeout: float = 300) -> str:
@@ -34,13 +24,12 @@ def _ready(up: Up, timeout: float = 300) -> str:
     return up.gateway_url()
 
 
-def test_the_readme_first_command_serves_the_bundled_model(launched: list[Up], tmp_path: Path) -> None:
+def test_the_readme_first_command_serves_the_bundled_model(children: Children, tmp_path: Path) -> None:
     """``python -m swarmroute up`` exactly as the README writes it (default llama.cpp backend, 2 nodes): one streamed
     chat and one completion through the official client carry text; SIGINT leaves no child behind. Only the home
     and the port come from the environment, so the test does not touch the user's."""
     port = free_port()
-    up = Up(env={"SWARMROUTE_HOME": str(tmp_path / "home"), "SWARMROUTE_GATEWAY_PORT": str(port)})
-    launched.append(up)
+    up = children.add(Up(env={"SWARMROUTE_HOME": str(tmp_path / "home"), "SWARMROUTE_GATEWAY_PORT": str(port)}))
     assert up.argv[-1] == "up"
     url = _ready(up)
     assert "llamacpp backend" in up.output and "node-1[0,9) -> node-2[9,18)" in up.output, up.output
@@ -57,18 +46,15 @@ def test_the_readme_first_command_serves_the_bundled_model(launched: list[Up], t
     children = descendants(up.proc.pid)
     os.kill(up.proc.pid, signal.SIGINT)
     assert up.proc.wait(60) == 0, up.output
-    deadline = time.monotonic() + 15
-    while any(alive(pid, started) for pid, started in children.items()):
-        assert time.monotonic() < deadline, [pid for pid, s in children.items() if alive(pid, s)]
-        time.sleep(0.1)
+    eventually_sync(lambda: not still_alive(children), timeout=15, interval=0.1,
+                    what=lambda: f"every child exiting (alive: {still_alive(children)})")
 
 
 @pytest.mark.parametrize(("backend", "signum"), [("stub", signal.SIGKILL), ("llamacpp", signal.SIGSEGV)])
 def test_a_head_dying_mid_stream_ends_the_stream_with_an_error_and_the_swarm_recovers(
-        launched: list[Up], tmp_path: Path, backend: str, signum: signal.Signals) -> None:
+        children: Children, tmp_path: Path, backend: str, signum: signal.Signals) -> None:
     extra = ["--stub-delay", "0.05"] if backend == "stub" else []
-    up = Up("--backend", backend, "--port", str(free_port()), "--home", str(tmp_path / "home"), *extra)
-    launched.append(up)
+    up = children.add(Up("--backend", backend, "--port", str(free_port()), "--home", str(tmp_path / "home"), *extra))
     url = _ready(up)
     model = "stub-model" if backend == "stub" else "gemma-3-270m"
     head = up.child("node", "node-1")
@@ -91,22 +77,16 @@ def test_a_head_dying_mid_stream_ends_the_stream_with_an_error_and_the_swarm_rec
     assert "node-1" in error["message"], error
 
     name = signal.Signals(signum).name
-    deadline = time.monotonic() + 30
-    while f"node-1 (pid {head}) killed by signal {int(signum)} ({name})" not in up.output:
-        assert time.monotonic() < deadline, up.output
-        time.sleep(0.2)
+    named = f"node-1 (pid {head}) killed by signal {int(signum)} ({name})"
+    eventually_sync(lambda: named in up.output, timeout=30, interval=0.2,
+                    what=lambda: f"up naming the death ({named!r}):\n{up.output}")
     assert "its last lines:" in up.output and "node-1 will be restarted in" in up.output, up.output
 
     # The swarm goes on: once node-1 is back, a request is served again.
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            text = client.completions.create(model=model, prompt="Hello", max_tokens=4, temperature=0)
-            break
-        except (openai.APIStatusError, openai.APIConnectionError) as exc:
-            assert time.monotonic() < deadline, f"{exc}\n{up.output}"
-            time.sleep(0.5)
+    text = eventually_sync(lambda: client.completions.create(model=model, prompt="Hello", max_tokens=4, temperature=0),
+                           timeout=120, interval=0.5, ignoring=(openai.APIStatusError, openai.APIConnectionError),
+                           what=lambda: f"a request served again:\n{up.output}")
     assert text.choices[0].finish_reason in ("length", "stop")
     assert up.proc.poll() is None, up.output
     assert up.child("node", "node-1") != head

@@ -15,7 +15,6 @@ import numpy as np
 import openai
 import pytest
 
-from actors.backends.stub import StubBackend, StubConfig
 from bus import frame as frames
 from bus.nodeclient import FRAME_CONTENT_TYPE
 from schemas.frame import FrameHeader, FrameKind, WireDType
@@ -23,43 +22,33 @@ from schemas.route import RouteRequest
 from schemas.session import SessionOpen
 from schemas.settings import Settings
 from tests.support import figures
-from tests.support.swarm import Swarm, make_settings, start_swarm
+from tests.support.swarm import Swarm, Swarms, make_settings, stub
+from tests.support.waiting import eventually
 
 MODEL = "stub-model"
 KEYS = ["key-one-0123456789", "key-two-0123456789"]
 
 
-def stub(start: int, end: int, **kw: object) -> StubBackend:
-    return StubBackend(StubConfig(model=MODEL, n_layers=8, layer_start=start, layer_end=end, **kw))  # type: ignore[arg-type]
-
-
-async def _swarm(settings: Settings, **stub_kw: object) -> Swarm:
-    return await start_swarm(settings, [stub(0, 4, **stub_kw), stub(4, 8, **stub_kw)], model_id=MODEL)
+async def _swarm(swarms: Swarms, settings: Settings, **stub_kw: object) -> Swarm:
+    return await swarms.start(settings, [stub(0, 4, **stub_kw), stub(4, 8, **stub_kw)], model_id=MODEL)
 
 
 def _reason(r: httpx.Response) -> str:
     return str(r.json()["error"]["message"])
 
 
-async def _drained(swarm: Swarm, timeout: float = 5.0) -> bool:
+def _drained(swarm: Swarm) -> bool:
     """Every node and the gateway hold no session (closing happens just after the response)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert swarm.gateway.serving is not None
-        if not any(n.sessions for n in swarm.nodes) and not swarm.gateway.serving.sessions.live:
-            return True
-        await asyncio.sleep(0.02)
-    return False
+    assert swarm.gateway.serving is not None
+    return not any(n.sessions for n in swarm.nodes) and not swarm.gateway.serving.sessions.live
 
 
 @pytest.fixture
-async def small(nats_server: object, tmp_path: Path) -> AsyncIterator[Swarm]:
+async def small(nats_server: object, tmp_path: Path, swarms: Swarms) -> Swarm:
     """A swarm with small limits: 2 KiB bodies, 64-token context, 64 KiB frames."""
     settings = make_settings(nats_server.url, tmp_path / "home", max_body_bytes=2048,  # type: ignore[attr-defined]
                              max_frame_bytes=64 * 1024)
-    swarm = await _swarm(settings, context_length=64)
-    yield swarm
-    await swarm.stop()
+    return await _swarm(swarms, settings, context_length=64)
 
 
 async def test_body_size_limits_on_gateway_and_node(small: Swarm) -> None:
@@ -106,7 +95,8 @@ async def test_prompt_context_and_max_tokens_limits(small: Swarm) -> None:
     ok = await client.completions.create(model=MODEL, prompt="p" * 10, max_tokens=53, temperature=0,
                                          extra_body={"ignore_eos": True})  # exactly the context: allowed
     assert ok.usage is not None and ok.usage.total_tokens == 64
-    assert await _drained(small)
+    await eventually(lambda: _drained(small), timeout=5.0, interval=0.02,
+                     what="every node and the gateway dropping their sessions")
     figures.add("limits", "checks_context_and_tokens", len(cases) + 1)
 
 
@@ -121,85 +111,74 @@ async def _slow_stream(client: openai.AsyncOpenAI, started: asyncio.Event, n: in
     return got
 
 
-async def test_node_capacity_gives_429_with_retry_after_then_recovers(nats_server: object, tmp_path: Path) -> None:
+async def test_node_capacity_gives_429_with_retry_after_then_recovers(nats_server: object, tmp_path: Path,
+                                                                       swarms: Swarms) -> None:
     settings = make_settings(nats_server.url, tmp_path / "home", route_retry_s=0.5)  # type: ignore[attr-defined]
-    swarm = await _swarm(settings, max_sessions=1, delay_s=0.01)
-    try:
-        client = openai.AsyncOpenAI(base_url=swarm.base_url, api_key="unused", max_retries=0)
-        started = asyncio.Event()
-        running = asyncio.create_task(_slow_stream(client, started, n=300))  # seconds: outlasts the retry window
-        await asyncio.wait_for(started.wait(), 20)
-        async with httpx.AsyncClient(timeout=10) as http:
-            asked = time.monotonic()
-            r = await http.post(f"{swarm.base_url}/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
-            waited = time.monotonic() - asked
-        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
-        assert "capacity" in _reason(r) or "full" in _reason(r)
-        assert 0.25 <= waited < 5  # the gateway asked again for up to route_retry_s, then gave up cleanly
-        assert await running == 300
-        done = None
-        for _ in range(50):  # until heartbeats report the freed slot
-            try:
-                done = await client.completions.create(model=MODEL, prompt="x", max_tokens=2)
-                break
-            except openai.RateLimitError:
-                await asyncio.sleep(0.1)
-        assert done is not None and done.usage is not None
-    finally:
-        await swarm.stop()
+    swarm = await _swarm(swarms, settings, max_sessions=1, delay_s=0.01)
+    client = openai.AsyncOpenAI(base_url=swarm.base_url, api_key="unused", max_retries=0)
+    started = asyncio.Event()
+    running = asyncio.create_task(_slow_stream(client, started, n=300))  # seconds: outlasts the retry window
+    await asyncio.wait_for(started.wait(), 20)
+    async with httpx.AsyncClient(timeout=10) as http:
+        asked = time.monotonic()
+        r = await http.post(f"{swarm.base_url}/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+        waited = time.monotonic() - asked
+    assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+    assert "capacity" in _reason(r) or "full" in _reason(r)
+    assert 0.25 <= waited < 5  # the gateway asked again for up to route_retry_s, then gave up cleanly
+    assert await running == 300
+    # Until heartbeats report the freed slot (a refusal takes route_retry_s: 50 tries were ~30 s).
+    done = await eventually(lambda: client.completions.create(model=MODEL, prompt="x", max_tokens=2),
+                            timeout=30.0, interval=0.1, ignoring=(openai.RateLimitError,),
+                            what="a request served once the slot is free again")
+    assert done.usage is not None
     figures.add("limits", "checks_node_capacity", 2)
 
 
-async def test_per_api_key_and_gateway_concurrency_limits(nats_server: object, tmp_path: Path) -> None:
+async def test_per_api_key_and_gateway_concurrency_limits(nats_server: object, tmp_path: Path,
+                                                           swarms: Swarms) -> None:
     settings = make_settings(nats_server.url, tmp_path / "home", api_keys=KEYS,  # type: ignore[attr-defined]
                              api_key_max_sessions=1, gateway_max_sessions=2)
-    swarm = await _swarm(settings, max_sessions=8, delay_s=0.01)
-    try:
-        one, two = (openai.AsyncOpenAI(base_url=swarm.base_url, api_key=k, max_retries=0) for k in KEYS)
-        started = asyncio.Event()
-        running = asyncio.create_task(_slow_stream(one, started, n=40))
-        await asyncio.wait_for(started.wait(), 20)
-        with pytest.raises(openai.RateLimitError) as err:
-            await one.completions.create(model=MODEL, prompt="x", max_tokens=2)
-        assert "API key" in err.value.message and err.value.response.headers["retry-after"] == "1"
-        second = asyncio.Event()
-        other = asyncio.create_task(_slow_stream(two, second, n=40))  # another key is not held back
-        await asyncio.wait_for(second.wait(), 20)
-        with pytest.raises(openai.RateLimitError) as err:  # both keys below their limit, the gateway is full
-            await two.completions.create(model=MODEL, prompt="x", max_tokens=2)
-        assert "gateway" in err.value.message
-        async with httpx.AsyncClient(timeout=10) as http:  # a bad key is refused before it can hold a slot
-            r = await http.post(f"{swarm.base_url}/completions", json={"model": MODEL, "prompt": "x"},
-                                headers={"authorization": "Bearer wrong"})
-        assert r.status_code == 401
-        assert await running == 40 and await other == 40
-        again = await one.completions.create(model=MODEL, prompt="x", max_tokens=2)
-        assert again.usage is not None and again.usage.completion_tokens >= 1
-    finally:
-        await swarm.stop()
+    swarm = await _swarm(swarms, settings, max_sessions=8, delay_s=0.01)
+    one, two = (openai.AsyncOpenAI(base_url=swarm.base_url, api_key=k, max_retries=0) for k in KEYS)
+    started = asyncio.Event()
+    running = asyncio.create_task(_slow_stream(one, started, n=40))
+    await asyncio.wait_for(started.wait(), 20)
+    with pytest.raises(openai.RateLimitError) as err:
+        await one.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    assert "API key" in err.value.message and err.value.response.headers["retry-after"] == "1"
+    second = asyncio.Event()
+    other = asyncio.create_task(_slow_stream(two, second, n=40))  # another key is not held back
+    await asyncio.wait_for(second.wait(), 20)
+    with pytest.raises(openai.RateLimitError) as err:  # both keys below their limit, the gateway is full
+        await two.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    assert "gateway" in err.value.message
+    async with httpx.AsyncClient(timeout=10) as http:  # a bad key is refused before it can hold a slot
+        r = await http.post(f"{swarm.base_url}/completions", json={"model": MODEL, "prompt": "x"},
+                            headers={"authorization": "Bearer wrong"})
+    assert r.status_code == 401
+    assert await running == 40 and await other == 40
+    again = await one.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    assert again.usage is not None and again.usage.completion_tokens >= 1
     figures.add("limits", "checks_concurrency", 4)
 
 
-async def test_idle_session_is_freed_after_the_ttl(nats_server: object, tmp_path: Path) -> None:
+async def test_idle_session_is_freed_after_the_ttl(nats_server: object, tmp_path: Path, swarms: Swarms) -> None:
     settings = make_settings(nats_server.url, tmp_path / "home", session_idle_ttl_s=0.4)  # type: ignore[attr-defined]
     tail = stub(4, 8)
-    swarm = await start_swarm(settings, [stub(0, 4), tail], model_id=MODEL)
-    try:
-        reply = swarm.tracker.route(RouteRequest(model=MODEL, session_id="a" * 32))
-        assert reply.route is not None
-        request = SessionOpen(session_id="a" * 32, route=reply.route, hop_index=1, prompt_tokens=[1, 2, 3],
-                              max_tokens=4)
-        async with httpx.AsyncClient(timeout=10) as http:
-            r = await http.post(f"{swarm.nodes[1].endpoint}/v1/sessions", json=request.model_dump(mode="json"))
-            assert r.status_code == 201
-            assert tail.open_sessions == ["a" * 32]
-            started = time.monotonic()
-            while time.monotonic() - started < 5 and tail.open_sessions:
-                await asyncio.sleep(0.05)
-            freed_after = time.monotonic() - started
-            health = (await http.get(f"{swarm.nodes[1].endpoint}/health")).json()
-        assert tail.open_sessions == [] and health["sessions"] == 0 and tail.kv_bytes_in_use() == 0
-        assert freed_after < 2.0  # TTL 0.4 s, swept every TTL/4
-    finally:
-        await swarm.stop()
+    swarm = await swarms.start(settings, [stub(0, 4), tail], model_id=MODEL)
+    reply = swarm.tracker.route(RouteRequest(model=MODEL, session_id="a" * 32))
+    assert reply.route is not None
+    request = SessionOpen(session_id="a" * 32, route=reply.route, hop_index=1, prompt_tokens=[1, 2, 3],
+                          max_tokens=4)
+    async with httpx.AsyncClient(timeout=10) as http:
+        r = await http.post(f"{swarm.nodes[1].endpoint}/v1/sessions", json=request.model_dump(mode="json"))
+        assert r.status_code == 201
+        assert tail.open_sessions == ["a" * 32]
+        started = time.monotonic()
+        await eventually(lambda: not tail.open_sessions, timeout=5, what="the idle session being freed")
+        freed_after = time.monotonic() - started
+        health = (await http.get(f"{swarm.nodes[1].endpoint}/health")).json()
+    assert tail.open_sessions == [] and health["sessions"] == 0 and tail.kv_bytes_in_use() == 0
+    assert freed_after < 2.0  # TTL 0.4 s, swept every TTL/4
     figures.add("limits", "checks_idle_ttl", 1)

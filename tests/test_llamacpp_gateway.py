@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,9 +27,11 @@ llama_cpp = pytest.importorskip("llama_cpp")
 from actors.backend import StepInput  # noqa: E402
 from actors.backends import load_backend  # noqa: E402
 from actors.backends.llamacpp.backend import LlamaCppBackend  # noqa: E402
-from bus.server import EmbeddedNats, NatsServerConfig  # noqa: E402
+from bus.server import EmbeddedNats  # noqa: E402
 from schemas.session import Prompt, SamplingParams  # noqa: E402
-from tests.support.swarm import Swarm, make_settings, start_swarm  # noqa: E402
+from schemas.settings import Settings  # noqa: E402
+from tests.support.swarm import Swarm, Swarms, make_settings, start_swarm  # noqa: E402
+from tests.support.waiting import eventually  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -51,29 +52,27 @@ model's logits by up to ~1.4 between a lone and a batched run (measured, see ``t
 saw a flip at a margin of 0.45. A session mixed up with another's KV or positions diverges at once and by more."""
 
 
-@pytest.fixture(scope="module")
-def module_nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNats]:
-    server = EmbeddedNats(NatsServerConfig(store_dir=tmp_path_factory.mktemp("nats")))
-    server.start()
-    yield server
-    server.stop()
-
-
-async def _swarm(server: EmbeddedNats, home: Path, backends: list[Any]) -> Swarm:
+def _settings(server: EmbeddedNats, home: Path) -> Settings:
     # Generous timeouts: this box's two cores are shared with other test processes.
-    settings = make_settings(server.url, home, namespace=f"llama{next(_namespaces)}", token_timeout_s=60.0,
-                             first_token_timeout_s=120.0, hop_timeout_s=60.0)
-    return await start_swarm(settings, backends, model_id=MODEL)
+    return make_settings(server.url, home, namespace=f"llama{next(_namespaces)}", token_timeout_s=60.0,
+                         first_token_timeout_s=120.0, hop_timeout_s=60.0)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def swarm(module_nats: EmbeddedNats, gemma_path: Path,
                 tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Swarm]:
     backend = load_backend("llamacpp", model_path=gemma_path, n_ctx=1024, max_sessions=4, threads=THREADS)
-    s = await _swarm(module_nats, tmp_path_factory.mktemp("one"), [backend])
+    s = await start_swarm(_settings(module_nats, tmp_path_factory.mktemp("one")), [backend], model_id=MODEL)
     yield s
     await s.stop()
     backend.close()
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def swarms() -> AsyncIterator[Swarms]:
+    """The shared ``swarms`` fixture (tests/conftest.py) on this module's event loop and NATS server."""
+    async with Swarms() as started:
+        yield started
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +92,8 @@ def node_backend(swarm: Swarm) -> LlamaCppBackend:
     return backend
 
 
+# The references run off the event loop (asyncio.to_thread): the swarm's heartbeats go on meanwhile, and a node silent
+# for registry_ttl_s would drop out of the registry.
 def reference_completion(llm: llama_cpp.Llama, prompt: str, max_tokens: int) -> tuple[str, str]:
     llm.reset()  # no prefix reuse from the previous call: a fresh prompt, as the node runs it
     out = llm.create_completion(prompt, max_tokens=max_tokens, temperature=0.0)
@@ -120,7 +121,7 @@ def reference_chat(llm: llama_cpp.Llama, question: str, max_tokens: int) -> tupl
 
 @pytest.mark.parametrize("prompt", PROMPTS[:2])
 async def test_completion_equals_llama_cpp_python(swarm: Swarm, reference: llama_cpp.Llama, prompt: str) -> None:
-    expected, reason = reference_completion(reference, prompt, N)
+    expected, reason = await asyncio.to_thread(reference_completion, reference, prompt, N)
     got = await client(swarm).completions.create(model=MODEL, prompt=prompt, max_tokens=N, temperature=0)
     assert got.choices[0].text == expected
     assert got.choices[0].finish_reason == reason
@@ -130,7 +131,7 @@ async def test_completion_equals_llama_cpp_python(swarm: Swarm, reference: llama
 @pytest.mark.parametrize("question", QUESTIONS[:2])
 async def test_chat_streaming_and_not_equal_llama_cpp_python(swarm: Swarm, reference: llama_cpp.Llama,
                                                              question: str) -> None:
-    expected, reason = reference_chat(reference, question, N)
+    expected, reason = await asyncio.to_thread(reference_chat, reference, question, N)
     messages: list[Any] = [{"role": "user", "content": question}]
     whole = await client(swarm).chat.completions.create(model=MODEL, messages=messages, max_tokens=N, temperature=0)
     assert whole.choices[0].message.content == expected
@@ -148,22 +149,19 @@ async def test_chat_streaming_and_not_equal_llama_cpp_python(swarm: Swarm, refer
 
 
 async def test_shard_route_equals_llama_cpp_python(module_nats: EmbeddedNats, gemma_path: Path,
-                                                   reference: llama_cpp.Llama,
+                                                   reference: llama_cpp.Llama, swarms: Swarms,
                                                    tmp_path_factory: pytest.TempPathFactory) -> None:
     shard_dir = tmp_path_factory.mktemp("shards")
     backends = [load_backend("llamacpp", model_path=gemma_path, n_ctx=512, max_sessions=2, threads=THREADS,
                              layer_start=a, layer_end=b, shard_dir=shard_dir) for a, b in ((0, 12), (12, 18))]
-    s = await _swarm(module_nats, tmp_path_factory.mktemp("two"), backends)
-    try:
-        expected, reason = reference_completion(reference, PROMPTS[0], N)
-        got = await client(s).completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=N, temperature=0)
-        assert got.choices[0].text == expected and got.choices[0].finish_reason == reason
-        telemetry = got.model_extra["swarmroute"]  # type: ignore[index]
-        assert [h["node_id"] for h in telemetry["route"]] == ["n1", "n2"]
-    finally:
-        await s.stop()
-        for b in backends:
-            b.close()
+    for b in backends:
+        swarms.on_teardown(b.close)  # after the swarm stops
+    s = await swarms.start(_settings(module_nats, tmp_path_factory.mktemp("two")), backends, model_id=MODEL)
+    expected, reason = await asyncio.to_thread(reference_completion, reference, PROMPTS[0], N)
+    got = await client(s).completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=N, temperature=0)
+    assert got.choices[0].text == expected and got.choices[0].finish_reason == reason
+    telemetry = got.model_extra["swarmroute"]  # type: ignore[index]
+    assert [h["node_id"] for h in telemetry["route"]] == ["n1", "n2"]
 
 
 # --- concurrency -----------------------------------------------------------------------------------------------------
@@ -223,6 +221,9 @@ async def test_concurrent_requests_equal_sequential_ones(swarm: Swarm) -> None:
 
 
 async def test_client_disconnect_frees_the_llama_cpp_sequence(swarm: Swarm) -> None:
+    # A test before may have run the backend on this loop (alone_with_logits) for longer than the registry's TTL:
+    # the node's next heartbeat puts it back, and the session must not be asked for before that.
+    await swarm.wait_model(MODEL)
     backend = node_backend(swarm)
     body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 600, "temperature": 0, "ignore_eos": True,
             "stream": True}
@@ -238,9 +239,7 @@ async def test_client_disconnect_frees_the_llama_cpp_sequence(swarm: Swarm) -> N
         assert backend.open_sessions  # still generating when the client goes away
         seq = backend.seq_id_of(backend.open_sessions[0])
         assert backend.seq_cells(seq)[1] > 0
-    deadline = time.monotonic() + 30
-    while backend.open_sessions or swarm.nodes[0].sessions:
-        assert time.monotonic() < deadline, "the session was not freed after the client went away"
-        await asyncio.sleep(0.05)
+    await eventually(lambda: not backend.open_sessions and not swarm.nodes[0].sessions, timeout=30,
+                     what="the session being freed after the client went away")
     assert all(backend.seq_cells(s) == (-1, -1) for s in range(backend.max_sessions))
     assert backend.kv_bytes_in_use() == 0

@@ -22,16 +22,13 @@ import httpx
 import openai
 import pytest
 
-from actors.backends.stub import StubBackend, StubConfig
+from actors.backends.stub import StubBackend
 from schemas.settings import Settings
 from tests.support import figures
-from tests.support.swarm import Swarm, make_settings, start_swarm
+from tests.support.swarm import Swarm, Swarms, make_settings, stub
+from tests.support.waiting import eventually
 
 MODEL = "stub-model"
-
-
-def stub(start: int, end: int, **kw: object) -> StubBackend:
-    return StubBackend(StubConfig(model=MODEL, n_layers=8, layer_start=start, layer_end=end, **kw))  # type: ignore[arg-type]
 
 
 def task_kinds() -> list[tuple[str, int]]:
@@ -105,15 +102,11 @@ async def run_load(swarm: Swarm, clients: int, seconds: float, max_tokens: int) 
     return tally
 
 
-async def drained(swarm: Swarm, backends: list[StubBackend], timeout: float = 10.0) -> bool:
+def drained(swarm: Swarm, backends: list[StubBackend]) -> bool:
+    """The gateway, the nodes and the backends hold no session."""
     assert swarm.gateway.serving is not None
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if (not swarm.gateway.serving.sessions.live and not any(n.sessions for n in swarm.nodes)
-                and not any(b.open_sessions for b in backends)):
-            return True
-        await asyncio.sleep(0.05)
-    return False
+    return (not swarm.gateway.serving.sessions.live and not any(n.sessions for n in swarm.nodes)
+            and not any(b.open_sessions for b in backends))
 
 
 @pytest.fixture
@@ -124,31 +117,25 @@ def load_settings(nats_server: object, tmp_path: Path) -> Settings:
 CAPACITY = 6
 
 
-async def test_within_capacity_no_errors(load_settings: Settings) -> None:
+async def test_within_capacity_no_errors(load_settings: Settings, swarms: Swarms) -> None:
     backends = [stub(0, 4, max_sessions=CAPACITY, delay_s=0.004), stub(4, 8, max_sessions=CAPACITY, delay_s=0.004)]
     # A slot freed by a finished stream reaches the tracker with the node's next (immediate) heartbeat; on a CPU
     # shared with other jobs that can lag, and route_retry_s is the design's margin for it.
     settings = load_settings.model_copy(update={"route_retry_s": 3.0})
-    swarm = await start_swarm(settings, backends, model_id=MODEL)
-    try:
-        tally = await run_load(swarm, clients=CAPACITY, seconds=8.0, max_tokens=16)
-        assert await drained(swarm, backends)
-    finally:
-        await swarm.stop()
+    swarm = await swarms.start(settings, backends, model_id=MODEL)
+    tally = await run_load(swarm, clients=CAPACITY, seconds=8.0, max_tokens=16)
+    await eventually(lambda: drained(swarm, backends), what="every session being dropped everywhere")
     assert tally.errors == [] and not tally.refused, (tally.errors[:5], tally.reasons)
     assert tally.completed >= CAPACITY
     figures.record("load_within_capacity", clients=CAPACITY, node_capacity=CAPACITY, seconds=8.0,
                    sessions=tally.completed, tokens=tally.tokens, errors=len(tally.errors), refused=0)
 
 
-async def test_beyond_capacity_refuses_cleanly(load_settings: Settings) -> None:
+async def test_beyond_capacity_refuses_cleanly(load_settings: Settings, swarms: Swarms) -> None:
     backends = [stub(0, 4, max_sessions=CAPACITY, delay_s=0.004), stub(4, 8, max_sessions=CAPACITY, delay_s=0.004)]
-    swarm = await start_swarm(load_settings, backends, model_id=MODEL)
-    try:
-        tally = await run_load(swarm, clients=3 * CAPACITY, seconds=8.0, max_tokens=16)
-        assert await drained(swarm, backends)
-    finally:
-        await swarm.stop()
+    swarm = await swarms.start(load_settings, backends, model_id=MODEL)
+    tally = await run_load(swarm, clients=3 * CAPACITY, seconds=8.0, max_tokens=16)
+    await eventually(lambda: drained(swarm, backends), what="every session being dropped everywhere")
     assert tally.errors == [], tally.errors[:5]
     assert tally.refused[429] > 0 and set(tally.refused) <= {429, 503}
     assert tally.completed >= CAPACITY
@@ -156,10 +143,11 @@ async def test_beyond_capacity_refuses_cleanly(load_settings: Settings) -> None:
                    sessions=tally.completed, tokens=tally.tokens, refused=dict(tally.refused), errors=0)
 
 
-async def test_a_thousand_sessions_leave_nothing_behind(load_settings: Settings) -> None:
+async def test_a_thousand_sessions_leave_nothing_behind(load_settings: Settings, swarms: Swarms) -> None:
     backends = [stub(0, 4, max_sessions=16), stub(4, 8, max_sessions=16)]
-    swarm = await start_swarm(load_settings, backends, model_id=MODEL)
+    swarm = await swarms.start(load_settings, backends, model_id=MODEL)
     client = openai.AsyncOpenAI(base_url=swarm.base_url, api_key="unused", max_retries=0)
+    swarms.on_teardown(client.close)
     failures: list[str] = []
     assert swarm.gateway.serving is not None
     manager = swarm.gateway.serving.sessions
@@ -184,23 +172,19 @@ async def test_a_thousand_sessions_leave_nothing_behind(load_settings: Settings)
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
 
-    try:
-        await sessions(200)  # warm-up: pools, caches and the gateway's bounded table of finished sessions fill
-        assert await drained(swarm, backends)
-        gc.collect()
-        tasks_before, rss_before, blocks_before = len(asyncio.all_tasks()), rss_kib(), sys.getallocatedblocks()
-        names_before = task_kinds()
-        started = time.monotonic()
-        await sessions(1000)
-        elapsed = time.monotonic() - started
-        assert await drained(swarm, backends)
-        gc.collect()
-        await asyncio.sleep(0.5)
-        tasks_after, rss_after, blocks_after = len(asyncio.all_tasks()), rss_kib(), sys.getallocatedblocks()
-        names_after = task_kinds()
-    finally:
-        await client.close()
-        await swarm.stop()
+    await sessions(200)  # warm-up: pools, caches and the gateway's bounded table of finished sessions fill
+    await eventually(lambda: drained(swarm, backends), what="every session being dropped everywhere")
+    gc.collect()
+    tasks_before, rss_before, blocks_before = len(asyncio.all_tasks()), rss_kib(), sys.getallocatedblocks()
+    names_before = task_kinds()
+    started = time.monotonic()
+    await sessions(1000)
+    elapsed = time.monotonic() - started
+    await eventually(lambda: drained(swarm, backends), what="every session being dropped everywhere")
+    gc.collect()
+    await asyncio.sleep(0.5)
+    tasks_after, rss_after, blocks_after = len(asyncio.all_tasks()), rss_kib(), sys.getallocatedblocks()
+    names_after = task_kinds()
     assert failures == [], failures[:5]
     assert tasks_after <= tasks_before, f"tasks grew: {names_before} -> {names_after}"
     assert all(b.kv_bytes_in_use() == 0 for b in backends)

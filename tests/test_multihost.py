@@ -9,7 +9,7 @@ from actors.tracker import Tracker
 from bus.server import EmbeddedNats, NatsServerConfig
 from gateway.app import Gateway
 from tests.support import netns
-from tests.support.swarm import NodeProcess, make_settings, wait_model
+from tests.support.swarm import Swarms, make_settings, wait_model
 
 pytestmark = [pytest.mark.netns,
               pytest.mark.skipif(not netns.available(), reason="needs root and ip netns (CI machines have both)")]
@@ -18,30 +18,29 @@ MODEL = "stub-model"
 
 
 async def test_stub_route_across_three_hosts(tmp_path):  # type: ignore[no-untyped-def]
+    # Everything started is stopped inside the hosts' namespaces, before they go.
     with netns.hosts(3) as (bridge, hosts):
-        server = EmbeddedNats(NatsServerConfig(store_dir=tmp_path / "nats", host=bridge)).start()
-        settings = make_settings(server.url, tmp_path / "home")
-        ranges = ["0:3", "3:6", "6:8"]
-        procs = []
-        try:
+        async with Swarms() as swarms:
+            server = EmbeddedNats(NatsServerConfig(store_dir=tmp_path / "nats", host=bridge)).start()
+            swarms.on_teardown(server.stop)
+            settings = make_settings(server.url, tmp_path / "home")
+            ranges = ["0:3", "3:6", "6:8"]
+            procs = []
             for i, ((ns, address), layers) in enumerate(zip(hosts, ranges, strict=True)):
-                procs.append(NodeProcess(settings, f"host{i}", [
+                procs.append(await swarms.node_process(settings, f"host{i}", [
                     "--backend", "stub", "--model", MODEL, "--layers", layers, "--n-layers", "8", "--host", address],
                     prefix=["ip", "netns", "exec", ns]))
             assert [p.endpoint for p in procs] == [f"http://{a}:{p.endpoint.rsplit(':', 1)[1]}"  # type: ignore[union-attr]
                                                    for (_, a), p in zip(hosts, procs, strict=True)]
-            async with Tracker(settings) as tracker, Gateway(settings, port=0) as gateway:
-                await wait_model(tracker, MODEL, n_nodes=3)
-                client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
-                result = await client.completions.create(model=MODEL, prompt="across hosts", max_tokens=16,
-                                                         temperature=0, extra_body={"ignore_eos": True})
-                assert result.usage is not None and result.usage.completion_tokens == 16
-                route = result.model_extra["swarmroute"]["route"]  # type: ignore[index]
-                assert [h["node_id"] for h in route] == ["host0", "host1", "host2"]
-        finally:
-            for p in procs:
-                p.stop()
-            server.stop()
+            tracker = await swarms.actor(Tracker(settings))
+            gateway = await swarms.actor(Gateway(settings, port=0))
+            await wait_model(tracker, MODEL, n_nodes=3)
+            client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+            result = await client.completions.create(model=MODEL, prompt="across hosts", max_tokens=16,
+                                                     temperature=0, extra_body={"ignore_eos": True})
+            assert result.usage is not None and result.usage.completion_tokens == 16
+            route = result.model_extra["swarmroute"]["route"]  # type: ignore[index]
+            assert [h["node_id"] for h in route] == ["host0", "host1", "host2"]
 
 
 @pytest.mark.slow
@@ -55,25 +54,21 @@ async def test_gguf_route_across_two_hosts_equals_llama_cpp(tmp_path, gemma_path
     expected = llm.create_completion(prompt, max_tokens=n, temperature=0.0)["choices"][0]["text"]  # type: ignore[index]
     llm.close()
     with netns.hosts(2, subnet=214) as (bridge, hosts):
-        server = EmbeddedNats(NatsServerConfig(store_dir=tmp_path / "nats", host=bridge)).start()
-        settings = make_settings(server.url, tmp_path / "home", token_timeout_s=60.0, first_token_timeout_s=120.0,
-                                 hop_timeout_s=60.0)
-        procs = []
-        try:
+        async with Swarms() as swarms:
+            server = EmbeddedNats(NatsServerConfig(store_dir=tmp_path / "nats", host=bridge)).start()
+            swarms.on_teardown(server.stop)
+            settings = make_settings(server.url, tmp_path / "home", token_timeout_s=60.0,
+                                     first_token_timeout_s=120.0, hop_timeout_s=60.0)
             for i, ((ns, address), layers) in enumerate(zip(hosts, ["0:9", "9:18"], strict=True)):
                 host_settings = make_settings(server.url, tmp_path / f"host{i}")  # a separate store per host
-                procs.append(NodeProcess(host_settings, f"gguf{i}", [
+                await swarms.node_process(host_settings, f"gguf{i}", [
                     "--backend", "llamacpp", "--model", str(gemma_path), "--layers", layers, "--threads", "1",
-                    "--model-id", "gemma", "--host", address], prefix=["ip", "netns", "exec", ns]))
-            async with Tracker(settings) as tracker, Gateway(settings, port=0) as gateway:
-                await wait_model(tracker, "gemma", timeout=60, n_nodes=2)
-                client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0,
-                                            timeout=300)
-                result = await client.completions.create(model="gemma", prompt=prompt, max_tokens=n, temperature=0)
-                assert result.choices[0].text == expected
-                route = result.model_extra["swarmroute"]["route"]  # type: ignore[index]
-                assert [h["node_id"] for h in route] == ["gguf0", "gguf1"]
-        finally:
-            for p in procs:
-                p.stop()
-            server.stop()
+                    "--model-id", "gemma", "--host", address], prefix=["ip", "netns", "exec", ns])
+            tracker = await swarms.actor(Tracker(settings))
+            gateway = await swarms.actor(Gateway(settings, port=0))
+            await wait_model(tracker, "gemma", timeout=60, n_nodes=2)
+            client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+            result = await client.completions.create(model="gemma", prompt=prompt, max_tokens=n, temperature=0)
+            assert result.choices[0].text == expected
+            route = result.model_extra["swarmroute"]["route"]  # type: ignore[index]
+            assert [h["node_id"] for h in route] == ["gguf0", "gguf1"]

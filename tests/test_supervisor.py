@@ -7,6 +7,7 @@ import sys
 import time
 
 from swarmroute.supervisor import ChildSpec, RestartPolicy, Supervisor
+from tests.support.waiting import eventually_sync
 
 FAST = RestartPolicy(max_restarts=2, window_s=60, first_backoff_s=0.1, max_backoff_s=0.2)
 
@@ -22,13 +23,15 @@ LIVES = _python("import time; print('serving'); time.sleep(60)")
 
 def _until(supervisor: Supervisor, out: io.StringIO, text: str, timeout: float = 20) -> bool:
     """Run the supervisor's watch loop until ``text`` appears; returns what the last check said."""
-    deadline = time.monotonic() + timeout
-    ok = True
-    while text not in out.getvalue():
-        assert time.monotonic() < deadline, out.getvalue()
-        ok = supervisor.check()
-        time.sleep(0.05)
-    return ok
+    said = [True]
+
+    def check_then_sleep(interval: float) -> None:
+        said.append(supervisor.check())
+        time.sleep(interval)
+
+    eventually_sync(lambda: text in out.getvalue(), timeout=timeout, sleep=check_then_sleep,
+                    what=lambda: f"{text!r} in the supervisor's report:\n{out.getvalue()}")
+    return said[-1]
 
 
 def test_a_child_dying_after_start_up_is_named_restarted_and_given_up_on() -> None:
@@ -71,10 +74,8 @@ def test_a_child_dying_during_start_up_is_fatal_and_named() -> None:
                              ChildSpec("tracker", LIVES)], policy=FAST, out=out)
     supervisor.start()
     try:
-        deadline = time.monotonic() + 20
-        while supervisor.check():
-            assert time.monotonic() < deadline, out.getvalue()
-            time.sleep(0.05)
+        eventually_sync(lambda: not supervisor.check(), timeout=20,
+                        what=lambda: f"the supervisor giving up:\n{out.getvalue()}")
         assert supervisor.failed == "node-2 exited during start-up"
         report = out.getvalue()
         assert "node-2 (pid " in report and "exited with status 3; its last lines:\n    no model" in report

@@ -6,7 +6,6 @@ Expected texts come from transformers ``generate()`` in one process on the same 
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 import httpx
@@ -22,8 +21,7 @@ from gateway.app import Gateway
 from schemas.frame import FrameKind
 from schemas.session import Prompt
 from schemas.settings import Settings
-from tests.support.proxy import CountingProxy
-from tests.support.swarm import NodeProcess, make_settings, start_swarm, wait_model
+from tests.support.swarm import Swarms, make_settings, wait_model
 from tests.support.torch_route import (
     LONG_PROMPT,
     build_route,
@@ -33,6 +31,7 @@ from tests.support.torch_route import (
     reference,
     whole_gguf_model,
 )
+from tests.support.waiting import eventually
 
 TINY = "tiny-gemma3"
 
@@ -47,50 +46,44 @@ async def stream_text(client: openai.AsyncOpenAI, model: str, prompt: str | list
     return "".join([c.choices[0].text async for c in stream if c.choices and c.choices[0].text])
 
 
-async def test_concurrent_streams_through_a_three_node_torch_route_equal_generate(settings: Settings) -> None:
+async def test_concurrent_streams_through_a_three_node_torch_route_equal_generate(settings: Settings,
+                                                                                  swarms: Swarms) -> None:
     codec, ref = tiny_codec(), reference(TINY)
     prompts = [LONG_PROMPT, "Sphinx of black quartz, judge my vow; five boxing wizards jump quickly."]
     expected = [expected_text(codec, generate_reference(ref, codec.tokenize(Prompt(text=p)), 24)) for p in prompts]
-    swarm = await start_swarm(settings, build_route(TINY, (0, 2, 4, 6)), model_id=TINY)
-    try:
-        client = openai.AsyncOpenAI(base_url=swarm.base_url, api_key="unused", max_retries=0)
-        got = await asyncio.gather(*(stream_text(client, TINY, p, 24) for p in prompts))
-        assert list(got) == expected
-        messages = [{"role": "user", "content": "Say something about rivers and trees, at length please."}]
-        chat_ids = codec.tokenize(Prompt(messages=messages))
-        reply = await client.chat.completions.create(model=TINY, messages=messages, max_tokens=16,  # type: ignore[arg-type]
-                                                     temperature=0)
-        assert reply.choices[0].message.content == expected_text(codec, generate_reference(ref, chat_ids, 16))
-    finally:
-        await swarm.stop()
+    swarm = await swarms.start(settings, build_route(TINY, (0, 2, 4, 6)), model_id=TINY)
+    client = openai.AsyncOpenAI(base_url=swarm.base_url, api_key="unused", max_retries=0)
+    got = await asyncio.gather(*(stream_text(client, TINY, p, 24) for p in prompts))
+    assert list(got) == expected
+    messages = [{"role": "user", "content": "Say something about rivers and trees, at length please."}]
+    chat_ids = codec.tokenize(Prompt(messages=messages))
+    reply = await client.chat.completions.create(model=TINY, messages=messages, max_tokens=16,  # type: ignore[arg-type]
+                                                 temperature=0)
+    assert reply.choices[0].message.content == expected_text(codec, generate_reference(ref, chat_ids, 16))
 
 
-async def test_decode_frames_over_http_carry_one_position_whatever_the_context(settings: Settings) -> None:
-    swarm = await start_swarm(settings, build_route(TINY, (0, 3, 6)), model_id=TINY)
-    proxy = await CountingProxy.start(swarm.nodes[1].server.port)
-    try:
-        await swarm.route_through(swarm.nodes[1], proxy.url)  # frames into the tail cross the proxy from now on
-        client = openai.AsyncOpenAI(base_url=swarm.base_url, api_key="unused", max_retries=0)
-        decode_sizes, payloads = {}, set()
-        for length in (20, 300):
-            proxy.reset()
-            ids = [2] + [3 + (i * 11) % 250 for i in range(length - 1)]
-            stream = await client.completions.create(model=TINY, prompt=ids, max_tokens=6, temperature=0,
-                                                     stream=True, extra_body={"ignore_eos": True})
-            async for _ in stream:
-                pass
-            decoded = [(len(b), frames.decode(b)[0]) for b in proxy.request_bodies() if b[:4] == frames.MAGIC]
-            decode = [(size, h) for size, h in decoded if h.kind is FrameKind.DECODE]
-            assert len(decode) == 5  # every token after the first is one decode step
-            assert all(h.n_positions == 1 for _, h in decode)
-            assert sum(h.n_positions for _, h in decoded if h.kind is FrameKind.PREFILL) == length
-            decode_sizes[length] = {size for size, _ in decode}
-            payloads |= {h.payload_bytes for _, h in decode}
-        assert decode_sizes[20] == decode_sizes[300] and len(decode_sizes[20]) == 1
-        assert payloads == {swarm.nodes[0].backend.info.hidden_size * 4}
-    finally:
-        await proxy.stop()
-        await swarm.stop()
+async def test_decode_frames_over_http_carry_one_position_whatever_the_context(settings: Settings,
+                                                                                swarms: Swarms) -> None:
+    swarm = await swarms.start(settings, build_route(TINY, (0, 3, 6)), model_id=TINY)
+    proxy = await swarms.proxy(swarm, swarm.nodes[1])  # frames into the tail cross the proxy from now on
+    client = openai.AsyncOpenAI(base_url=swarm.base_url, api_key="unused", max_retries=0)
+    decode_sizes, payloads = {}, set()
+    for length in (20, 300):
+        proxy.reset()
+        ids = [2] + [3 + (i * 11) % 250 for i in range(length - 1)]
+        stream = await client.completions.create(model=TINY, prompt=ids, max_tokens=6, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True})
+        async for _ in stream:
+            pass
+        decoded = [(len(b), frames.decode(b)[0]) for b in proxy.request_bodies() if b[:4] == frames.MAGIC]
+        decode = [(size, h) for size, h in decoded if h.kind is FrameKind.DECODE]
+        assert len(decode) == 5  # every token after the first is one decode step
+        assert all(h.n_positions == 1 for _, h in decode)
+        assert sum(h.n_positions for _, h in decoded if h.kind is FrameKind.PREFILL) == length
+        decode_sizes[length] = {size for size, _ in decode}
+        payloads |= {h.payload_bytes for _, h in decode}
+    assert decode_sizes[20] == decode_sizes[300] and len(decode_sizes[20]) == 1
+    assert payloads == {swarm.nodes[0].backend.info.hidden_size * 4}
 
 
 def torch_args(layers: str) -> list[str]:
@@ -98,60 +91,54 @@ def torch_args(layers: str) -> list[str]:
 
 
 async def test_killing_a_torch_node_mid_decode_fails_the_session_and_the_survivor_frees_it(
-        nats_server: object, tmp_path: Path) -> None:
+        nats_server: object, tmp_path: Path, swarms: Swarms) -> None:
     settings = make_settings(nats_server.url, tmp_path / "home", token_timeout_s=3.0,  # type: ignore[attr-defined]
                              first_token_timeout_s=20.0, hop_timeout_s=2.0, prefill_chunk=8)
-    head = NodeProcess(settings, "head", torch_args("0:3"))
-    tail = NodeProcess(settings, "tail", torch_args("3:6"))
-    async with Tracker(settings) as tracker, Gateway(settings, port=0) as gateway:
-        try:
-            await wait_model(tracker, TINY, timeout=60, n_nodes=2)
-            client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
-            stream = await client.completions.create(model=TINY, prompt=LONG_PROMPT, max_tokens=3000, temperature=0,
-                                                     stream=True, extra_body={"ignore_eos": True})
-            seen = 0
-            with pytest.raises(openai.APIError) as failure:
-                async for _chunk in stream:
-                    seen += 1
-                    if seen == 5:
-                        tail.kill()
-            assert seen >= 5
-            error = failure.value
-            assert "tail" in error.message and "decode" in error.message
-            body = error.body if isinstance(error.body, dict) else {}
-            assert (body.get("failure") or {}).get("node_id") == "tail"
-            assert head.endpoint is not None
-            deadline = time.monotonic() + 10
-            async with httpx.AsyncClient() as http:
-                while (await http.get(f"{head.endpoint}/health")).json()["sessions"] != 0:
-                    assert time.monotonic() < deadline, "the surviving head still holds the session"
-                    await asyncio.sleep(0.05)
-        finally:
-            head.stop()
-            tail.stop()
+    head = await swarms.node_process(settings, "head", torch_args("0:3"))
+    tail = await swarms.node_process(settings, "tail", torch_args("3:6"))
+    tracker = await swarms.actor(Tracker(settings))
+    gateway = await swarms.actor(Gateway(settings, port=0))
+    await wait_model(tracker, TINY, timeout=60, n_nodes=2)
+    client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+    stream = await client.completions.create(model=TINY, prompt=LONG_PROMPT, max_tokens=3000, temperature=0,
+                                             stream=True, extra_body={"ignore_eos": True})
+    seen = 0
+    with pytest.raises(openai.APIError) as failure:
+        async for _chunk in stream:
+            seen += 1
+            if seen == 5:
+                tail.kill()
+    assert seen >= 5
+    error = failure.value
+    assert "tail" in error.message and "decode" in error.message
+    body = error.body if isinstance(error.body, dict) else {}
+    assert (body.get("failure") or {}).get("node_id") == "tail"
+    assert head.endpoint.startswith("http://127.0.0.1:")  # where it said it serves
+    async with httpx.AsyncClient() as http:
+        async def freed() -> bool:
+            return (await http.get(f"{head.endpoint}/health")).json()["sessions"] == 0
+
+        await eventually(freed, what="the surviving head freeing the session")
 
 
 @pytest.mark.slow
-async def test_bundled_gemma_through_a_two_node_torch_route_equals_generate(settings: Settings,
+async def test_bundled_gemma_through_a_two_node_torch_route_equals_generate(settings: Settings, swarms: Swarms,
                                                                             gemma_path: Path) -> None:
     backends = build_route(str(gemma_path), (0, 9, 18), max_sessions=2)
+    for b in backends:
+        swarms.on_teardown(b.close)  # after the swarm stops
     codec = backends[0].codec
     assert codec is not None
     messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
     ids = codec.tokenize(Prompt(messages=messages))
     expected = expected_text(codec, generate_reference(whole_gguf_model(gemma_path), ids, 8))
     model_id = backends[0].info.model_name
-    swarm = await start_swarm(settings, backends, model_id=model_id)
-    try:
-        client = openai.AsyncOpenAI(base_url=swarm.base_url, api_key="unused", max_retries=0, timeout=300)
-        reply = await client.chat.completions.create(model=model_id, messages=messages,  # type: ignore[arg-type]
-                                                     max_tokens=8, temperature=0)
-        assert reply.choices[0].message.content == expected
-        assert expected.strip()  # the model said something: the comparison is not between two empty strings
-    finally:
-        await swarm.stop()
-        for b in backends:
-            b.close()
+    swarm = await swarms.start(settings, backends, model_id=model_id)
+    client = openai.AsyncOpenAI(base_url=swarm.base_url, api_key="unused", max_retries=0, timeout=300)
+    reply = await client.chat.completions.create(model=model_id, messages=messages,  # type: ignore[arg-type]
+                                                 max_tokens=8, temperature=0)
+    assert reply.choices[0].message.content == expected
+    assert expected.strip()  # the model said something: the comparison is not between two empty strings
 
 
 def test_load_torch_is_what_the_cli_builds() -> None:

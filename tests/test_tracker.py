@@ -9,12 +9,10 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
-from actors.backends.stub import StubBackend, StubConfig
 from actors.node import Node, NodeConfig
 from actors.tracker import Tracker
 from bus import codec
@@ -22,41 +20,33 @@ from bus.subjects import Subjects
 from schemas.node import NodeAdvertisement
 from schemas.route import ModelsReply, RouteReply, RouteRequest
 from schemas.settings import Settings
-from tests.support.swarm import NodeProcess, wait_model
+from tests.support.swarm import Swarms, stub, wait_model
+from tests.support.waiting import eventually
 
 MODEL = "stub-model"
 
 
-def stub(start: int, end: int, model: str = MODEL, **kw: Any) -> StubBackend:
-    return StubBackend(StubConfig(model=model, n_layers=8, layer_start=start, layer_end=end, **kw))
-
-
 class Nodes:
-    def __init__(self, settings: Settings) -> None:
+    """Stub nodes started one by one (through the test's ``swarms``, which stops them)."""
+
+    def __init__(self, settings: Settings, swarms: Swarms) -> None:
         self.settings = settings
-        self.started: list[Node] = []
+        self.swarms = swarms
 
     async def add(self, node_id: str, start: int, end: int, model: str = MODEL, *, verified: bool = True,
                   **kw: Any) -> Node:
-        node = Node(NodeConfig(node_id=node_id, model_id=model, verified=verified), stub(start, end, model, **kw),
-                    self.settings)
-        self.started.append(await node.start())
-        return node
+        return await self.swarms.actor(Node(NodeConfig(node_id=node_id, model_id=model, verified=verified),
+                                            stub(start, end, model=model, **kw), self.settings))
 
 
 @pytest.fixture
-async def nodes(settings: Settings) -> AsyncIterator[Nodes]:
-    group = Nodes(settings)
-    yield group
-    for node in group.started:
-        await node.stop()
+def nodes(settings: Settings, swarms: Swarms) -> Nodes:
+    return Nodes(settings, swarms)
 
 
 @pytest.fixture
-async def tracker(settings: Settings) -> AsyncIterator[Tracker]:
-    t = await Tracker(settings).start()
-    yield t
-    await t.stop()
+async def tracker(settings: Settings, swarms: Swarms) -> Tracker:
+    return await swarms.actor(Tracker(settings))
 
 
 async def ask_route(nc: Any, settings: Settings, model: str = MODEL, exclude: list[str] | None = None) -> RouteReply:
@@ -68,16 +58,6 @@ async def ask_route(nc: Any, settings: Settings, model: str = MODEL, exclude: li
 async def ask_models(nc: Any, settings: Settings) -> ModelsReply:
     msg = await nc.request(Subjects(settings.namespace).models_request, b"", timeout=2)
     return codec.decode(msg.data, ModelsReply)
-
-
-async def until(predicate: Any, timeout: float, interval: float = 0.02) -> float:
-    """Poll an async predicate; returns the seconds it took, raises TimeoutError if it never holds."""
-    started = time.monotonic()
-    while time.monotonic() - started < timeout:
-        if await predicate():
-            return time.monotonic() - started
-        await asyncio.sleep(interval)
-    raise TimeoutError(f"condition not met within {timeout}s")
 
 
 async def test_nodes_advertise_into_kv_and_tracker_routes_over_the_wire(settings: Settings, nc: Any,
@@ -101,7 +81,7 @@ async def test_route_errors_travel_with_status_and_uncovered_layers(settings: Se
                                                                    tracker: Tracker) -> None:
     await nodes.add("n1", 0, 4)
     await nodes.add("unverified", 4, 8, verified=False)
-    await until(lambda: _has_nodes(tracker, 2), 5)
+    await eventually(lambda: _has_nodes(tracker, 2), timeout=5, interval=0.02, what="the tracker seeing both nodes")
 
     reply = await ask_route(nc, settings)
     assert reply.route is None and reply.status == 503
@@ -141,7 +121,10 @@ async def test_clean_stop_disappears_at_once(settings: Settings, nc: Any, nodes:
     assert await _listed(nc, settings, "n1")
     await node.stop()
     # The last heartbeat is at most heartbeat_s old, so expiry alone would take at least ttl - heartbeat_s.
-    took = await until(lambda: _not(_listed(nc, settings, "n1")), settings.registry_ttl_s - settings.heartbeat_s - 0.5)
+    started = time.monotonic()
+    await eventually(lambda: _not(_listed(nc, settings, "n1")), timeout=settings.registry_ttl_s - settings.heartbeat_s
+                     - 0.5, interval=0.02, what="the trackers no longer listing n1")
+    took = time.monotonic() - started
     assert took < settings.registry_ttl_s - settings.heartbeat_s
     reply = await ask_route(nc, settings)
     assert reply.status == 404
@@ -165,7 +148,8 @@ async def test_silent_node_stops_being_routed_after_the_ttl(settings: Settings, 
         assert tracker.registry is not None
         return "silent" not in {a.node_id for a in tracker.registry.live()}
 
-    await until(silent_gone, settings.registry_ttl_s + 2.0)
+    await eventually(silent_gone, timeout=settings.registry_ttl_s + 2.0, interval=0.02,
+                     what="the tracker dropping the silent node")
     gone_after = time.monotonic() - stopped_at
     # Not at once (the node said no goodbye), but within the TTL of its last heartbeat.
     assert gone_after >= settings.registry_ttl_s - settings.heartbeat_s - 0.2
@@ -174,26 +158,24 @@ async def test_silent_node_stops_being_routed_after_the_ttl(settings: Settings, 
         assert reply.route is not None and [h.node_id for h in reply.route.hops] == ["steady"]
 
 
-async def test_sigkilled_node_process_stops_being_routed(settings: Settings, nc: Any, tracker: Tracker) -> None:
-    proc = await asyncio.to_thread(NodeProcess, settings, "victim",
-                                   ["--backend", "stub", "--layers", "0:8", "--model-id", MODEL])
-    try:
-        await wait_model(tracker, MODEL, timeout=30)
-        reply = await ask_route(nc, settings)
-        assert reply.route is not None and reply.route.hops[0].endpoint == proc.endpoint
-        await asyncio.to_thread(proc.kill)
-        killed_at = time.monotonic()
-        await until(lambda: _not(_listed(nc, settings, "victim")), settings.registry_ttl_s + 2.0)
-        assert time.monotonic() - killed_at >= settings.registry_ttl_s - settings.heartbeat_s - 0.2
-        assert (await ask_route(nc, settings)).status == 404
-    finally:
-        await asyncio.to_thread(proc.stop)
+async def test_sigkilled_node_process_stops_being_routed(settings: Settings, nc: Any, tracker: Tracker,
+                                                         swarms: Swarms) -> None:
+    proc = await swarms.node_process(settings, "victim", ["--backend", "stub", "--layers", "0:8", "--model-id", MODEL])
+    await wait_model(tracker, MODEL, timeout=30)
+    reply = await ask_route(nc, settings)
+    assert reply.route is not None and reply.route.hops[0].endpoint == proc.endpoint
+    await asyncio.to_thread(proc.kill)
+    killed_at = time.monotonic()
+    await eventually(lambda: _not(_listed(nc, settings, "victim")), timeout=settings.registry_ttl_s + 2.0,
+                     interval=0.02, what="the trackers no longer listing the killed node")
+    assert time.monotonic() - killed_at >= settings.registry_ttl_s - settings.heartbeat_s - 0.2
+    assert (await ask_route(nc, settings)).status == 404
 
 
 async def test_two_trackers_share_the_queue_group_and_answer_each_request_once(settings: Settings, nc: Any,
-                                                                              nodes: Nodes) -> None:
+                                                                              nodes: Nodes, swarms: Swarms) -> None:
     await nodes.add("n1", 0, 8, max_sessions=1000)
-    t1, t2 = await Tracker(settings).start(), await Tracker(settings).start()
+    t1, t2 = await swarms.actor(Tracker(settings)), await swarms.actor(Tracker(settings))
     answered = {"t1": 0, "t2": 0}
 
     def spy(tracker: Tracker, name: str) -> None:
@@ -207,44 +189,36 @@ async def test_two_trackers_share_the_queue_group_and_answer_each_request_once(s
 
     spy(t1, "t1")
     spy(t2, "t2")
-    try:
-        await wait_model(t1, MODEL)
-        await wait_model(t2, MODEL)
-        # A tracker's subscription reaches the server shortly after start() returns: wait until both have answered.
-        deadline = time.monotonic() + 5
-        while min(answered.values()) == 0:
-            assert time.monotonic() < deadline, f"both trackers should answer route requests: {answered}"
-            assert (await ask_route(nc, settings)).route is not None
-        answered.update(t1=0, t2=0)
-        inbox = nc.new_inbox()
-        replies: list[RouteReply] = []
+    await wait_model(t1, MODEL)
+    await wait_model(t2, MODEL)
+    # A tracker's subscription reaches the server shortly after start() returns: wait until both have answered.
+    async def both_answered() -> bool:
+        assert (await ask_route(nc, settings)).route is not None
+        return min(answered.values()) > 0
 
-        async def on_reply(msg: Any) -> None:
-            replies.append(codec.decode(msg.data, RouteReply))
+    await eventually(both_answered, timeout=5, interval=0,
+                     what=lambda: f"both trackers answering route requests ({answered})")
+    answered.update(t1=0, t2=0)
+    inbox = nc.new_inbox()
+    replies: list[RouteReply] = []
 
-        sub = await nc.subscribe(inbox, cb=on_reply)
-        n = 60
-        sids = [uuid.uuid4().hex for _ in range(n)]
-        for sid in sids:
-            await nc.publish(Subjects(settings.namespace).route_request,
-                             codec.encode(RouteRequest(model=MODEL, session_id=sid)), reply=inbox)
-        await nc.flush()
-        await until(_len_at_least(replies, n), 5)
-        await asyncio.sleep(0.3)  # a duplicate answer would arrive in this window
-        await sub.unsubscribe()
-        assert len(replies) == n
-        assert sorted(r.route.session_id for r in replies if r.route) == sorted(sids)
-        assert answered["t1"] + answered["t2"] == n
-        assert answered["t1"] > 0 and answered["t2"] > 0
-    finally:
-        await t1.stop()
-        await t2.stop()
+    async def on_reply(msg: Any) -> None:
+        replies.append(codec.decode(msg.data, RouteReply))
 
-
-def _len_at_least(items: list[Any], n: int) -> Any:
-    async def check() -> bool:
-        return len(items) >= n
-    return check
+    sub = await nc.subscribe(inbox, cb=on_reply)
+    n = 60
+    sids = [uuid.uuid4().hex for _ in range(n)]
+    for sid in sids:
+        await nc.publish(Subjects(settings.namespace).route_request,
+                         codec.encode(RouteRequest(model=MODEL, session_id=sid)), reply=inbox)
+    await nc.flush()
+    await eventually(lambda: len(replies) >= n, timeout=5, interval=0.02, what=f"{n} replies")
+    await asyncio.sleep(0.3)  # a duplicate answer would arrive in this window
+    await sub.unsubscribe()
+    assert len(replies) == n
+    assert sorted(r.route.session_id for r in replies if r.route) == sorted(sids)
+    assert answered["t1"] + answered["t2"] == n
+    assert answered["t1"] > 0 and answered["t2"] > 0
 
 
 async def test_models_lists_complete_and_incomplete_models(settings: Settings, nc: Any, nodes: Nodes,
@@ -253,7 +227,7 @@ async def test_models_lists_complete_and_incomplete_models(settings: Settings, n
     await nodes.add("a2", 5, 8, model="alpha")
     await nodes.add("b1", 0, 4, model="beta")
     await nodes.add("c1", 0, 8, model="gamma", verified=False)
-    await until(lambda: _has_nodes(tracker, 4), 5)
+    await eventually(lambda: _has_nodes(tracker, 4), timeout=5, interval=0.02, what="the tracker seeing 4 nodes")
 
     reply = await ask_models(nc, settings)
     by_id = {m.id: m for m in reply.models}

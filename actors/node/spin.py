@@ -36,9 +36,12 @@ _MAX_PERIOD_S = 1.0
 
 class LoopPoller:
     """Keeps the running event loop polling while any holder's deadline is ahead. ``on_polled`` receives the
-    length of every stretch of polling (for the node's metrics)."""
+    length of every stretch of polling (for the node's metrics). ``clock`` tells the time for the poller and its
+    spinners (``time.perf_counter``; a test passes its own)."""
 
-    def __init__(self, on_polled: Callable[[float], None] | None = None) -> None:
+    def __init__(self, on_polled: Callable[[float], None] | None = None, *,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
         self._deadlines: dict[object, float] = {}
         self._on_polled = on_polled
         self._started: float | None = None
@@ -50,10 +53,10 @@ class LoopPoller:
         return self._started is not None
 
     def hold(self, holder: object, until: float) -> None:
-        """Poll until ``until`` (``time.perf_counter``) or until ``release(holder)``."""
+        """Poll until ``until`` (on ``clock``) or until ``release(holder)``."""
         self._deadlines[holder] = until
         if self._started is None:
-            self._started = time.perf_counter()
+            self._started = self.clock()
             asyncio.get_running_loop().call_soon(self._turn)
 
     def release(self, holder: object) -> None:
@@ -64,7 +67,7 @@ class LoopPoller:
         return self._started is not None and holder in self._deadlines
 
     def _turn(self) -> None:
-        now = time.perf_counter()
+        now = self.clock()
         deadlines = self._deadlines
         for holder in [h for h, until in deadlines.items() if until <= now]:
             del deadlines[holder]
@@ -93,8 +96,9 @@ class ArrivalSpinner:
         self._last: float | None = None
 
     def arrived(self, now: float | None = None) -> None:
-        """A message came in: stop polling for it and learn the interval."""
-        now = time.perf_counter() if now is None else now
+        """A message came in (at ``now`` on the poller's clock, by default the present): stop polling for it and
+        learn the interval."""
+        now = self.poller.clock() if now is None else now
         self.caught += self.poller.holds(self)
         self.poller.release(self)
         if self._last is not None:
@@ -109,7 +113,7 @@ class ArrivalSpinner:
         if self.grace_s <= 0 or self.period_s is None or self._last is None:
             return  # off, or no steady interval yet (the first decode steps)
         until = self._last + self.period_s + self.grace_s
-        if until > time.perf_counter():  # else already overdue: the normal wake-up will do
+        if until > self.poller.clock():  # else already overdue: the normal wake-up will do
             self.poller.hold(self, until)
 
     def reset(self) -> None:

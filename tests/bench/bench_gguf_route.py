@@ -48,6 +48,7 @@ from schemas.frame import FrameKind
 from swarmroute.launcher import split_layers
 from tests.bench.bench_llamacpp import _routable, free_port, run_in_process, stop, wait_http
 from tests.support.proxy import CountingProxy
+from tests.support.waiting import eventually_sync
 
 LONG_PROMPT = " ".join(f"Line {i}: the river flows past the old mill and the stone bridge." for i in range(40))
 
@@ -83,15 +84,14 @@ class Route:
         self.procs.append(subprocess.Popen([*swarm, "gateway", *common, "--port", str(self.port)],
                                            stdout=subprocess.DEVNULL))
         try:
-            deadline = time.monotonic() + 600
-            while time.monotonic() < deadline:
+            def routed() -> str | None:
                 wait_http(f"{self.url}/models", _routable, self.procs, 600)
                 with urllib.request.urlopen(f"{self.url}/models", timeout=10) as r:
                     models = [m for m in json.load(r)["data"] if m.get("complete")]
-                if models and len(models[0]["nodes"]) == n_nodes:
-                    self.model = models[0]["id"]
-                    break
-                time.sleep(0.5)
+                return models[0]["id"] if models and len(models[0]["nodes"]) == n_nodes else None
+
+            self.model = eventually_sync(routed, timeout=600, interval=0.5,
+                                         what=f"a complete route over {n_nodes} nodes")
         except BaseException:
             self.close()
             raise

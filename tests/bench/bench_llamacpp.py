@@ -48,6 +48,7 @@ import llama_cpp
 import openai
 
 from bus.server import EmbeddedNats, NatsServerConfig
+from tests.support.waiting import eventually_sync
 
 MODEL_ID = "gemma"
 PROMPT = ("You are reading a travel guide. Chapter one describes the geography of Europe, its rivers, mountains and "
@@ -91,18 +92,13 @@ def free_port() -> int:
 
 
 def wait_http(url: str, ready: Callable[[bytes], bool], procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def answers() -> bool:
         if any(p.poll() is not None for p in procs):
             raise RuntimeError(f"a server process exited while starting ({[p.args for p in procs]})")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if ready(r.read()):
-                    return
-        except OSError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"{url} not ready after {timeout:g}s")
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return ready(r.read())
+
+    eventually_sync(answers, timeout=timeout, interval=0.3, ignoring=(OSError,), what=f"{url} being ready")
 
 
 def stop(procs: list[subprocess.Popen[bytes]]) -> None:

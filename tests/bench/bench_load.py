@@ -37,6 +37,7 @@ from gateway.app import Gateway
 from schemas.settings import Settings
 from tests.support.actors import ActorProcess
 from tests.support.swarm import make_settings, start_swarm
+from tests.support.waiting import eventually
 
 PROMPT = "<start_of_turn>user\nTell me about lighthouses.<end_of_turn>\n<start_of_turn>model\n"
 MAX_TOKENS = 32
@@ -111,13 +112,10 @@ async def run_clients(base_url: str, model: str, clients: int, seconds: float) -
 
 async def served_model(tracker: Tracker, timeout: float = 120.0) -> str:
     """The id of the one complete model the nodes serve (content-derived for GGUF artifacts)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        complete = [m.id for m in tracker.models().models if m.complete]
-        if complete:
-            return complete[0]
-        await asyncio.sleep(0.2)
-    raise TimeoutError("the GGUF route never became complete")
+    def complete() -> str | None:
+        return next((m.id for m in tracker.models().models if m.complete), None)
+
+    return await eventually(complete, timeout=timeout, interval=0.2, what="the GGUF route becoming complete")
 
 
 # ---- 1. load on the real model -------------------------------------------------------------------------------------

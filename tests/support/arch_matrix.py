@@ -7,7 +7,6 @@ chunk), then one token per step. The reference is the whole GGUF in one llama.cp
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import itertools
 from collections.abc import Sequence
@@ -28,7 +27,7 @@ from bus.server import EmbeddedNats
 from gateway.app import Gateway
 from schemas.session import Prompt, SamplingParams
 from schemas.settings import Settings
-from tests.support.swarm import make_settings, wait_model
+from tests.support.swarm import Swarms, make_settings, wait_model
 
 THREADS = 1
 """One thread: the matrix runs beside other test processes on two shared cores, where OpenMP barriers of two
@@ -152,6 +151,7 @@ class RouteHarness:
     settings: Settings
     tracker: Tracker
     gateway: Gateway
+    started: Swarms
     _ids: itertools.count[int] = dataclasses.field(default_factory=itertools.count)
 
     @classmethod
@@ -159,13 +159,13 @@ class RouteHarness:
         # Generous timeouts: the two cores are shared with other test processes.
         settings = make_settings(server.url, home, namespace="archmatrix", token_timeout_s=60.0,
                                  first_token_timeout_s=120.0, hop_timeout_s=60.0)
-        tracker = await Tracker(settings).start()
-        gateway = await Gateway(settings, port=0).start()
-        return cls(settings, tracker, gateway)
+        async with Swarms() as starting:
+            tracker = await starting.actor(Tracker(settings))
+            gateway = await starting.actor(Gateway(settings, port=0))
+            return cls(settings, tracker, gateway, starting.pop_all())
 
     async def stop(self) -> None:
-        await self.gateway.stop()
-        await self.tracker.stop()
+        await self.started.aclose()
 
     async def route(self, hops: Sequence[LlamaCppBackend], tokens: list[int], n: int = N_DECODE
                     ) -> tuple[Run, list[str]]:
@@ -175,12 +175,10 @@ class RouteHarness:
         model = f"m{run_id}"
         tail = RecordingBackend(hops[-1])
         backends: list[Any] = [*hops[:-1], tail]
-        nodes = []
-        try:
+        async with Swarms() as started:  # the nodes, stopped again after the run
             for i, backend in enumerate(backends):
-                config = NodeConfig(node_id=f"r{run_id}-{i}", model_id=model)
-                nodes.append(await Node(config, backend, self.settings).start())
-            await wait_model(self.tracker, model, timeout=30.0, n_nodes=len(nodes))
+                await started.actor(Node(NodeConfig(node_id=f"r{run_id}-{i}", model_id=model), backend, self.settings))
+            await wait_model(self.tracker, model, timeout=30.0, n_nodes=len(backends))
             client = openai.AsyncOpenAI(base_url=self.gateway.url + "/v1", api_key="unused", max_retries=0,
                                         timeout=300)
             got = await client.completions.create(model=model, prompt=tokens, max_tokens=n, temperature=0,
@@ -188,5 +186,3 @@ class RouteHarness:
             assert got.usage is not None and got.usage.completion_tokens == n
             route = [h["node_id"] for h in got.model_extra["swarmroute"]["route"]]  # type: ignore[index]
             return tail.run, route
-        finally:
-            await asyncio.gather(*(node.stop() for node in nodes))

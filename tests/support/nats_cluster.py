@@ -7,25 +7,17 @@ monitoring), the cluster block naming every route, and ``include ./auth.conf`` w
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import shutil
-import socket
 import threading
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 from bus.server import EmbeddedNats, NatsServerConfig
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+from tests.support.up import free_port
+from tests.support.waiting import eventually
 
 
 @dataclasses.dataclass
@@ -131,16 +123,6 @@ async def wait_jetstream(urls: list[str], *, user: str | None = None, password: 
     """Until the cluster has a JetStream meta leader (account info answers)."""
     import nats
 
-    nc = await nats.connect(servers=urls, user=user, password=password)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                await nc.jetstream().account_info()
-                return
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(0.25)
-    finally:
-        await nc.close()
+    async with await nats.connect(servers=urls, user=user, password=password) as nc:
+        await eventually(nc.jetstream().account_info, timeout=timeout, interval=0.25, ignoring=(Exception,),
+                         what="a JetStream meta leader answering account info")

@@ -1,19 +1,40 @@
-"""Starting real swarms for tests: a real nats-server, real uvicorn servers on loopback, real child processes."""
+"""Starting real swarms for tests: a real nats-server, real uvicorn servers on loopback, real child processes.
+
+A test gets them from the ``swarms`` fixture (``Swarms``), which stops everything it started when the test ends,
+passed or failed: ``swarm = await swarms.start(settings, [stub(0, 4), stub(4, 8)], model_id=MODEL)``.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
-from collections.abc import Sequence
+import inspect
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
 from actors.backend import Backend
+from actors.backends.stub import StubBackend, StubConfig
 from actors.node import Node, NodeConfig
 from actors.tracker import Tracker
+from bus.actor import NatsActor
 from gateway.app import Gateway
 from schemas.settings import Settings
 from tests.support.actors import ActorProcess
+from tests.support.proxy import CountingProxy
 from tests.support.waiting import eventually
+
+STUB_MODEL = "stub-model"
+"""The stub backend's model id (``StubConfig``'s default)."""
+
+A = TypeVar("A", bound=NatsActor)
+
+
+def stub(start: int = 0, end: int | None = None, **kw: Any) -> StubBackend:
+    """A stub backend holding layers ``[start, end)`` of the 8-layer ``stub-model`` (``kw``: other ``StubConfig``
+    fields: ``model``, ``n_layers``, ``delay_s``, ``max_sessions``, ...)."""
+    return StubBackend(StubConfig(layer_start=start, layer_end=end, **kw))
 
 
 @dataclasses.dataclass
@@ -43,10 +64,10 @@ class Swarm:
                          what=f"the tracker routing to {node.config.node_id} through {url}")
 
     async def stop(self) -> None:
-        await self.gateway.stop()
-        for node in self.nodes:
-            await node.stop()
-        await self.tracker.stop()
+        """The gateway, the nodes, then the tracker; each is stopped even if stopping another fails."""
+        async with contextlib.AsyncExitStack() as stops:
+            for actor in (self.tracker, *reversed(self.nodes), self.gateway):
+                stops.push_async_callback(actor.stop)
 
 
 async def wait_model(tracker: Tracker, model: str, timeout: float = 10.0, n_nodes: int | None = None) -> None:
@@ -60,13 +81,16 @@ async def wait_model(tracker: Tracker, model: str, timeout: float = 10.0, n_node
 
 async def start_swarm(settings: Settings, backends: Sequence[Backend], *, model_id: str,
                       wire_dtype: str = "f32") -> Swarm:
-    tracker = await Tracker(settings).start()
-    nodes = [await Node(NodeConfig(node_id=f"n{i + 1}", model_id=model_id, wire_dtype=wire_dtype), b,
-                        settings).start() for i, b in enumerate(backends)]
-    gateway = await Gateway(settings, port=0).start()
-    swarm = Swarm(settings, tracker, nodes, gateway)
-    await wait_model(tracker, model_id, n_nodes=len(nodes))
-    return swarm
+    """A tracker, a node per backend (``n1``, ``n2``, ...) and a gateway, once the model is routable over all the
+    nodes; whatever started is stopped again if that fails. Tests use ``Swarms.start``, which also stops it."""
+    async with Swarms() as starting:
+        tracker = await starting.actor(Tracker(settings))
+        nodes = [await starting.actor(Node(NodeConfig(node_id=f"n{i + 1}", model_id=model_id, wire_dtype=wire_dtype),
+                                           b, settings)) for i, b in enumerate(backends)]
+        gateway = await starting.actor(Gateway(settings, port=0))
+        await wait_model(tracker, model_id, n_nodes=len(nodes))
+        starting.pop_all()  # the Swarm stops them
+    return Swarm(settings, tracker, nodes, gateway)
 
 
 class NodeProcess(ActorProcess):
@@ -79,20 +103,69 @@ class NodeProcess(ActorProcess):
                          prefix=prefix, log_level="warning")
 
     @property
-    def endpoint(self) -> str | None:
+    def endpoint(self) -> str:
         return self.url
 
 
-@contextlib.contextmanager
-def node_processes(settings: Settings, specs: Sequence[tuple[str, list[str]]]):  # type: ignore[no-untyped-def]
-    procs: list[NodeProcess] = []
-    try:
-        for node_id, args in specs:
-            procs.append(NodeProcess(settings, node_id, args))
-        yield procs
-    finally:
-        for p in procs:
-            p.stop()
+class Swarms:
+    """Everything one test starts (swarms, actors, proxies, node processes), stopped in reverse order when the test
+    ends, passed or failed: the ``swarms`` fixture. Stopping something early (``swarm.stop()``) is fine: every stop
+    is idempotent."""
+
+    def __init__(self) -> None:
+        self._stack = contextlib.AsyncExitStack()
+
+    async def start(self, settings: Settings, backends: Sequence[Backend], *, model_id: str = STUB_MODEL,
+                    wire_dtype: str = "f32") -> Swarm:
+        """``start_swarm``: a tracker, a node per backend and a gateway, with ``model_id`` routable."""
+        swarm = await start_swarm(settings, backends, model_id=model_id, wire_dtype=wire_dtype)
+        self._stack.push_async_callback(swarm.stop)
+        return swarm
+
+    async def actor(self, actor: A) -> A:
+        """``actor`` (a Tracker, Node or Gateway of the test's own making), started."""
+        return await self._stack.enter_async_context(actor)
+
+    async def proxy(self, swarm: Swarm, node: Node) -> CountingProxy:
+        """A ``CountingProxy`` in front of ``node``, once the tracker routes to ``node`` through it."""
+        proxy = await CountingProxy.start(node.server.port)
+        self._stack.push_async_callback(proxy.stop)
+        await swarm.route_through(node, proxy.url)
+        return proxy
+
+    async def node_process(self, settings: Settings, node_id: str, args: list[str], **kw: Any) -> NodeProcess:
+        """A ``NodeProcess`` (``swarmroute node`` as a child), started off the event loop: the test's in-process
+        actors keep serving while it loads."""
+        proc = await asyncio.to_thread(NodeProcess, settings, node_id, args, **kw)
+        self._stack.push_async_callback(asyncio.to_thread, proc.close)
+        return proc
+
+    def on_teardown(self, callback: Callable[[], object]) -> None:
+        """Run ``callback`` (and await what it returns, if anything) at teardown, before whatever was started
+        earlier is stopped."""
+        async def run() -> None:
+            result = callback()
+            if inspect.isawaitable(result):
+                await result
+
+        self._stack.push_async_callback(run)
+
+    def pop_all(self) -> Swarms:
+        """Hand everything started so far to a new ``Swarms`` (this one then stops nothing): start several things in
+        ``async with Swarms() as starting`` and keep them with ``starting.pop_all()`` once all are up."""
+        kept = Swarms()
+        kept._stack = self._stack.pop_all()
+        return kept
+
+    async def aclose(self) -> None:
+        """Stop everything started, newest first."""
+        await self._stack.aclose()
+
+    async def __aenter__(self) -> Swarms:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
 
 
 def make_settings(nats_url: str, home: Path, **overrides: object) -> Settings:
