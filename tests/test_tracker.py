@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -355,7 +356,7 @@ async def test_a_fetching_node_is_shown_but_never_routed_to(settings: Settings, 
         "is_head": False, "is_tail": True, "verified": False, "state": "fetching",
         "fetch": FetchSummary(phase="fetching", fraction=0.4, bytes_downloaded=40, bytes_needed=100)})
     await serving.put("coming", codec.encode(coming))
-    await until(lambda: _has_nodes(tracker, 2), 5)
+    await eventually(lambda: _has_nodes(tracker, 2), timeout=5, interval=0.02, what="the tracker seeing both nodes")
     reply = await ask_route(nc, settings)
     assert reply.route is None and reply.status == 503 and "still fetching" in (reply.error or "")
     # even claiming to be verified, a node in state "fetching" (or any state but serving) is not routed to
