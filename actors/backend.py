@@ -132,3 +132,41 @@ class ForkingBackend(Backend, Protocol):
         for a fork id already open. Forks are ordinary sessions afterwards: stepped in batches with any others and
         closed one by one."""
         ...
+
+
+@runtime_checkable
+class KvBackend(Backend, Protocol):
+    """A backend whose sessions' KV can leave and re-enter it (issue #18: snapshots, repair, prefix reuse; issue
+    #20: dropping rejected draft positions). Every backend of this repository is one.
+
+    Blobs are opaque to the node: only a backend of the same model and layer range reads them, and whoever
+    stores or moves them checks them by hash (``actors.node.snapshots``)."""
+
+    def export_kv(self, session_id: str, start: int, end: int) -> bytes:
+        """This node's KV of positions ``[start, end)`` of a session (``end`` at most its position)."""
+        ...
+
+    def import_kv(self, session_id: str, blobs: list[bytes], end: int) -> None:
+        """Append the positions of ``blobs`` (exports of consecutive ranges, the first starting at the session's
+        position) to an open session, which is then at ``end``. ``SnapshotError`` if a blob is not this model's
+        and range's, or does not end at ``end``."""
+        ...
+
+    def truncate(self, session_id: str, position: int) -> None:
+        """Drop the session's positions from ``position`` on (``position`` at most its position)."""
+        ...
+
+    def reusable_prefix(self, source_id: str, length: int) -> int:
+        """How many of the first ``length`` positions of session ``source_id`` another session may start from
+        (windowed layers may have let older positions go): ``length``, less, or 0."""
+        ...
+
+    def copy_prefix(self, source_id: str, session_id: str, length: int) -> None:
+        """Give an open session at position 0 the first ``length`` positions of ``source_id``'s KV (at most
+        ``reusable_prefix``); it is then at ``length``."""
+        ...
+
+    def replay_sampled(self, session_id: str, tokens: list[int]) -> None:
+        """Tail: start the session's sampler over as it was at open, then let it accept ``tokens`` as if it had
+        sampled them (penalty window, grammar): for a session rebuilt from a snapshot, or cut back by a repair."""
+        ...

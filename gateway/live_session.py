@@ -45,6 +45,7 @@ from schemas.session import (
     TOKEN_SUBJECT_MESSAGES,
     FailureReason,
     Prompt,
+    RouteChanged,
     SamplingParams,
     SessionEnd,
     SessionOpen,
@@ -106,6 +107,8 @@ class LiveSession:
         self._nats_stats: dict[str, int] = {}
         """The gateway connection's live counters (nats.py ``Client.stats``), read for ``reconnects``."""
         self._reconnects_before = 0
+        self._epoch = 0
+        """The route's repair count as the head last announced it (``RouteChanged``)."""
         self._closed = False
         self.created = time.monotonic()
 
@@ -125,6 +128,11 @@ class LiveSession:
                     self._queue.put_nowait(codec.decode(msg.data, GenerationTelemetry))
                     return
                 message = codec.decode_tagged(msg.data, TOKEN_SUBJECT_MESSAGES)
+                if isinstance(message, RouteChanged):  # the head repaired the route: free the session there
+                    if self.route is not None and message.epoch > self._epoch:
+                        self._epoch = message.epoch
+                        self.route = _with_token(message.route, self.route)
+                    return
                 assert isinstance(message, TokenEvent | SessionEnd)
                 self._queue.put_nowait(message)
             except codec.DecodeError as exc:
@@ -339,6 +347,14 @@ class SessionManager:
                 await self.close_on_hops(session.route, session.id)
 
     async def _route(self, model: str, session_id: str, exclude: list[str] | None = None) -> Route:
+        return await self._route_with(model, session_id, exclude, standby=self._repairs)
+
+    @property
+    def _repairs(self) -> bool:
+        """Sessions repair (and so every hop needs a standby for its snapshots) unless switched off."""
+        return self.settings.repair
+
+    async def _route_with(self, model: str, session_id: str, exclude: list[str] | None, *, standby: bool) -> Route:
         """Ask for a route; while every route is full, ask again for up to ``route_retry_s`` before the 429.
 
         A slot freed a moment ago reaches the tracker with the node's next heartbeat, after the client that freed
@@ -348,7 +364,7 @@ class SessionManager:
         wait = 0.02
         while True:
             try:
-                return await self.tracker.route(model, session_id, exclude)
+                return await self.tracker.route(model, session_id, exclude, standby=standby)
             except CapacityError:
                 if time.monotonic() + wait > deadline:
                     raise
@@ -381,11 +397,13 @@ class SessionManager:
                                      f"{len(tokens) + max_tokens} exceeds the context of {n_ctx} tokens")
         session.prompt_tokens, session.max_tokens = tokens, max_tokens
         session.n, session.seen = request.n, [0] * request.n
-        shared = capability.strip(route)  # each hop gets only its own grant
-        opens = [SessionOpen(session_id=session.id, route=shared, hop_index=i, prompt_tokens=tokens,
-                             max_tokens=max_tokens, sampling=sampling, stop=request.stop,
+        repair = self._repairs and request.n == 1
+        # Each hop gets only its own grants: for the session, and for its standby (the snapshots it sends there).
+        opens = [SessionOpen(session_id=session.id, route=capability.strip(route, keep_standby=i), hop_index=i,
+                             prompt_tokens=tokens, max_tokens=max_tokens, sampling=sampling, stop=request.stop,
                              ignore_eos=request.ignore_eos, prefill_chunk=self.settings.prefill_chunk,
-                             capability=route.hops[i].capability, n=request.n)
+                             capability=route.hops[i].capability, n=request.n, repair=repair,
+                             snapshot_every=self.settings.snapshot_every if repair else 0)
                  for i in range(len(route.hops))]
         downstream = [self.nodes.open_session(route.hops[i].node_id, route.hops[i].endpoint, opens[i])
                       for i in range(1, len(route.hops))]
@@ -448,3 +466,10 @@ class SessionManager:
         self.finished[session_id] = snap
         while len(self.finished) > self.finished_limit:
             self.finished.pop(next(iter(self.finished)))
+
+
+def _with_token(route: Route, before: Route) -> Route:
+    """A repaired route as the head announced it (capabilities stripped), with the session token this gateway
+    frees the session with (the same for every epoch) kept on its head."""
+    head = route.hops[0].model_copy(update={"capability": before.hops[0].capability})
+    return route.model_copy(update={"hops": [head, *route.hops[1:]]})

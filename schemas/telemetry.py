@@ -26,6 +26,27 @@ class RouteHopView(WireModel):
 class PrefillProgress(WireModel):
     done: int = 0
     total: int = 0
+    reused: int = Field(default=0, ge=0, exclude_if=lambda v: v == 0,
+                        description="prompt positions taken from kept KV instead of computed (prefix reuse)")
+
+
+RepairSource = Literal["snapshot", "journal", "prefill"]
+"""Where a repaired hop's KV came from: a snapshot plus the upstream journal, the journal alone (no snapshot yet),
+or the whole prompt and output computed again."""
+
+
+class RepairView(WireModel):
+    """The session's latest route repair (issue #18)."""
+
+    lost_node: str
+    layers: LayerRange
+    replacement: list[str] = Field(default_factory=list, description="the node(s) that took the layers over; "
+                                                                       "empty while the head still looks for one")
+    source: RepairSource | None = None
+    snapshot_positions: int = 0
+    replayed_positions: int = 0
+    repairs: int = Field(default=1, ge=1, description="repairs of this session so far")
+    duration_ms: float | None = Field(default=None, description="from the loss being found to decode going on")
 
 
 class GenerationTelemetry(WireModel):
@@ -47,4 +68,5 @@ class GenerationTelemetry(WireModel):
     elapsed_ms: float = 0.0
     failure: FailureReason | None = None
     finish_reason: str | None = None
+    repair: RepairView | None = Field(default=None, exclude_if=lambda v: v is None)
     sent_at: float = Field(default_factory=time.time)

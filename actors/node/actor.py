@@ -10,7 +10,13 @@ HTTP API (docs/protocol.md has the full contract)::
     POST   /v1/sessions/{id}/frames         binary activation frame (every hop but the head)
     POST   /v1/sessions/{id}/tokens         head: the tail's sampled token (token frame or TokenEvent)
     POST   /v1/sessions/{id}/failure        head: a downstream hop reports a failure (FailureReason)
+    POST   /v1/sessions/{id}/route          a repaired route: go on as its hop (RouteUpdate -> HopPosition)
+    POST   /v1/sessions/{id}/replay         resend the journal to the new successor (ReplayRequest)
     DELETE /v1/sessions/{id}                free the session (idempotent)
+    POST   /v1/snapshots                    standby: keep one snapshot segment (bus.snapshot body)
+    GET    /v1/snapshots/{id}?layers=A:B    standby: the chain held for a session's hop (SnapshotList)
+    GET    /v1/snapshots/{id}/{digest}      standby: one segment's body
+    DELETE /v1/snapshots/{id}               standby: forget a session's chains
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route as HttpRoute
 
-from actors.backend import Backend, ForkingBackend
+from actors.backend import Backend, ForkingBackend, KvBackend
 from actors.node.admission import Admission
 from actors.node.engine import StepEngine
 from actors.node.head_session import HeadSession
@@ -42,16 +48,19 @@ from actors.node.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from actors.node.metrics import NodeMetrics
 from actors.node.runtime import NodeRuntime
 from actors.node.session import NodeSession
+from actors.node.snapshot_store import SnapshotStore
 from actors.node.spin import LoopPoller
+from actors.node.standby import fetch_chain
 from actors.registry import open_registry
 from actors.services import node_service
 from bus import codec
+from bus import snapshot as snapshot_blobs
 from bus.actor import NatsActor
 from bus.capability import HEADER_CAPABILITY, HEADER_SESSION_TOKEN, verifier_from_settings
 from bus.connection import keep_cancellation
-from bus.http_edge import EXCEPTION_HANDLERS, read_model
+from bus.http_edge import EXCEPTION_HANDLERS, read_body, read_model
 from bus.httpserver import HttpServer
-from bus.nodeclient import NodeClient
+from bus.nodeclient import SNAPSHOT_CONTENT_TYPE, NodeClient
 from bus.subjects import Subjects
 from schemas.errors import (
     BadRequestError,
@@ -60,9 +69,11 @@ from schemas.errors import (
     SessionNotFoundError,
 )
 from schemas.frame import WireDType
-from schemas.node import Capacity, NodeAdvertisement
-from schemas.session import CONTEXT_CAP, FailureReason, Prompt, SessionOpen, SessionOpened, TokenizeReply
+from schemas.node import Capacity, LayerRange, NodeAdvertisement
+from schemas.route import RepairRequest, ReplayRequest, RouteReply, RouteUpdate
+from schemas.session import CONTEXT_CAP, FailureReason, Prompt, Resume, SessionOpen, SessionOpened, TokenizeReply
 from schemas.settings import Settings
+from schemas.snapshot import SnapshotList
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -132,6 +143,11 @@ class Node(NatsActor):
         self._beat_soon = asyncio.Event()
         self._opened_total = 0
         self.admission = Admission(verifier_from_settings(settings), config.node_id, skew_s=settings.capability_ttl_s)
+        self.snapshots = SnapshotStore(int(settings.snapshot_budget_mb * 2**20))
+        """Other nodes' snapshot chains this node holds as their standby (issue #18)."""
+        self._holder_tokens: dict[str, str] = {}
+        """Session id -> the session token its first snapshot upload was granted with (admission on)."""
+        self.metrics.snapshots_held.set_function(lambda: float(self.snapshots.bytes_used))
 
     @property
     def endpoint(self) -> str:
@@ -148,7 +164,8 @@ class Node(NatsActor):
                                    publish=self._publish, subjects=self.subjects, settings=self.settings,
                                    wire_dtype=WireDType.parse(self.config.wire_dtype), metrics=self.metrics,
                                    poller=LoopPoller(on_polled=self.metrics.spin_seconds.inc),
-                                   client_present=self._client_present)
+                                   client_present=self._client_present, manifest_id=self.config.manifest_id,
+                                   ask_repair=self._ask_repair)
         await self.engine.start()
         await self.server.start()
         self._kv = await open_registry(self.nc, self.subjects, self.settings.registry_ttl_s,
@@ -199,7 +216,8 @@ class Node(NatsActor):
         capacity = Capacity(max_sessions=self.backend.max_sessions,
                             active_sessions=min(self.sequences_in_use(), self.backend.max_sessions),
                             max_context=min(info.context_length, CONTEXT_CAP),
-                            kv_bytes_in_use=self.backend.kv_bytes_in_use(), sessions_opened=self._opened_total)
+                            kv_bytes_in_use=self.backend.kv_bytes_in_use(), sessions_opened=self._opened_total,
+                            snapshot_free_bytes=max(0, self.snapshots.budget_bytes - self.snapshots.bytes_used))
         return NodeAdvertisement(node_id=self.config.node_id, endpoint=self.endpoint, model_id=self.config.model_id,
                                  layers=self.backend.layers, is_head=self.backend.is_head,
                                  is_tail=self.backend.is_tail, backend=info, capacity=capacity,
@@ -224,6 +242,21 @@ class Node(NatsActor):
         except Exception:  # noqa: BLE001 - a timeout or an outage: unknown, the next probe asks again
             return None
         return True
+
+    async def _ask_repair(self, request: RepairRequest) -> RouteReply:
+        """Ask the trackers to replace a lost hop of a session this node heads (issue #18)."""
+        try:
+            msg = await self.nc.request(self.subjects.repair_request, codec.encode(request),
+                                        timeout=self.settings.hop_timeout_s)
+            keep_cancellation()
+        except NoRespondersError:
+            return RouteReply(error="no tracker answers repair requests", status=503)
+        except Exception as exc:  # noqa: BLE001 - a timeout or an outage: the head asks again while it may
+            return RouteReply(error=f"the trackers did not answer: {type(exc).__name__}", status=503)
+        try:
+            return codec.decode(msg.data, RouteReply)
+        except codec.DecodeError as exc:
+            return RouteReply(error=f"an unreadable tracker reply: {exc}", status=502)
 
     async def advertise_at(self, url: str | None) -> None:
         """Advertise another base URL for peers (e.g. a proxy in front of this node), at once."""
@@ -334,6 +367,12 @@ class Node(NatsActor):
         role = HeadSession if request.hop_index == 0 else HopSession
         session = role(self.runtime, request, hidden_shape=self.hidden_shape, on_closed=self._session_closed)
         session.session_token = grant.session_token if grant else None
+        if request.resume is not None:
+            try:
+                await self._rebuild(session, request.resume)
+            except BaseException:
+                await self.engine.call(self.backend.close_session, request.session_id)
+                raise
         self.admission.record(grant)
         self.sessions[request.session_id] = session
         self._opened_total += 1
@@ -341,6 +380,25 @@ class Node(NatsActor):
         session.start()
         return SessionOpened(session_id=request.session_id, node_id=self.config.node_id,
                              prompt_tokens=len(request.prompt_tokens))
+
+    async def _rebuild(self, session: NodeSession, resume: Resume) -> None:
+        """A replacement for a lost hop (issue #18): import the lost hop's snapshot chain from its standby (every
+        segment checked against its digest and linked to the one before), then, on a tail, start the sampler and
+        stop rules over from the tokens generated so far. The journal replay that follows brings the KV up to
+        the route's position."""
+        if not isinstance(session, HopSession):
+            raise BadRequestError("the head is never replaced")
+        if resume.segments:
+            kv = await fetch_chain(self._client, resume, session.id, self.backend.layers, self.config.model_id,
+                                   session_token=session.session_token)
+            backend = self.backend
+            if not isinstance(backend, KvBackend):
+                raise BadRequestError(f"node {self.config.node_id}'s backend cannot import KV")
+            await self.engine.call(backend.import_kv, session.id, kv, resume.start)
+        session.choices.first.position = resume.start
+        session.recovery.tokens = [*session.request.prompt_tokens, *resume.generated]
+        if session.is_tail:
+            await session.restart_generation(resume.generated)
 
     def sequences_in_use(self) -> int:
         """Backend sequences the open sessions hold or have reserved: one per choice."""
@@ -374,6 +432,12 @@ class Node(NatsActor):
             HttpRoute("/v1/sessions/{sid}", self._close, methods=["DELETE"]),
             # POST .../frames and .../tokens, the per-token path, are served by HopApi in front of this app.
             HttpRoute("/v1/sessions/{sid}/failure", self._failure, methods=["POST"]),
+            HttpRoute("/v1/sessions/{sid}/route", self._route_update, methods=["POST"]),
+            HttpRoute("/v1/sessions/{sid}/replay", self._replay, methods=["POST"]),
+            HttpRoute("/v1/snapshots", self._put_snapshot, methods=["POST"]),
+            HttpRoute("/v1/snapshots/{sid}", self._list_snapshots, methods=["GET"]),
+            HttpRoute("/v1/snapshots/{sid}", self._drop_snapshots, methods=["DELETE"]),
+            HttpRoute("/v1/snapshots/{sid}/{digest}", self._get_snapshot, methods=["GET"]),
         ]
         return Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS)
 
@@ -430,3 +494,67 @@ class Node(NatsActor):
         reason = await self._json(request, FailureReason)
         session.on_failure_report(reason)
         return Response(status_code=204)
+
+    # ---- repair and snapshots (issue #18) ----------------------------------------------------------------------
+
+    async def _route_update(self, request: Request) -> Response:
+        session = self._member(request)
+        update = await self._json(request, RouteUpdate)
+        if update.session_id != session.id or not isinstance(session, HopSession):
+            raise BadRequestError(f"a route update for session {update.session_id} reaches the heads of none")
+        hops = update.route.hops
+        if update.hop_index >= len(hops) or hops[update.hop_index].node_id != self.config.node_id:
+            raise BadRequestError(f"hop {update.hop_index} of the repaired route is not node {self.config.node_id}")
+        self.admission.check_update(update, session.session_token)
+        position = await session.update_route(update)
+        return JSONResponse(position.model_dump(mode="json"))
+
+    async def _replay(self, request: Request) -> Response:
+        session = self._member(request)
+        replay = await self._json(request, ReplayRequest)
+        return JSONResponse({"positions": session.replay(replay)})
+
+    async def _put_snapshot(self, request: Request) -> Response:
+        body = await read_body(request.receive, dict(request.scope["headers"]), self.settings.max_frame_bytes)
+        segment, kv = snapshot_blobs.decode(body)
+        self._holder_check(segment.session_id, request, first=segment.index == 0)
+        self.snapshots.put(segment, kv)
+        return JSONResponse({"digest": segment.digest, "end": segment.end}, status_code=201)
+
+    async def _list_snapshots(self, request: Request) -> Response:
+        sid = request.path_params["sid"]
+        self._holder_check(sid, request)
+        try:
+            layers = LayerRange.parse(request.query_params.get("layers", ""))
+        except ValueError as exc:
+            raise BadRequestError(str(exc), param="layers") from None
+        listing = SnapshotList(segments=self.snapshots.chain(sid, layers))
+        return JSONResponse(listing.model_dump(mode="json"))
+
+    async def _get_snapshot(self, request: Request) -> Response:
+        sid = request.path_params["sid"]
+        self._holder_check(sid, request)
+        segment, kv = self.snapshots.blob(request.path_params["digest"])
+        if segment.session_id != sid:
+            raise SessionNotFoundError(f"segment {segment.digest[:16]}... is not one of session {sid}'s")
+        return Response(snapshot_blobs.encode(segment, kv), media_type=SNAPSHOT_CONTENT_TYPE)
+
+    async def _drop_snapshots(self, request: Request) -> Response:
+        sid = request.path_params["sid"]
+        self._holder_check(sid, request)
+        self._holder_tokens.pop(sid, None)
+        return JSONResponse({"dropped": self.snapshots.drop(sid)})
+
+    def _holder_check(self, session_id: str, request: Request, *, first: bool = False) -> None:
+        """With admission on, a chain is started only with the tracker's grant naming this node its standby, and
+        every later request about it must carry the session token that grant carried."""
+        if not self.admission.enabled:
+            return
+        if first:
+            grant = self.admission.admit_standby(request.headers.get(HEADER_CAPABILITY), session_id)
+            self._holder_tokens[session_id] = grant.session_token
+            return
+        bound = self._holder_tokens.get(session_id)
+        if bound is None:
+            raise SessionNotFoundError(f"node {self.config.node_id} holds no snapshots of session {session_id}")
+        Admission.check_session_token(bound, request.headers.get(HEADER_SESSION_TOKEN))

@@ -19,15 +19,17 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from actors.backend import StepInput, StepOutput
+from actors.backend import KvBackend, StepInput, StepOutput
 from actors.node.choices import Choice
 from actors.node.engine import StepChain, StepTiming
+from actors.node.repair import Quiesced, RepairFailed, RouteRepair, phase_after
 from actors.node.runtime import NodeRuntime
-from actors.node.session import NodeSession, SessionFailed, StepFuture
+from actors.node.session import NodeSession, SessionFailed, StepFuture, settled
 from actors.node.telemetry import TelemetryPublisher
 from bus.liveness import Silence, first_lost
 from schemas.errors import SwarmrouteError
 from schemas.frame import FrameKind, SampledToken
+from schemas.route import Route
 from schemas.session import (
     FailureReason,
     FinishReason,
@@ -59,6 +61,11 @@ class HeadSession(NodeSession):
         self.telemetry = TelemetryPublisher(
             self.route, lambda snap: self.rt.publish(self.rt.subjects.telemetry(self.id), snap),
             interval_s=self.rt.settings.telemetry_interval_s)
+        self.repairs = 0
+        self.lost_nodes: list[str] = []
+        """Nodes this session lost: never routed to again (issue #18)."""
+        self._repairing = False
+        """A repair is under way: tokens of the old route are dropped (the repaired one samples them again)."""
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
 
@@ -91,6 +98,8 @@ class HeadSession(NodeSession):
         arrived = time.perf_counter()
         self._spinner.arrived(arrived)
         self.touch()
+        if self._repairing or (isinstance(event, SampledToken) and event.epoch < self.recovery.epoch):
+            return  # sampled on the route as it was before the repair: the repaired route samples it again
         choice = self.choices.get(event.choice if isinstance(event, SampledToken) else event.index)
         if self.request.n > 1:  # decoded in rounds (``_decode_rounds``): nothing starts for one choice alone
             self._events.put_nowait(event)
@@ -103,7 +112,7 @@ class HeadSession(NodeSession):
             forwarded = step.done() and not step.cancelled() and step.exception() is None
             if forwarded:
                 # It ran inline: the frame leaves now, before the driver task even wakes (failures go its way).
-                self._advance(choice, item.n_positions, step.result()[1])
+                self._advance(choice, item, step.result()[1])
                 self._forward(choice, step.result(), event)
             choice.prefetched = (event.seq, step, forwarded)
         self._events.put_nowait(event)
@@ -114,7 +123,13 @@ class HeadSession(NodeSession):
         try:
             await self.telemetry.set_phase(SessionPhase.PREFILL)
             await self._prefill()
-            await self._decode()
+            while True:
+                try:
+                    await self._decode()
+                    return
+                except SessionFailed as failed:
+                    if not await self._repaired(failed.reason):
+                        raise
         except SessionFailed as failed:
             await self._fail(failed.reason)
         except asyncio.CancelledError:
@@ -196,7 +211,7 @@ class HeadSession(NodeSession):
         out, timing = result
         assert out.hidden is not None
         self._queue_frame(FrameKind.DECODE, choice.position - 1, out.hidden, True, event.seq + 1,
-                          (self._stamp(timing),), choice.index, group)
+                          (self._stamp(timing),), choice.index, group, (event.token,))
         self._spinner.idle()
 
     @staticmethod
@@ -308,7 +323,8 @@ class HeadSession(NodeSession):
                 raise self._backend_failed(exc) from exc
             if result is not None:
                 out, timing = result
-                self._advance(self.choices.first, 1, timing)
+                first = self.choices.first
+                self._advance(first, StepInput(self.id, first.position, tokens=[token]), timing)
                 return out, timing
             # The chain ended although the generation goes on (its rules differ from ``Generation``'s): restart it.
             self._chain = None
@@ -439,6 +455,79 @@ class HeadSession(NodeSession):
         await self.rt.publish(self.rt.subjects.tokens(self.id), end)
         await self.close()
         await self._release_route()
+
+    # ---- repair (issue #18) ------------------------------------------------------------------------------------
+
+    async def _repaired(self, reason: FailureReason) -> bool:
+        """Route around the hop ``reason`` names, if the session repairs and that hop can be replaced; False when
+        it cannot even be tried (the caller then fails the session with ``reason``). A repair that fails raises
+        ``SessionFailed`` saying why."""
+        lost = next((i for i, h in enumerate(self.route.hops) if h.node_id == reason.node_id), 0)
+        if (not self.request.repair or self.request.n > 1 or lost == 0 or self.closed
+                or self.repairs >= self.rt.settings.max_repairs or self.is_tail):
+            return False
+        log.warning("session %s lost %s (%s); repairing", self.id[:8], reason.node_id, reason.message)
+        self.phase = SessionPhase.REPAIRING
+        self._repairing = True
+        try:
+            view = await RouteRepair(self, lost, reason).run()
+        except RepairFailed as exc:
+            self.rt.metrics.repairs.labels(outcome="failed").inc()
+            raise SessionFailed(reason.model_copy(update={
+                "message": f"{reason.message}; repair impossible: {exc}"})) from None
+        finally:
+            self._repairing = False
+        self.repairs += 1
+        self.lost_nodes.append(reason.node_id or "")
+        self.rt.metrics.repairs.labels(outcome="repaired").inc()
+        self.phase = phase_after(self._fed())
+        await self.telemetry.repaired(self.route, view, self.phase)
+        return True
+
+    def _fed(self) -> list[int]:
+        return self.recovery.tokens[len(self.request.prompt_tokens):self.position]
+
+    async def quiesce(self) -> Quiesced:
+        """Settle this head's steps under way and gather the tail's tokens that came before the loss: a step
+        queued for a token but not yet sent on is undone (its token is fed again after the repair)."""
+        choice = self.choices.first
+        kept: list[TokenEvent | SampledToken] = []
+        while not self._events.empty():
+            item = self._events.get_nowait()
+            if not isinstance(item, FailureReason):
+                kept.append(item)
+        if choice.prefetched is not None:
+            seq, step, forwarded = choice.prefetched
+            if not forwarded:
+                step.cancel()
+                await settled(step)
+                choice.prefetched = None
+                await self.rt.engine.call(self._kv().truncate, self.id, choice.position)
+        fed = self._fed()
+        pending = [e.token for e in kept if e.seq >= len(fed)]
+        generated = fed + pending[:1]
+        for event in kept:
+            self._events.put_nowait(event)
+        prompt = len(self.request.prompt_tokens)
+        if len(generated) > len(fed):
+            sample_from = self.position  # the last token sent is in: nothing to sample again
+        elif fed:
+            sample_from = self.position - 1
+        else:
+            sample_from = (prompt - 1) // self.request.prefill_chunk * self.request.prefill_chunk
+        return Quiesced(self.position, generated, sample_from)
+
+    def adopt(self, route: Route, epoch: int) -> None:
+        """The repaired route is in place: this head sends to its (maybe new) successor and drops tokens of
+        older epochs."""
+        self.recovery.epoch = epoch
+        self._retarget(route, 0)
+
+    def _kv(self) -> KvBackend:
+        backend = self.rt.engine.backend
+        if not isinstance(backend, KvBackend):
+            raise RepairFailed(f"node {self.rt.node_id}'s {backend.info.kind} backend cannot cut its KV back")
+        return backend
 
     def _event_of(self, sampled: SampledToken) -> TokenEvent:
         """The gateway's view of a sampled token. Built on the head, after the step it feeds has been started: a

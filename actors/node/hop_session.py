@@ -13,12 +13,20 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable
 
-from actors.backend import Hidden, StepInput, StepOutput
+from actors.backend import Hidden, KvBackend, StepInput, StepOutput
 from actors.node.choices import Choice
 from actors.node.session import NodeSession, SessionFailed, StepFuture, settled
 from bus import frame as frames
-from schemas.errors import BackendError, FrameError, HopError, SessionNotFoundError, SwarmrouteError
+from schemas.errors import (
+    BackendError,
+    BadRequestError,
+    FrameError,
+    HopError,
+    SessionNotFoundError,
+    SwarmrouteError,
+)
 from schemas.frame import FrameHeader, FrameKind, HopStamp
+from schemas.route import HopPosition, RouteUpdate
 from schemas.session import FailureReason, SessionEnd, SessionPhase
 
 
@@ -129,21 +137,21 @@ class HopSession(NodeSession):
     def _frame_computed(self, choice: Choice, header: FrameHeader, item: StepInput, step: StepFuture) -> int:
         """The frame's step has run: advance, then send its forward (or the token) on."""
         try:
-            out, timing = self._step_result(choice, item, step)
+            out, timing = self._step_result(choice, item, step, header.tokens)
         except SessionFailed as failed:
             asyncio.create_task(self._report(failed.reason))
             raise BackendError(failed.reason.message) from None
         forks = self._fork(choice.position) if item.forks else []
         stamps = (*header.stamps, self._stamp(timing))
         if self.is_tail:
-            if header.sample:
+            if header.sample and self.recovery.forwards(header.start_position):
                 self._send_token(choice, out, stamps)
                 for fork, first in zip(forks, out.forks, strict=True):
                     self._send_token(fork, first, stamps)
         else:
             assert out.hidden is not None
             self._queue_frame(header.kind, header.start_position, out.hidden, header.sample, header.step, stamps,
-                              choice.index, header.group)
+                              choice.index, header.group, header.tokens)
         if header.kind is FrameKind.DECODE and self.phase is SessionPhase.DECODE:
             self._spinner.idle()
         return choice.position
@@ -161,7 +169,8 @@ class HopSession(NodeSession):
             self.phase = SessionPhase.COMPLETE
 
     async def _report(self, reason: FailureReason) -> None:
-        """Tell the head, which owns the session's fate; if the head cannot be reached, say it on NATS."""
+        """Tell the head, which owns the session's fate; if the head cannot be reached, say it on NATS. A session
+        that repairs keeps its KV when another node was lost: the head may route around it (issue #18)."""
         head = self.route.head
         try:
             await self.rt.client.report_failure(head.node_id, head.endpoint, self.id, reason,
@@ -169,4 +178,51 @@ class HopSession(NodeSession):
         except HopError:
             end = SessionEnd(session_id=self.id, phase=SessionPhase.FAILED, failure=reason)
             await self.rt.publish(self.rt.subjects.tokens(self.id), end)
+        else:
+            if self.request.repair and reason.node_id not in (None, self.rt.node_id):
+                return
         await self.close()
+
+    # ---- repair (issue #18): the head re-routes the session around a lost node -------------------------------
+
+    async def update_route(self, update: RouteUpdate) -> HopPosition:
+        """Go on as hop ``update.hop_index`` of the repaired route, once the steps under way have run: cut the KV
+        back (``truncate_to``), start the tail's sampler and stop rules over from ``generated``. Answers where the
+        KV ends then. An update of the current epoch again only answers (the head may ask twice)."""
+        if self.request.n > 1:
+            raise BadRequestError("sessions with n > 1 are not repaired")
+        choice = self.choices.first
+        while choice.frame_step is not None:
+            await asyncio.wait([choice.frame_step])
+        if update.epoch < self.recovery.epoch:
+            raise BadRequestError(f"route update of epoch {update.epoch}; session {self.id} is at epoch "
+                                  f"{self.recovery.epoch}", code="stale_epoch")
+        if update.epoch > self.recovery.epoch:
+            self.recovery.epoch = update.epoch
+            self._retarget(update.route, update.hop_index)
+            if update.truncate_to is not None and update.truncate_to < choice.position:
+                await self.rt.engine.call(self._kv().truncate, self.id, update.truncate_to)
+                choice.position = update.truncate_to
+                self.recovery.truncate(update.truncate_to)
+            if self.is_tail and update.generated is not None:
+                await self.restart_generation(update.generated)
+            self.recovery.quiet_below = update.quiet_below if self.is_tail else None
+        journal = self.recovery.journal
+        return HopPosition(session_id=self.id, node_id=self.rt.node_id, position=choice.position,
+                           journal_start=journal.start if journal is not None else None)
+
+    async def restart_generation(self, generated: list[int]) -> None:
+        """Tail: the stop rules and the sampler as if they had seen exactly ``generated`` (what the head has)."""
+        generation = self._new_generation()
+        assert generation is not None
+        for token in generated:
+            generation.accept(token)
+        self.choices.first.generation = generation
+        self.phase = SessionPhase.DECODE if generated else SessionPhase.PREFILL
+        await self.rt.engine.call(self._kv().replay_sampled, self.id, list(generated))
+
+    def _kv(self) -> KvBackend:
+        backend = self.rt.engine.backend
+        if not isinstance(backend, KvBackend):
+            raise BadRequestError(f"node {self.rt.node_id}'s {backend.info.kind} backend cannot cut or rebuild KV")
+        return backend

@@ -14,15 +14,22 @@ from actors.node.spin import LoopPoller
 from bus.nodeclient import NodeClient
 from bus.subjects import Subjects
 from schemas.frame import WireDType
+from schemas.route import RepairRequest, RouteReply
 from schemas.settings import Settings
 
 PublishModel = Callable[[str, BaseModel], Awaitable[None]]
+AskRepair = Callable[[RepairRequest], Awaitable[RouteReply]]
+"""A head asks the trackers to replace a lost hop of its route (issue #18)."""
 ClientProbe = Callable[[str], Awaitable[bool | None]]
 """A session id -> whether its client listens: True, False (NATS: no responders), None (no answer: unknown)."""
 
 
 async def _always_there(session_id: str) -> bool | None:
     return None
+
+
+async def _no_tracker(request: RepairRequest) -> RouteReply:
+    return RouteReply(error="this node cannot reach a tracker", status=503)
 
 
 @dataclasses.dataclass
@@ -41,3 +48,7 @@ class NodeRuntime:
     """Keeps the node's loop polling while a decoding session waits for its next message (actors.node.spin)."""
     client_present: ClientProbe = _always_there
     """Asks a head session's client whether it still listens (``Settings.client_probe_s``)."""
+    ask_repair: AskRepair = _no_tracker
+    """Asks the trackers to replace a lost hop (``Settings.repair``)."""
+    manifest_id: str = ""
+    """The artifact manifest this node's shard was verified against (snapshot segments name it)."""
