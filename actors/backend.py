@@ -156,14 +156,9 @@ class KvBackend(Backend, Protocol):
         """Drop the session's positions from ``position`` on (``position`` at most its position)."""
         ...
 
-    def reusable_prefix(self, source_id: str, length: int) -> int:
-        """How many of the first ``length`` positions of session ``source_id`` another session may start from
-        (windowed layers may have let older positions go): ``length``, less, or 0."""
-        ...
-
-    def copy_prefix(self, source_id: str, session_id: str, length: int) -> None:
-        """Give an open session at position 0 the first ``length`` positions of ``source_id``'s KV (at most
-        ``reusable_prefix``); it is then at ``length``."""
+    def kv_continues(self, session_id: str) -> bool:
+        """Whether the session's KV holds everything its next position attends to: windowed layers may have let
+        older positions go, so KV imported for a prefix shorter than the exported session can lack some."""
         ...
 
     def replay_sampled(self, session_id: str, tokens: list[int]) -> None:

@@ -251,8 +251,8 @@ class StubBackend:
         # tail) draws exactly what the original would have.
         rng = s.rng if s.seed is None else np.random.default_rng([s.seed & 0xFFFF_FFFF_FFFF_FFFF, s.position])
         assert rng is not None
-        logits = logits / p.temperature
-        probs = np.exp(logits - logits.max())  # exp(-inf) = 0 keeps masked tokens out
+        # Shifted before scaling: a tiny temperature then sends the others to -inf, never the best to +inf (NaN).
+        probs = np.exp((logits - logits.max()) / p.temperature)  # exp(-inf) = 0 keeps masked tokens out
         probs /= probs.sum()
         if p.top_k:
             cutoff = np.sort(probs)[-min(p.top_k, VOCAB)]
@@ -326,17 +326,10 @@ class StubBackend:
                 del history[position:]
             s.position = position
 
-    def reusable_prefix(self, source_id: str, length: int) -> int:
+    def kv_continues(self, session_id: str) -> bool:
         with self._lock:
-            return max(0, min(length, self._session(source_id).position))
-
-    def copy_prefix(self, source_id: str, session_id: str, length: int) -> None:
-        with self._lock:
-            source, s = self._session(source_id), self._session(session_id)
-            if s.position or not 0 < length <= source.position:
-                raise BadRequestError(f"cannot copy {length} positions of {source_id} into {session_id}")
-            s.sums = {il: list(v[:length]) for il, v in source.sums.items()}
-            s.position = length
+            s = self._session(session_id)
+            return all(len(history) == s.position for history in s.sums.values())
 
     def replay_sampled(self, session_id: str, tokens: list[int]) -> None:
         """Nothing to replay: the stub's draws depend only on the seed and the position (``_sample``)."""

@@ -330,7 +330,7 @@ class Node(NatsActor):
             del self.sessions[session.id]
         for backend_id in session.choices.backend_ids():  # n > 1: every choice's forked backend session too
             with contextlib.suppress(Exception):
-                await self.engine.call(self.backend.close_session, backend_id)
+                await self.engine.close_session(backend_id)
         self._beat_soon.set()
 
     async def open_session(self, request: SessionOpen) -> SessionOpened:
@@ -371,7 +371,7 @@ class Node(NatsActor):
             try:
                 await self._rebuild(session, request.resume)
             except BaseException:
-                await self.engine.call(self.backend.close_session, request.session_id)
+                await self.engine.close_session(request.session_id)
                 raise
         self.admission.record(grant)
         self.sessions[request.session_id] = session

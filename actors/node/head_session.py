@@ -463,7 +463,10 @@ class HeadSession(NodeSession):
         it cannot even be tried (the caller then fails the session with ``reason``). A repair that fails raises
         ``SessionFailed`` saying why."""
         lost = next((i for i, h in enumerate(self.route.hops) if h.node_id == reason.node_id), 0)
-        if (not self.request.repair or self.request.n > 1 or lost == 0 or self.closed
+        # Only a node that is gone or silent is replaced: one that answers with an error would answer a
+        # replacement's frames the same way (its input, not the node, is the problem).
+        if (reason.kind not in ("unreachable", "timeout") or not self.request.repair or self.request.n > 1
+                or lost == 0 or self.closed
                 or self.repairs >= self.rt.settings.max_repairs or self.is_tail):
             return False
         log.warning("session %s lost %s (%s); repairing", self.id[:8], reason.node_id, reason.message)

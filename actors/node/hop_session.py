@@ -109,6 +109,8 @@ class HopSession(NodeSession):
 
     def _frame_step_input(self, choice: Choice, header: FrameHeader, hidden: Hidden, nbytes: int) -> StepInput:
         """Check a frame against its choice and count it; the step that computes it."""
+        if self.closed:  # a frame that waited for its predecessor while the session closed
+            raise SessionNotFoundError(f"session {self.id} closed on node {self.rt.node_id}")
         if header.start_position != choice.position:
             raise FrameError(f"frame starts at position {header.start_position}; session {self.id} (choice "
                              f"{choice.index}) is at {choice.position}", code="position_mismatch")

@@ -19,14 +19,15 @@ from schemas.frame import FrameKind
 @dataclasses.dataclass(frozen=True, slots=True)
 class SnapshotSchedule:
     """When every hop of a session snapshots: at the end of prefill (``prompt`` positions), then every ``every``
-    decoded positions. The same for every hop (it comes with the session's open), so their boundaries agree."""
+    decoded positions, skipping boundaries below ``every`` (a short session's journal alone rebuilds it cheaply).
+    The same for every hop (it comes with the session's open), so their boundaries agree."""
 
     prompt: int
     every: int
     """0: no snapshots."""
 
     def due(self, position: int) -> bool:
-        if self.every <= 0 or position < self.prompt:
+        if self.every <= 0 or position < max(self.prompt, self.every):
             return False
         return (position - self.prompt) % self.every == 0
 
@@ -36,7 +37,7 @@ class SnapshotSchedule:
             return 0
         latest = self.prompt + (position - self.prompt) // self.every * self.every
         earlier = latest - (back - 1) * self.every
-        return earlier if earlier >= self.prompt else 0
+        return earlier if earlier >= max(self.prompt, self.every) else 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -118,7 +118,12 @@ class SnapshotWriter:
         return data
 
     async def close(self) -> None:
+        """Stop, and have the standby forget the chain: a session that ended is never repaired."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        if self._queued_to:  # a segment may have reached the standby even if its answer did not come back
+            with contextlib.suppress(Exception):
+                await self._rt.client.drop_snapshots(self.standby.node_id, self.standby.endpoint, self._session_id,
+                                                     session_token=self._session_token(), timeout=1.0)

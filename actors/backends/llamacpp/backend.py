@@ -144,7 +144,7 @@ class LlamaCppBackend:
     def _context_params(self) -> llama_cpp.llama_context_params:
         c = self.config
         p: llama_cpp.llama_context_params = llama_cpp.llama_context_default_params()
-        p.n_ctx = self._n_ctx * c.max_sessions + c.prefix_cells
+        p.n_ctx = self._n_ctx * c.max_sessions
         p.n_batch = p.n_ubatch = c.n_batch
         p.n_seq_max = c.n_seq_max
         p.n_threads = p.n_threads_batch = self._threads
@@ -156,7 +156,7 @@ class LlamaCppBackend:
                              else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         # The tail needs one logits row per sampling session; a non-tail hop needs every row (its hidden states).
         # Sizing the output to that keeps a vocab-wide logits buffer per batch row (0.5 GB here) out of memory.
-        # llama.cpp reserves at least one output row per sequence (kept prefixes and the scratch one included).
+        # llama.cpp reserves at least one output row per sequence (the scratch one included).
         p.n_outputs_max = c.n_seq_max if self.is_tail else c.n_batch
         p.no_perf = True
         if self._capture is not None:
@@ -386,21 +386,10 @@ class LlamaCppBackend:
             session.position = position
             session.sampled_row = -1
 
-    def reusable_prefix(self, source_id: str, length: int) -> int:
+    def kv_continues(self, session_id: str) -> bool:
         with self._lock:
-            source = self._session(source_id)
-            return self._kv.reusable_prefix(source.seq_id, source.position, length)
-
-    def copy_prefix(self, source_id: str, session_id: str, length: int) -> None:
-        with self._lock:
-            self._require_open()
-            source, session = self._session(source_id), self._session(session_id)
-            if session.position != 0:
-                raise BadRequestError(f"session {session_id} already holds {session.position} positions")
-            if length <= 0 or self._kv.reusable_prefix(source.seq_id, source.position, length) != length:
-                raise BadRequestError(f"session {source_id} cannot lend its first {length} positions")
-            self._kv.share(source.seq_id, session.seq_id, length)
-            session.position = length
+            session = self._session(session_id)
+            return self._kv.continues(session.seq_id, session.position)
 
     def replay_sampled(self, session_id: str, tokens: list[int]) -> None:
         with self._lock:

@@ -52,13 +52,6 @@ class LlamaCppConfig:
     native_dir: Path | None = None
     """Where the layer-capture callback is compiled and cached; default ``<SWARMROUTE_HOME>/native``."""
 
-    spare_sequences: int = 0
-    """Sequences beyond ``max_sessions`` for finished sessions whose KV the node keeps for prefix reuse (issue
-    #18); one more, never a session's, is the scratch sequence KV segments are exported and imported through."""
-
-    prefix_cells: int = 0
-    """KV cells beyond ``n_ctx * max_sessions`` for those kept sessions (the node's prefix-cache budget)."""
-
     allow_amx: bool = False
     """Let ggml put weights in its AMX buffer type. Off: on some AMX CPUs the first matrix multiply there crashes
     the process (``actors/backends/llamacpp/cpu_buffers.py``); the CPU_REPACK path stays on either way."""
@@ -69,13 +62,12 @@ class LlamaCppConfig:
         self.native_dir = Path(self.native_dir) if self.native_dir is not None else None
         if self.n_ctx < 1 or self.max_sessions < 1 or self.n_batch < 1 or self.threads < 0:
             raise ValueError("n_ctx, max_sessions and n_batch must be positive and threads non-negative")
-        if self.spare_sequences < 0 or self.prefix_cells < 0:
-            raise ValueError("spare_sequences and prefix_cells must not be negative")
         if self.n_seq_max > llama_cpp.llama_max_parallel_sequences():
-            raise ValueError(f"max_sessions {self.max_sessions} + spare_sequences {self.spare_sequences} + 1 "
-                             f"exceed llama.cpp's {llama_cpp.llama_max_parallel_sequences()} sequences")
+            raise ValueError(f"max_sessions {self.max_sessions} + 1 exceed llama.cpp's "
+                             f"{llama_cpp.llama_max_parallel_sequences()} sequences")
 
     @property
     def n_seq_max(self) -> int:
-        """Sequences of the context: sessions, kept prefixes, and the scratch sequence."""
-        return self.max_sessions + self.spare_sequences + 1
+        """Sequences of the context: one per session, and the scratch sequence KV segments are exported and
+        imported through (issue #18)."""
+        return self.max_sessions + 1

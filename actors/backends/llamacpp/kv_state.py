@@ -1,5 +1,5 @@
 """One session's KV cells in and out of a llama.cpp context: export a range of positions as a blob, import blobs,
-truncate, and share a prefix with another sequence (issue #18 snapshots and reuse, issue #20 rollback).
+and truncate (issue #18 snapshots and reuse, issue #20 rollback).
 
 Everything goes through llama.cpp's public per-sequence API. A *range* of positions is exported by tagging the
 session's cells of that range with a scratch sequence (``llama_memory_seq_cp`` on the unified cache only adds a
@@ -10,10 +10,9 @@ positions it adds: a session's snapshot costs its KV once, not once per segment.
 
 Sliding-window layers: llama.cpp writes only the cells still inside the window of a sequence's last position
 (older ones are masked and may be reused), so a segment of ``[0, P)`` holds every global layer's cells but only the
-window's cells of the windowed layers. That is all a session continuing from ``P`` needs. A prefix *shorter* than
-what a sequence holds is reusable only while its window's cells are still there: llama.cpp keeps a sequence's
-positions contiguous between its lowest and highest (``llama_memory_seq_pos_min`` says where they start), which
-``reusable_prefix`` checks.
+window's cells of the windowed layers (a piece exports every cell of its positions that is still there, so a chain
+of pieces keeps them all until llama.cpp reuses them). ``continues`` checks that an imported prefix has every cell
+its next position attends to.
 
 Not thread-safe: the backend calls these under its lock, on its worker thread.
 """
@@ -107,24 +106,18 @@ class KvCells:
         if not llama_cpp.llama_memory_seq_rm(self._memory, seq, position, -1):
             raise BackendError(f"llama.cpp could not drop positions from {position} on")
 
-    def share(self, source: int, seq: int, length: int) -> None:
-        """Give ``seq`` (empty) the cells of positions ``[0, length)`` of ``source``: shared, not copied."""
-        llama_cpp.llama_memory_seq_rm(self._memory, seq, -1, -1)
-        llama_cpp.llama_memory_seq_cp(self._memory, source, seq, 0, length)
-
     def span(self, seq: int) -> tuple[int, int]:
         """(lowest, highest) position ``seq`` holds; (-1, -1) when it holds none."""
         return (int(llama_cpp.llama_memory_seq_pos_min(self._memory, seq)),
                 int(llama_cpp.llama_memory_seq_pos_max(self._memory, seq)))
 
-    def reusable_prefix(self, seq: int, held: int, length: int) -> int:
-        """The longest prefix of at most ``length`` positions of ``seq`` (which holds ``held``) that a new sequence
-        can continue from: the cells a position after it attends to must all still be there."""
-        length = min(length, held)
-        if length <= 0:
-            return 0
-        low, _ = self.span(seq)
-        if low <= 0 or self.n_swa == 0:
-            return length if low <= 0 else 0
-        # The next position (``length``) reads the windowed layers' cells (length - n_swa, length).
-        return length if low <= length - self.n_swa + 1 else 0
+    def continues(self, seq: int, held: int) -> bool:
+        """Whether sequence ``seq``, holding positions ``[0, held)``, has every cell position ``held`` attends to:
+        llama.cpp keeps a sequence's positions contiguous from its lowest (``llama_memory_seq_pos_min``, which for
+        windowed layers says where their cells start) to its highest."""
+        if held <= 0:
+            return True
+        low, high = self.span(seq)
+        if high != held - 1:
+            return False
+        return low <= 0 or (self.n_swa > 0 and low <= held - self.n_swa + 1)
