@@ -8,9 +8,9 @@ What is proven here:
   and ``json_object`` replies parse as objects, whatever this small pretrained model would write on its own;
 * tools: a required call and a named one parse into ``tool_calls`` whose arguments validate against the function's
   schema, streamed (``delta.tool_calls``) and not; a tool result round-trips into the next turn;
-* n = 3: at temperature 0 three choices equal the n = 1 reply except after near-ties (counted, each within the
-  documented batch noise ``BATCH_NOISE`` of the n = 1 run's own top-2 margin); at temperature 1 with a seed the
-  choices are reproducible; usage counts every choice;
+* n = 3: at temperature 0 the three choices equal each other and the n = 1 reply (the gateway decodes one greedy
+  sequence for all of them, gateway/fanout.py), logprobs included, streamed and not; at temperature 1 with a seed
+  the choices (forked on every hop) are reproducible; usage counts every choice;
 * the Responses API stream parses with the SDK's own event types (text and a function call), with telemetry on its
   events;
 * bad input is a 400 in OpenAI's error shape naming the field: an invalid JSON Schema, an unknown tool in
@@ -47,7 +47,6 @@ from actors.backends import load_backend  # noqa: E402
 from bus.server import EmbeddedNats, NatsServerConfig  # noqa: E402
 from schemas.session import Prompt  # noqa: E402
 from tests.support.swarm import Swarm, make_settings, start_swarm  # noqa: E402
-from tests.test_llamacpp_gateway import BATCH_NOISE  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -354,34 +353,55 @@ async def test_a_tool_result_round_trips(swarm: Swarm) -> None:
 # ---- n > 1 ---------------------------------------------------------------------------------------------------------
 
 
-async def test_n3_greedy_choices_equal_n1_but_for_near_ties(swarm: Swarm) -> None:
+def logprob_rows(content: list[Any]) -> list[tuple[bytes, float, list[tuple[bytes, float]]]]:
+    return [(bytes(e.bytes), e.logprob, [(bytes(t.bytes), t.logprob) for t in e.top_logprobs]) for e in content]
+
+
+async def test_n3_greedy_choices_are_the_n1_reply(swarm: Swarm) -> None:
+    """Greedy choices are one sequence the gateway gives to every choice (gateway/fanout.py): the three are equal to
+    each other and to the n = 1 reply (both decoded as one sequence: the same batch shapes), logprobs and finish
+    reasons included, streamed and not; usage counts every choice."""
     n_tokens = 24
     body: dict[str, Any] = {"model": MODEL, "messages": messages("Write a short story about a fox."),
                             "max_tokens": n_tokens, "temperature": 0, "logprobs": True, "top_logprobs": 2}
     single = await client(swarm).chat.completions.create(**body)
-    lone = single.choices[0].logprobs
-    assert lone is not None and lone.content is not None
+    lone = single.choices[0]
+    assert lone.logprobs is not None and lone.logprobs.content and lone.message.content
+    reference = logprob_rows(lone.logprobs.content)
     three = await client(swarm).chat.completions.create(n=3, **body)
     assert [c.index for c in three.choices] == [0, 1, 2]
-    assert three.usage is not None and single.usage is not None
-    assert three.usage.completion_tokens == sum(len(c.logprobs.content or []) for c in three.choices
-                                                if c.logprobs is not None)
-    flips = 0
+    rows = []
     for choice in three.choices:
+        assert choice.message.content == lone.message.content
+        assert choice.finish_reason == lone.finish_reason
         assert choice.logprobs is not None and choice.logprobs.content is not None
-        picks = [bytes(e.bytes) for e in choice.logprobs.content]
-        ref = [bytes(e.bytes) for e in lone.content]
-        at = next((i for i, (a, b) in enumerate(zip(picks, ref, strict=False)) if a != b), None)
-        if at is None:
-            assert picks == ref and choice.message.content == single.choices[0].message.content
-            continue
-        # The choice left the lone run's text: only where the lone run's top two were within batch noise.
-        flips += 1
-        top = lone.content[at].top_logprobs
-        margin = top[0].logprob - top[1].logprob
-        assert margin < BATCH_NOISE, f"choice {choice.index} diverged at token {at} with a margin of {margin:.2f}"
-    print(f"n=3 greedy: {flips} of 3 choices left the n=1 reply at a near-tie; "
-          f"{len({c.message.content for c in three.choices})} distinct text(s) among the 3")
+        rows.append(logprob_rows(choice.logprobs.content))
+    assert rows[0] == rows[1] == rows[2]  # one sequence: the very same numbers
+    assert [token for token, _, _ in rows[0]] == [token for token, _, _ in reference]
+    assert np.allclose([lp for _, lp, _ in rows[0]], [lp for _, lp, _ in reference], atol=1e-4)
+    assert three.usage is not None and single.usage is not None
+    assert three.usage.prompt_tokens == single.usage.prompt_tokens
+    assert three.usage.completion_tokens == 3 * single.usage.completion_tokens == 3 * len(reference)
+    texts = dict.fromkeys(range(3), "")
+    streamed: dict[int, list[Any]] = {i: [] for i in range(3)}
+    finishes: dict[int, str] = {}
+    usage = None
+    async for chunk in await client(swarm).chat.completions.create(n=3, stream=True,
+                                                                   stream_options={"include_usage": True}, **body):
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.logprobs is not None and c.logprobs.content:
+                streamed[c.index] += c.logprobs.content
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert texts == dict.fromkeys(range(3), lone.message.content)
+    assert finishes == dict.fromkeys(range(3), lone.finish_reason)
+    got = [logprob_rows(streamed[i]) for i in range(3)]
+    assert got[0] == got[1] == got[2]
+    assert [token for token, _, _ in got[0]] == [token for token, _, _ in reference]
+    assert np.allclose([lp for _, lp, _ in got[0]], [lp for _, lp, _ in reference], atol=1e-4)
+    assert usage is not None and usage.completion_tokens == three.usage.completion_tokens
     await all_freed(swarm)
 
 
@@ -448,7 +468,7 @@ async def test_responses_function_call(swarm: Swarm) -> None:
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_stock_price"}}},
      "tool_choice"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"n": MAX_SESSIONS + 1}, "n"),
+    ({"n": MAX_SESSIONS + 1, "temperature": 1.0}, "n"),  # sampled: every choice is a sequence on every hop
 ])
 async def test_bad_input_is_a_400_naming_the_field(swarm: Swarm, extra: dict[str, Any], param: str) -> None:
     with pytest.raises(openai.BadRequestError) as info:
