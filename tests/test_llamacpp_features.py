@@ -458,6 +458,23 @@ async def test_responses_function_call(swarm: Swarm) -> None:
     jsonschema.validate(json.loads(arguments), TOOL_SCHEMAS["get_weather"])
 
 
+async def test_responses_top_logprobs_alone_gives_logprobs(swarm: Swarm) -> None:
+    """``top_logprobs`` without ``include`` is honoured (gateway/responses.py ``wants_logprobs``): the same logprobs
+    as with the include, one per output token, each with its alternatives."""
+    body: dict[str, Any] = {"model": MODEL, "input": QUESTION, "max_output_tokens": 8, "temperature": 0,
+                            "top_logprobs": 3}
+    alone = await client(swarm).responses.create(**body)
+    included = await client(swarm).responses.create(include=["message.output_text.logprobs"], **body)
+    rows = []
+    for response in (alone, included):
+        part: Any = response.output[0].content[0]  # type: ignore[union-attr]
+        assert response.usage is not None and len(part.logprobs) == response.usage.output_tokens == 8
+        assert all(len(x.top_logprobs) == 3 for x in part.logprobs)
+        rows.append([(x.token, x.logprob) for x in part.logprobs])
+    assert [t for t, _ in rows[0]] == [t for t, _ in rows[1]]
+    assert np.allclose([v for _, v in rows[0]], [v for _, v in rows[1]], atol=1e-4)
+
+
 # ---- bad input ---------------------------------------------------------------------------------------------------
 
 
