@@ -160,7 +160,9 @@ def reference_greedy(llm: Any, tokens: list[int], n: int) -> list[tuple[int, np.
 
 
 def check_chat_logprobs(content: list[Any], ref: list[tuple[int, np.ndarray]], piece: Any, top: int) -> None:
-    assert len(content) == len(ref)
+    """The reply's logprobs are the reference run's, token for token, and as many: the whole reference (up to
+    max_tokens or the end of generation), not just a prefix of it as long as the reply."""
+    assert len(content) == len(ref), (len(content), len(ref))
     for entry, (token, lp) in zip(content, ref, strict=True):
         assert bytes(entry.bytes) == piece(token)
         assert abs(entry.logprob - lp[token]) < 1e-4
@@ -180,7 +182,7 @@ async def test_chat_logprobs_equal_llama_cpp_python(swarm: Swarm, reference: Any
     whole = await client(swarm).chat.completions.create(**body)
     choice = whole.choices[0]
     assert choice.logprobs is not None and choice.logprobs.content is not None
-    check_chat_logprobs(choice.logprobs.content, ref[:len(choice.logprobs.content)], head.token_bytes, 5)
+    check_chat_logprobs(choice.logprobs.content, ref, head.token_bytes, 5)
     assert "".join(e.token for e in choice.logprobs.content) == choice.message.content
     streamed: list[Any] = []
     text = ""
@@ -190,8 +192,7 @@ async def test_chat_logprobs_equal_llama_cpp_python(swarm: Swarm, reference: Any
             if c.logprobs is not None and c.logprobs.content:
                 streamed += c.logprobs.content
     assert text == choice.message.content
-    check_chat_logprobs(streamed, ref[:len(streamed)], head.token_bytes, 5)
-    assert len(streamed) == len(choice.logprobs.content)
+    check_chat_logprobs(streamed, ref, head.token_bytes, 5)
 
 
 async def test_completion_logprobs_equal_llama_cpp_python(swarm: Swarm, reference: Any) -> None:
@@ -215,13 +216,26 @@ async def test_completion_logprobs_equal_llama_cpp_python(swarm: Swarm, referenc
                                                     logprobs=5, stream=True)
     tokens: list[str] = []
     values: list[float | None] = []
+    tops: list[dict[str, float]] = []
+    offsets: list[int] = []
+    text = ""
     async for chunk in stream:
         for c in chunk.choices:
+            text += c.text
             if c.logprobs is not None:
                 tokens += c.logprobs.tokens or []
                 values += c.logprobs.token_logprobs or []
+                tops += c.logprobs.top_logprobs or []
+                offsets += c.logprobs.text_offset or []
+    assert text == got.text
     assert tokens == lp.tokens
-    assert np.allclose([v for v in values if v is not None], lp.token_logprobs, atol=1e-6)
+    assert len(values) == len(lp.token_logprobs) and None not in values
+    assert np.allclose(values, lp.token_logprobs, atol=1e-6)
+    assert offsets == lp.text_offset
+    assert len(tops) == len(lp.top_logprobs)
+    for ours, whole_top in zip(tops, lp.top_logprobs, strict=True):
+        assert set(ours) == set(whole_top)
+        assert all(abs(ours[k] - whole_top[k]) < 1e-6 for k in whole_top)
 
 
 # ---- structured output -----------------------------------------------------------------------------------------
