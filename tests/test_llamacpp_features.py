@@ -339,6 +339,31 @@ async def test_auto_tool_choice_gives_a_valid_call_or_text(swarm: Swarm) -> None
             assert not choice.message.content.lstrip().startswith('{"response"')
 
 
+async def test_tool_choice_none_gives_plain_text(swarm: Swarm) -> None:
+    """Tools given with ``tool_choice: none``: neither rendered nor constrained, so the reply is the same text as
+    with no tools at all (the same prompt tokens, greedy), never parsed into calls, streamed and not."""
+    ask = messages("What is the weather in Paris right now?")
+    body: dict[str, Any] = {"model": MODEL, "messages": ask, "max_tokens": 40, "temperature": 0}
+    bare = await client(swarm).chat.completions.create(**body)
+    none = await client(swarm).chat.completions.create(tools=[WEATHER, TIME], tool_choice="none", **body)
+    choice = none.choices[0]
+    assert choice.message.tool_calls is None and choice.finish_reason in ("stop", "length")
+    assert choice.message.content and choice.message.content == bare.choices[0].message.content
+    assert none.usage is not None and bare.usage is not None
+    assert none.usage.prompt_tokens == bare.usage.prompt_tokens  # the tools were not rendered into the prompt
+    text = ""
+    finishes = []
+    async for chunk in await client(swarm).chat.completions.create(tools=[WEATHER, TIME], tool_choice="none",
+                                                                   stream=True, **body):
+        for c in chunk.choices:
+            assert c.delta.tool_calls is None
+            text += c.delta.content or ""
+            finishes.append(c.finish_reason)
+    assert text == choice.message.content
+    assert [f for f in finishes if f] == [choice.finish_reason]
+    await all_freed(swarm)
+
+
 async def test_a_tool_result_round_trips(swarm: Swarm) -> None:
     api = client(swarm)
     ask = messages("What is the weather in Paris?")
