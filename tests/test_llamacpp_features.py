@@ -497,6 +497,48 @@ async def test_responses_function_call(swarm: Swarm) -> None:
     jsonschema.validate(json.loads(arguments), TOOL_SCHEMAS["get_weather"])
 
 
+async def test_responses_function_call_output_round_trips(swarm: Swarm) -> None:
+    """A Responses function call, then its ``function_call_output`` in the next request's input: the head renders
+    both into the prompt exactly as the chat turn with a ``role: tool`` message (the same prompt tokens and, greedy,
+    the same reply), streamed and not."""
+    api = client(swarm)
+    tool: Any = {"type": "function", **WEATHER["function"]}
+    question = "What is the weather in Rome?"
+    first = await api.responses.create(model=MODEL, input=question, tools=[tool], tool_choice="required",
+                                       parallel_tool_calls=False, max_output_tokens=120, temperature=0)
+    calls = [o for o in first.output if o.type == "function_call"]
+    assert first.status == "completed" and len(calls) == 1
+    call = calls[0]
+    result = '{"temperature": 24, "sky": "clear"}'
+    follow_up: Any = [{"role": "user", "content": question}, call.model_dump(exclude_none=True),
+                      {"type": "function_call_output", "call_id": call.call_id, "output": result}]
+    second = await api.responses.create(model=MODEL, input=follow_up, tools=[tool], max_output_tokens=40,
+                                        temperature=0)
+    assert second.status in ("completed", "incomplete") and second.output
+    assert second.usage is not None and first.usage is not None
+    assert second.usage.input_tokens > first.usage.input_tokens
+    # The same conversation as chat turns (proven to render the call and its result: test_a_tool_result_round_trips).
+    history: list[Any] = [{"role": "user", "content": question},
+                          {"role": "assistant", "content": None, "tool_calls": [{
+                              "id": call.call_id, "type": "function",
+                              "function": {"name": call.name, "arguments": call.arguments}}]},
+                          {"role": "tool", "tool_call_id": call.call_id, "content": result}]
+    chat = await api.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], max_tokens=40,
+                                             temperature=0)
+    assert chat.usage is not None and second.usage.input_tokens == chat.usage.prompt_tokens
+    message = chat.choices[0].message
+    assert second.output_text == (message.content or "")
+    assert [(o.name, o.arguments) for o in second.output if o.type == "function_call"] == [
+        (c.function.name, c.function.arguments) for c in message.tool_calls or []]  # type: ignore[union-attr]
+    events = [e async for e in await api.responses.create(model=MODEL, input=follow_up, tools=[tool],
+                                                           max_output_tokens=40, temperature=0, stream=True)]
+    final = events[-1]
+    assert isinstance(final, ResponseCompletedEvent | ResponseIncompleteEvent)
+    assert final.response.output_text == second.output_text
+    assert final.response.usage is not None and final.response.usage.input_tokens == second.usage.input_tokens
+    await all_freed(swarm)
+
+
 async def test_responses_top_logprobs_alone_gives_logprobs(swarm: Swarm) -> None:
     """``top_logprobs`` without ``include`` is honoured (gateway/responses.py ``wants_logprobs``): the same logprobs
     as with the include, one per output token, each with its alternatives."""
