@@ -160,6 +160,10 @@ async def test_completions_token_prompt_and_echo(swarm: Swarm) -> None:
     assert tokens.choices[0].text == text.choices[0].text
     echoed = await c.completions.create(model=MODEL, prompt="abc", max_tokens=6, echo=True, **GREEDY)
     assert echoed.choices[0].text == "abc" + text.choices[0].text
+    # OpenAI would add the prompt tokens' logprobs, which the route does not compute: a 400 naming both.
+    with pytest.raises(openai.BadRequestError) as info:
+        await c.completions.create(model=MODEL, prompt="abc", max_tokens=6, echo=True, logprobs=2, **GREEDY)
+    assert info.value.param == "logprobs" and "echo" in info.value.message
 
 
 async def test_models_lists_the_served_model(swarm: Swarm) -> None:
