@@ -450,6 +450,7 @@ async def test_unknown_model_is_404(swarm: Swarm) -> None:
     with pytest.raises(openai.NotFoundError) as info:
         await client(swarm).chat.completions.create(model="no-such-model", messages=MESSAGES)
     assert "no-such-model" in info.value.message
+    assert info.value.code == "model_not_found"  # the tracker's class survives its RouteReply
     assert not swarm.gateway.serving.sessions.live  # type: ignore[union-attr]
 
 

@@ -99,12 +99,12 @@ class Tracker(NatsActor):
             route = select_route(self.registry.live(), request.model, request.session_id,
                                  exclude=frozenset(request.exclude), pending=self._pending_counts())
         except CapacityError as exc:
-            return RouteReply(error=exc.message, status=exc.status)
+            return RouteReply(error=exc.message, status=exc.status, code=exc.code)
         except SwarmrouteError as exc:
             gaps: list[LayerRange] = []
             with contextlib.suppress(SwarmrouteError):  # the same nodes the route could use, so gaps match the message
                 gaps = uncovered_layers(*routable(self.registry.live(), request.model, frozenset(request.exclude)))
-            return RouteReply(error=exc.message, status=exc.status, uncovered=gaps)
+            return RouteReply(error=exc.message, status=exc.status, code=exc.code, uncovered=gaps)
         now, opened = time.monotonic(), self._opened_counts()
         for hop in route.hops:
             self._pending.setdefault(hop.node_id, []).append((now, opened.get(hop.node_id, 0)))
