@@ -25,7 +25,7 @@ from nats.aio.client import Client as NATS
 
 from actors.registry import registry_snapshot
 from actors.tracker.routes import uncovered_layers
-from bus.connection import connect_settings
+from bus.connection import connected
 from bus.service import discover
 from bus.subjects import Subjects
 from schemas.errors import BadRequestError, SwarmrouteError
@@ -313,11 +313,8 @@ def render_report(report: FleetReport, title: str) -> str:
 
 
 async def _status_once(settings: Settings, fleet: Fleet | None, ttl_s: float) -> FleetReport:
-    nc = await connect_settings(settings, name="fleet-status")
-    try:
+    async with connected(settings, name="fleet-status") as nc:
         return await fleet_report(nc, settings.namespace, fleet, ttl_s=ttl_s)
-    finally:
-        await nc.drain()
 
 
 # ---- commands ---------------------------------------------------------------------------------------------------
@@ -363,9 +360,8 @@ async def _wait_healthy(settings: Settings, fleet: Fleet, supervisor: Supervisor
                         ttl_s: float) -> FleetReport:
     """Poll the fleet's health on one NATS connection until every member is up and every model routable."""
     deadline = time.monotonic() + timeout
-    nc = await connect_settings(settings, name="fleet-up")
     report: FleetReport | None = None
-    try:
+    async with connected(settings, name="fleet-up") as nc:
         while time.monotonic() < deadline:
             if not supervisor.check():
                 raise RuntimeError(supervisor.failed or "a fleet member exited during start-up")
@@ -373,8 +369,6 @@ async def _wait_healthy(settings: Settings, fleet: Fleet, supervisor: Supervisor
             if report.healthy:
                 return report
             await asyncio.sleep(0.5)
-    finally:
-        await nc.drain()
     detail = render_report(report, "last status:") if report else ""
     raise RuntimeError(f"the fleet did not become healthy within {timeout:g}s\n{detail}")
 

@@ -43,14 +43,15 @@ class Seeder:
 
     def __init__(self, nc: Any, settings: Settings, home: Path, name: str) -> None:
         self.session = TorrentSession()
-        self.sync = ArtifactSync(nc, Subjects(settings.namespace), Store(home), self.session, SyncConfig(node_id=name))
+        self.sync = ArtifactSync(settings, Store(home), self.session, SyncConfig(node_id=name), nc=nc)
 
     async def seed(self, model_id: str) -> Seeder:
+        await self.sync.start()
         await self.sync.seed(model_id)
         return self
 
     async def close(self) -> None:
-        await self.sync.close()
+        await self.sync.stop()
         self.session.close()
 
 
