@@ -1,4 +1,4 @@
-"""The lifecycle every NATS actor shares (tracker, node, gateway, the artifact swarm's agent).
+"""The lifecycle every NATS actor shares (tracker, node, gateway, the artifact swarm's agent, a provisioning node).
 
 ``start()`` connects (unless it was handed a connection, which it then never closes), runs the actor's own
 ``_on_start`` once, and returns the actor; ``stop()`` runs ``_on_stop`` once, then drains the connection the actor
