@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,7 +22,7 @@ from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
 
 from actors.backends import load_backend
-from bus.server import EmbeddedNats, NatsServerConfig
+from bus.server import EmbeddedNats
 from tests.support.swarm import Swarm, make_settings, start_swarm
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -43,14 +43,6 @@ class Colour(BaseModel):
 def get_weather(city: str, unit: Literal["celsius", "fahrenheit"]) -> str:
     """The current weather in a city."""
     return json.dumps({"city": city, "temperature": 18, "unit": unit})
-
-
-@pytest.fixture(scope="module")
-def module_nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNats]:
-    server = EmbeddedNats(NatsServerConfig(store_dir=tmp_path_factory.mktemp("nats")))
-    server.start()
-    yield server
-    server.stop()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

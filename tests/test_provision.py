@@ -32,8 +32,10 @@ from swarmroute import argtypes
 from swarmroute.artifact_prep import import_model
 from swarmroute.provision import available_memory, wants_swarm
 from tests.support import netns
-from tests.support.provisioned import READY, Child, ProgressWatch, child_env, empty_node, seeder
+from tests.support.actors import ChildProcess, Children, settings_env
+from tests.support.provisioned import ProgressWatch, empty_node, seeder
 from tests.support.swarm import make_settings, wait_model
+from tests.support.waiting import eventually
 
 PROMPT, N_TOKENS = "The capital of France is", 24
 DEFAULT_CONTEXT, DEFAULT_SESSIONS = 4096, 4
@@ -103,28 +105,29 @@ async def test_two_empty_nodes_fetch_disjoint_ranges_and_serve_llama_cpp_text(tm
         server = EmbeddedNats(NatsServerConfig(store_dir=tmp_path / "nats", host=bridge)).start()
         settings = settings_for(server, tmp_path)
         watch = await ProgressWatch().start(server.url)
-        children: list[Child] = []
+        children = Children()
         try:
             async with Tracker(settings) as tracker, Gateway(settings, port=0) as gateway:
                 (ns0, a0), *node_hosts = hosts
-                children.append(seeder(settings, "seeder", tmp_path / "seed", mid, host=a0, prefix=in_ns(ns0)))
+                children.add(seeder(settings, "seeder", tmp_path / "seed", mid, host=a0, prefix=in_ns(ns0)))
                 memory = memory_for_two(manifest)
                 with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both join within the same second
-                    nodes = list(pool.map(lambda i: empty_node(
+                    nodes = [children.add(node) for node in pool.map(lambda i: empty_node(
                         settings, f"n{i}", tmp_path / f"n{i}", mid, "--memory", memory, "--threads", "1",
-                        "--host", node_hosts[i][1], prefix=in_ns(node_hosts[i][0])), range(2)))
-                children += nodes
+                        "--host", node_hosts[i][1], prefix=in_ns(node_hosts[i][0])), range(2))]
                 coming_up: set[str] = set()
-                deadline = asyncio.get_running_loop().time() + 300
-                while not all(any("ready at" in line for line in c.lines) for c in nodes):
-                    assert asyncio.get_running_loop().time() < deadline, "\n".join(c.text[-3000:] for c in nodes)
+
+                def serving() -> bool:
                     for c in nodes:
-                        assert c.proc.poll() is None, f"{c.name} exited:\n{c.text[-3000:]}"
+                        assert c.proc.poll() is None, f"{c.name} exited:\n{c.tail()}"
                     served = model_of(tracker, mid)
                     if served is not None:  # a node coming up shows in /v1/models' data, never in a route
-                        coming_up |= {f.node_id for f in served.fetching}
+                        coming_up.update(f.node_id for f in served.fetching)
                         assert not set(served.nodes) & {f.node_id for f in served.fetching}
-                    await asyncio.sleep(0.1)
+                    return all(any("ready at" in line for line in c.lines) for c in nodes)
+
+                await eventually(serving, timeout=300, interval=0.1,
+                                 what=lambda: "both nodes serving:\n" + "\n".join(c.tail() for c in nodes))
                 assert coming_up, "no node was ever seen in the fetching state"
                 await wait_model(tracker, mid, timeout=60, n_nodes=2)
 
@@ -151,8 +154,7 @@ async def test_two_empty_nodes_fetch_disjoint_ranges_and_serve_llama_cpp_text(tm
                 by_start = {p.start: name for name, p in done.items()}
                 assert [h["node_id"] for h in route] == [by_start[a] for a, _ in ranges]
         finally:
-            for c in children:
-                c.stop()
+            children.close()
             await watch.close()
             server.stop()
 
@@ -169,22 +171,21 @@ async def test_killed_fetch_resumes_with_only_the_missing_pieces(tmp_path: Path,
         server = EmbeddedNats(NatsServerConfig(store_dir=tmp_path / "nats", host=bridge)).start()
         settings = settings_for(server, tmp_path)
         watch = await ProgressWatch().start(server.url)
-        children: list[Child] = []
+        children = Children()
         try:
             async with Tracker(settings):
                 (ns0, a0), (ns1, a1) = hosts
                 # a throttled seeder, so that the kill lands mid-fetch
-                children.append(seeder(settings, "seeder", tmp_path / "seed", mid, host=a0, prefix=in_ns(ns0),
-                                       extra=["--upload-limit", "25000000"]))
+                children.add(seeder(settings, "seeder", tmp_path / "seed", mid, host=a0, prefix=in_ns(ns0),
+                                    extra=["--upload-limit", "25000000"]))
                 args = ["--memory", memory_for_two(manifest), "--threads", "1", "--host", a1]
-                first = empty_node(settings, "n1", tmp_path / "n1", mid, *args, prefix=in_ns(ns1))
-                children.append(first)
+                first = children.add(empty_node(settings, "n1", tmp_path / "n1", mid, *args, prefix=in_ns(ns1)))
 
                 def far_enough() -> bool:
                     return any(p.phase == "fetching" and p.pieces_done >= 0.4 * p.pieces_wanted > 0
                                for p in watch.of("n1"))
 
-                await watch.until(far_enough, 120, "n1 fetching 40% of its pieces")
+                await eventually(far_enough, timeout=120, what="n1 fetching 40% of its pieces (on NATS)")
                 first.kill()
                 before = watch.of("n1")
                 held = max(p.pieces_done for p in before)
@@ -193,9 +194,8 @@ async def test_killed_fetch_resumes_with_only_the_missing_pieces(tmp_path: Path,
                 assert held < wanted, "the fetch finished before the kill"
                 seen = len(watch.events)
 
-                second = empty_node(settings, "n1", tmp_path / "n1", mid, *args, prefix=in_ns(ns1))
-                children.append(second)
-                await second.wait_for_async(READY, 300)
+                second = children.add(empty_node(settings, "n1", tmp_path / "n1", mid, *args, prefix=in_ns(ns1)))
+                await asyncio.to_thread(second.ready, 300)
                 after = [p for p in watch.events[seen:] if p.node_id == "n1"]
                 done = [p for p in after if p.phase == "done"][-1]
                 assert (done.start, done.end) == (start, end), "the restart was given another range"
@@ -207,8 +207,7 @@ async def test_killed_fetch_resumes_with_only_the_missing_pieces(tmp_path: Path,
                 print("resume: held", held, "of", wanted, "pieces at the kill; restart downloaded",
                       done.bytes_downloaded, "of", wanted_bytes(manifest, start, end))
         finally:
-            for c in children:
-                c.stop()
+            children.close()
             await watch.close()
             server.stop()
 
@@ -237,24 +236,22 @@ async def test_corrupt_seeder_is_banned_and_named_and_a_node_waits_for_an_honest
         server = EmbeddedNats(NatsServerConfig(store_dir=tmp_path / "nats", host=bridge)).start()
         settings = settings_for(server, tmp_path)
         watch = await ProgressWatch().start(server.url)
-        children: list[Child] = []
+        children = Children()
         try:
             async with Tracker(settings) as tracker:
                 (ns0, a0), (ns1, a1), (ns2, a2) = hosts
-                liar = Child("liar", [sys.executable, "-m", "tests.support.corrupt_peer", str(manifest_file),
-                                      str(bad), "--host", a0, "--nats", server.url, "--node-id", "liar"],
-                             child_env(settings), prefix=in_ns(ns0))
-                children.append(liar)
+                liar = children.add(ChildProcess(
+                    [*in_ns(ns0), sys.executable, "-m", "tests.support.corrupt_peer", str(manifest_file), str(bad),
+                     "--host", a0, "--nats", server.url, "--node-id", "liar"], env=settings_env(settings)))
                 liar_port = liar.wait_for(r'"port": (\d+)', 60).group(1)
                 liar_address = f"{a0}:{liar_port}"
-                node = empty_node(settings, "n1", tmp_path / "n1", mid, "--layers", "6:12", "--threads", "1",
-                                  "--host", a2, prefix=in_ns(ns2))
-                children.append(node)
+                node = children.add(empty_node(settings, "n1", tmp_path / "n1", mid, "--layers", "6:12",
+                                               "--threads", "1", "--host", a2, prefix=in_ns(ns2)))
 
                 def waiting() -> bool:
                     return any(p.banned_peers and p.unseeded_layers for p in watch.of("n1"))
 
-                await watch.until(waiting, 120, "n1 banning the liar, then waiting for a seeder")
+                await eventually(waiting, timeout=120, what="n1 banning the liar, then waiting for a seeder (on NATS)")
                 stalled = next(p for p in watch.of("n1") if p.banned_peers and p.unseeded_layers)
                 assert stalled.banned_peers == [liar_address] and stalled.hash_failures >= 1
                 assert {(r.start, r.end) for r in stalled.unseeded_layers} == {(6, 12)}
@@ -264,8 +261,8 @@ async def test_corrupt_seeder_is_banned_and_named_and_a_node_waits_for_an_honest
                 node.wait_for(rf"peer {liar_address} banned", 10)  # named in its log
                 node.wait_for(r"waiting for a peer that has layers \[6, 12\)", 10)
 
-                children.append(seeder(settings, "seeder", tmp_path / "seed", mid, host=a1, prefix=in_ns(ns1)))
-                await node.wait_for_async(READY, 300)
+                children.add(seeder(settings, "seeder", tmp_path / "seed", mid, host=a1, prefix=in_ns(ns1)))
+                await asyncio.to_thread(node.ready, 300)
                 done = watch.last("n1", "done")
                 assert (done.start, done.end) == (6, 12)
                 assert done.banned_peers == [liar_address] and done.hash_failures >= 1
@@ -273,8 +270,7 @@ async def test_corrupt_seeder_is_banned_and_named_and_a_node_waits_for_an_honest
                 served = model_of(tracker, mid)
                 assert served is not None and served.nodes == ["n1"] and not served.fetching
         finally:
-            for c in children:
-                c.stop()
+            children.close()
             await watch.close()
             server.stop()
 

@@ -55,6 +55,19 @@ class Swarm:
     async def wait_model(self, model: str, timeout: float = 10.0) -> None:
         await wait_model(self.tracker, model, timeout)
 
+    def held(self) -> dict[str, list[str]]:
+        """What is still open: each node's sessions and its backend's (every choice's fork included), and the
+        gateway's live sessions; empty lists dropped."""
+        held = {n.config.node_id: [*n.sessions, *getattr(n.backend, "open_sessions", [])] for n in self.nodes}
+        serving = self.gateway.serving
+        held["gateway"] = list(serving.sessions.live) if serving is not None else []
+        return {k: v for k, v in held.items() if v}
+
+    async def freed(self, timeout: float = 10.0) -> None:
+        """Until no node, backend or the gateway holds a session any more."""
+        await eventually(lambda: not self.held(), timeout=timeout, interval=0.02,
+                         what=lambda: f"every session freed (still open: {self.held()})")
+
     async def route_through(self, node: Node, url: str, timeout: float = 10.0) -> None:
         """Have ``node`` advertise ``url`` (a proxy in front of it) and wait until the tracker routes there."""
         await node.advertise_at(url)
@@ -100,7 +113,7 @@ class NodeProcess(ActorProcess):
                  prefix: Sequence[str] = ()) -> None:
         self.node_id = node_id
         super().__init__("node", settings, ["--node-id", node_id, *args], ready_timeout=ready_timeout,
-                         prefix=prefix, log_level="warning")
+                         prefix=prefix, log_level="warning", name=node_id)
 
     @property
     def endpoint(self) -> str:
