@@ -9,7 +9,7 @@ resolved on the machine that runs the member. Errors name the field that is wron
 Layer ranges are ``START:END`` (half-open) or ``auto``; ``auto`` is resolved by ``swarmroute.fleet`` (even split,
 or the memory planner when every auto node of the model gives ``memory``), because it may need the model's header.
 
-Why one module of ~460 lines: one document's schema, whose sections are validated together (cross-checks
+Why one module of ~550 lines: one document's schema, whose sections are validated together (cross-checks
 between models, nodes and settings).
 """
 
