@@ -260,6 +260,7 @@ class ArtifactSync(NatsActor):
 
     async def _on_stop(self) -> None:
         """No more announcements or answers; the torrent session is the caller's (it may outlive this)."""
+        await self._stop_service()
         for task in self._tasks:
             task.cancel()
         for sub in self._subs:

@@ -29,7 +29,7 @@ from bus.connection import connected
 from bus.service import discover
 from bus.subjects import Subjects
 from schemas.errors import SwarmrouteError
-from schemas.fleet import Fleet, GatewaySpec, MemberRole
+from schemas.fleet import Fleet, GatewaySpec, MemberRole, Role
 from schemas.node import NODE_FETCHING, NodeAdvertisement
 from schemas.settings import Settings
 from swarmroute import argtypes
@@ -49,12 +49,7 @@ def member_settings(fleet: Fleet, role: MemberRole, name: str, *, nats_url: str 
                   nats_randomize=fleet.nats.randomize, member_name=name)
     # A seeder does on NATS what a node does for the artifact swarm (announce, answer manifests): node credentials.
     auth_role: Literal["tracker", "gateway", "node"] = "node" if role == "seeder" else role
-    auth = fleet.nats.auth.get(auth_role)
-    if auth is not None:
-        values.update(nats_user=auth.user, nats_creds=auth.creds,
-                      nats_password=resolve_secret(auth.password) if auth.password else None,
-                      nats_token=resolve_secret(auth.token) if auth.token else None,
-                      nats_inbox_prefix=auth.inbox_prefix or f"_INBOX_{auth_role}")
+    values.update(_credentials(fleet, auth_role))
     for setting, ref in fleet.secrets.items():
         if role != "seeder" and (ref.roles is None or role in ref.roles):
             values[setting] = resolve_secret(ref)
@@ -72,13 +67,19 @@ def monitor_settings(fleet: Fleet, *, nats_url: str | None = None) -> Settings:
     credentials (``admin``'s if the file gives no monitor)."""
     values: dict[str, Any] = dict(nats_url=nats_url or ",".join(fleet.nats.servers), namespace=fleet.namespace)
     role: Literal["monitor", "admin"] = "monitor" if "monitor" in fleet.nats.auth else "admin"
+    return Settings(**values, **_credentials(fleet, role))
+
+
+def _credentials(fleet: Fleet, role: Role) -> dict[str, Any]:
+    """The ``Settings`` fields of a role's NATS credentials (none if the file gives the role none), its secrets
+    resolved here, on the machine that runs it."""
     auth = fleet.nats.auth.get(role)
-    if auth is not None:
-        values.update(nats_user=auth.user, nats_creds=auth.creds,
-                      nats_password=resolve_secret(auth.password) if auth.password else None,
-                      nats_token=resolve_secret(auth.token) if auth.token else None,
-                      nats_inbox_prefix=auth.inbox_prefix or f"_INBOX_{role}")
-    return Settings(**values)
+    if auth is None:
+        return {}
+    return dict(nats_user=auth.user, nats_creds=auth.creds,
+                nats_password=resolve_secret(auth.password) if auth.password else None,
+                nats_token=resolve_secret(auth.token) if auth.token else None,
+                nats_inbox_prefix=auth.inbox_prefix or f"_INBOX_{role}")
 
 
 def resolve_member(args: argparse.Namespace, parser: argparse.ArgumentParser) -> argparse.Namespace:

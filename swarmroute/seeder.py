@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import sys
 from pathlib import Path
@@ -67,12 +66,11 @@ async def _seed(args: argparse.Namespace, settings: Settings) -> int:
                                          listen_port=args.listen_port, upload_limit=args.upload_limit))
     stop = stop_event()
     sync = ArtifactSync(settings, Store(settings.home), session, SyncConfig(node_id=name), name=name)
-    service = None
     try:
         await sync.start()
         report = await sync.seed(model_id)
         ranges = sorted({(a, b) for a, b, _ in report.servable})
-        service = await register(sync.nc, namespace=settings.namespace, role="seeder", member=name,
+        sync.service = await register(sync.nc, namespace=settings.namespace, role="seeder", member=name,
                                  description="swarmroute seeder: seeds a model artifact's verified ranges",
                                  extra={"model_id": model_id, "torrent": "{}:{}".format(*session.address)})
         print(json.dumps({"event": "seeding", "node_id": name, "model_id": model_id,
@@ -80,9 +78,6 @@ async def _seed(args: argparse.Namespace, settings: Settings) -> int:
         await stop.wait()
         return 0
     finally:
-        if service is not None:
-            with contextlib.suppress(Exception):
-                await service.stop()
-        await sync.stop()  # and drains its connection
+        await sync.stop()  # leaves discovery, then drains its connection
         session.close()
 

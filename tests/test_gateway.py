@@ -25,8 +25,8 @@ from bus.server import EmbeddedNats
 from bus.subjects import Subjects
 from schemas.session import Prompt
 from schemas.telemetry import GenerationTelemetry
-from tests.support.gateway import GREEDY, MESSAGES, MODEL, client, fresh_settings, prompt_tokens, stubs
-from tests.support.swarm import Swarm, start_swarm
+from tests.support.gateway import GREEDY, MESSAGES, MODEL, client, prompt_tokens, stub_swarm
+from tests.support.swarm import Swarm
 from tests.support.waiting import eventually
 
 # One NATS server and two swarms (in their own namespaces) serve the whole module: starting a swarm per test
@@ -36,18 +36,15 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def swarm(module_nats: EmbeddedNats, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Swarm]:
-    s = await start_swarm(fresh_settings(module_nats, tmp_path_factory.mktemp("swarm")), stubs(), model_id=MODEL)
-    yield s
-    await s.stop()
+    async with stub_swarm(module_nats, tmp_path_factory.mktemp("swarm")) as s:
+        yield s
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def slow_swarm(module_nats: EmbeddedNats, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Swarm]:
     """A few ms of compute per step, so a generation lasts long enough to watch it (and to walk away from it)."""
-    s = await start_swarm(fresh_settings(module_nats, tmp_path_factory.mktemp("slow")), stubs(delay_s=0.003),
-                          model_id=MODEL)
-    yield s
-    await s.stop()
+    async with stub_swarm(module_nats, tmp_path_factory.mktemp("slow"), delay_s=0.003) as s:
+        yield s
 
 
 @pytest_asyncio.fixture(loop_scope="module")

@@ -18,8 +18,8 @@ import pytest_asyncio
 from pydantic import SecretStr
 
 from bus.server import EmbeddedNats
-from tests.support.gateway import GREEDY, MESSAGES, MODEL, client, fresh_settings, prompt_tokens, stubs
-from tests.support.swarm import Swarm, Swarms, start_swarm
+from tests.support.gateway import GREEDY, MESSAGES, MODEL, client, fresh_settings, prompt_tokens, stub_swarm, stubs
+from tests.support.swarm import Swarm, Swarms
 
 # One NATS server and one swarm serve the module; tests that need other settings start their own swarm in a fresh
 # namespace.
@@ -28,9 +28,8 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def swarm(module_nats: EmbeddedNats, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Swarm]:
-    s = await start_swarm(fresh_settings(module_nats, tmp_path_factory.mktemp("swarm")), stubs(), model_id=MODEL)
-    yield s
-    await s.stop()
+    async with stub_swarm(module_nats, tmp_path_factory.mktemp("swarm")) as s:
+        yield s
 
 
 @pytest_asyncio.fixture(loop_scope="module")

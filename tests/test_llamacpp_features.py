@@ -46,10 +46,9 @@ from openai.types.responses import (
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
-from actors.backends import load_backend  # noqa: E402
 from bus.server import EmbeddedNats  # noqa: E402
 from schemas.session import Prompt  # noqa: E402
-from tests.support.swarm import Swarm, make_settings, start_swarm  # noqa: E402
+from tests.support.swarm import Swarm, gemma_route  # noqa: E402
 from tests.test_llamacpp_gateway import BATCH_NOISE  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -93,18 +92,10 @@ TOOL_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEA
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def swarm(module_nats: EmbeddedNats, gemma_path: Path,
                 tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Swarm]:
-    shard_dir = tmp_path_factory.mktemp("shards")
-    backends = [load_backend("llamacpp", model_path=gemma_path, n_ctx=1024, max_sessions=MAX_SESSIONS,
-                             threads=THREADS, layer_start=a, layer_end=b, shard_dir=shard_dir)
-                for a, b in ((0, 12), (12, 18))]
-    # Generous timeouts: this box's two cores are shared with other test processes.
-    settings = make_settings(module_nats.url, tmp_path_factory.mktemp("home"), namespace=f"feat{next(_namespaces)}",
-                             token_timeout_s=60.0, first_token_timeout_s=120.0, hop_timeout_s=60.0)
-    s = await start_swarm(settings, backends, model_id=MODEL)
-    yield s
-    await s.stop()
-    for b in backends:
-        b.close()
+    async with gemma_route(module_nats.url, gemma_path, tmp_path_factory.mktemp("route"),
+                           namespace=f"feat{next(_namespaces)}", max_sessions=MAX_SESSIONS, threads=THREADS,
+                           model_id=MODEL) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

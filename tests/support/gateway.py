@@ -3,7 +3,9 @@ serve, an official client, a fresh namespace per swarm, and a prompt's token cou
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,7 @@ from actors.backends.stub import StubBackend
 from bus.server import EmbeddedNats
 from schemas.session import Prompt
 from schemas.settings import Settings
-from tests.support.swarm import Swarm, make_settings, stub
+from tests.support.swarm import Swarm, make_settings, start_swarm, stub
 
 MODEL = "stub-model"
 MESSAGES = [{"role": "user", "content": "Tell me about the fox."}]
@@ -38,3 +40,13 @@ def fresh_settings(server: EmbeddedNats, tmp: Path, **overrides: Any) -> Setting
 
 def prompt_tokens(swarm: Swarm, **prompt: Any) -> int:
     return len(swarm.nodes[0].backend.tokenize(Prompt(**prompt)))
+
+
+@contextlib.asynccontextmanager
+async def stub_swarm(server: EmbeddedNats, tmp: Path, **stub_kw: Any) -> AsyncIterator[Swarm]:
+    """The two-node stub swarm in a namespace of its own (a module's fixture: one swarm serves its tests)."""
+    swarm = await start_swarm(fresh_settings(server, tmp), stubs(**stub_kw), model_id=MODEL)
+    try:
+        yield swarm
+    finally:
+        await swarm.stop()

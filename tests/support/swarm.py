@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -104,6 +104,31 @@ async def start_swarm(settings: Settings, backends: Sequence[Backend], *, model_
         await wait_model(tracker, model_id, n_nodes=len(nodes))
         starting.pop_all()  # the Swarm stops them
     return Swarm(settings, tracker, nodes, gateway)
+
+
+@contextlib.asynccontextmanager
+async def gemma_route(nats_url: str, gemma_path: Path, work: Path, *, namespace: str, max_sessions: int,
+                      threads: int = 2, model_id: str = "gemma") -> AsyncIterator[Swarm]:
+    """The bundled Gemma 3 270M as a real 2-node llama.cpp route (shards [0, 12) + [12, 18), a context of 1024 per
+    session), served as ``model_id`` with generous timeouts (llama.cpp on a 2-core machine shared with other test
+    processes); stopped, and its backends closed, at the end."""
+    from actors.backends import load_backend
+
+    (work / "shards").mkdir(parents=True, exist_ok=True)
+    backends = [load_backend("llamacpp", model_path=gemma_path, n_ctx=1024, max_sessions=max_sessions,
+                             threads=threads, layer_start=a, layer_end=b, shard_dir=work / "shards")
+                for a, b in ((0, 12), (12, 18))]
+    settings = make_settings(nats_url, work / "home", namespace=namespace, token_timeout_s=60.0,
+                             first_token_timeout_s=120.0, hop_timeout_s=60.0)
+    try:
+        swarm = await start_swarm(settings, backends, model_id=model_id)
+        try:
+            yield swarm
+        finally:
+            await swarm.stop()
+    finally:
+        for backend in backends:
+            backend.close()
 
 
 class NodeProcess(ActorProcess):
