@@ -62,7 +62,8 @@ async def test_prefill_in_chunks_then_a_decode_step_per_token_then_the_end(head:
     fed = [ord("x"), ord("y"), ord("z")]
     for seq, value in enumerate(fed[:2]):
         s.on_token(token(s, seq, value))
-        await head.until(lambda n=seq: len(head.peers.frames) == 4 + n, f"the decode frame of token {seq}")
+        frames = 4 + seq
+        await head.until(lambda: len(head.peers.frames) == frames, f"the decode frame of token {seq}")  # noqa: B023
     s.on_token(token(s, 2, fed[2], "length"))
     # the end is published last: after the session closed here and was freed on the other hops
     await head.until(lambda: head.published.ends(head.subjects.tokens(sid)), "the session's end")

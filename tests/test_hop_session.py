@@ -84,7 +84,7 @@ async def test_frames_of_one_choice_wait_for_the_step_before_them(middle: Rig) -
     first = s.on_frame(header(sid, PREFILL, 0, 4), hidden_rows(4, seed=1), 1024)
     second = s.on_frame(header(sid, PREFILL, 4, 4), hidden_rows(4, seed=2), 1024)  # before the first has run
     assert not isinstance(first, int) and not isinstance(second, int)
-    assert await asyncio.gather(first, second) == [4, 8]
+    assert list(await asyncio.gather(first, second)) == [4, 8]
     assert [h.start_position for _, h, _ in middle.peers.frames] == [0, 4]
 
 
@@ -149,7 +149,7 @@ async def test_n2_decode_frames_of_a_round_run_together_in_one_forward_pass(midd
     assert middle.engine.batches_run == batches and len(middle.peers.frames) == 1  # held for the rest of its round
     second = s.on_frame(header(sid, DECODE, 3, 1, sample=True, step=1, choice=0, group=2), rows[0], 256)
     assert not isinstance(second, int)
-    assert await asyncio.gather(first, second) == [4, 4]
+    assert list(await asyncio.gather(first, second)) == [4, 4]
     assert middle.engine.batches_run == batches + 1 and middle.engine.max_batch_seen == 2  # one pass for both
     fork = f"{sid}/1"
     expected = reference(stub(3, 6), sid, [StepInput(sid, 0, hidden=prompt_hidden, forks=(fork,)),

@@ -26,7 +26,7 @@ from actors.backends.stub import StubBackend, StubConfig
 from actors.node.engine import StepEngine
 from actors.node.head_session import HeadSession
 from actors.node.hop_session import HopSession
-from actors.node.runtime import NodeRuntime
+from actors.node.runtime import ClientProbe, NodeRuntime
 from actors.node.session import NodeSession
 from bus import frame as frames
 from bus.nodeclient import NodeClient
@@ -137,16 +137,16 @@ class Rig:
     """One node's runtime: ``backend`` on a running ``StepEngine``, ``peers`` for the other nodes, ``published``
     for NATS."""
 
-    def __init__(self, backend: StubBackend, settings: Settings, *,
-                 client_present: Callable[[str], Any] | None = None) -> None:
+    def __init__(self, backend: StubBackend, settings: Settings, *, client_present: ClientProbe | None = None) -> None:
         self.backend = backend
         self.engine = StepEngine(backend)
         self.peers = Peers()
         self.published = Published()
         self.subjects = Subjects(settings.namespace)
-        extra = {"client_present": client_present} if client_present is not None else {}
         self.rt = NodeRuntime(node_id="node", engine=self.engine, client=cast(NodeClient, self.peers),
-                              publish=self.published, subjects=self.subjects, settings=settings, **extra)
+                              publish=self.published, subjects=self.subjects, settings=settings)
+        if client_present is not None:
+            self.rt.client_present = client_present
         self.closed: list[NodeSession] = []
 
     async def open(self, rt_route: Route, hop_index: int, prompt: list[int], *, max_tokens: int = 8, n: int = 1,
