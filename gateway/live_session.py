@@ -6,6 +6,10 @@ head owns its fate (it detects failures anywhere downstream and publishes the en
 finds what the head cannot report: the head itself gone (``bus.liveness`` probes of a silent session), events lost
 on the bus, or a head silent past every timeout. Whatever the outcome, it frees the session on every hop that still
 answers; a client that goes away gets its session cancelled by the head.
+
+Why one module of ~450 lines: the session as the gateway follows it (``LiveSession``) and the manager that opens and
+closes it on the route share its lifecycle, from routing to the last hop freed; each half alone reads as half a
+protocol.
 """
 
 from __future__ import annotations

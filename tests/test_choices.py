@@ -10,10 +10,9 @@ choice's logprobs). Logprobs are checked against the stub's own logits for the s
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ import pytest_asyncio
 
 from actors.backend import StepInput
 from actors.backends.stub import StubBackend, StubConfig
-from bus.server import EmbeddedNats, NatsServerConfig
+from bus.server import EmbeddedNats
 from schemas.errors import BadRequestError, CapacityError
 from schemas.route import RouteRequest
 from schemas.session import Prompt, SamplingParams, SessionOpen
@@ -41,14 +40,6 @@ _namespaces = itertools.count()
 def stubs(*ranges: tuple[int, int]) -> list[StubBackend]:
     return [StubBackend(StubConfig(model=MODEL, n_layers=8, layer_start=a, layer_end=b, max_sessions=MAX_SESSIONS))
             for a, b in ranges]
-
-
-@pytest.fixture(scope="module")
-def module_nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNats]:
-    server = EmbeddedNats(NatsServerConfig(store_dir=tmp_path_factory.mktemp("nats")))
-    server.start()
-    yield server
-    server.stop()
 
 
 async def _swarm(server: EmbeddedNats, home: Path, backends: list[StubBackend]) -> AsyncIterator[Swarm]:
@@ -72,15 +63,6 @@ async def one(module_nats: EmbeddedNats, tmp_path_factory: pytest.TempPathFactor
 
 def client(swarm: Swarm) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=swarm.base_url, api_key="unused", max_retries=0)
-
-
-async def all_freed(swarm: Swarm) -> None:
-    """Every backend session of every choice is closed on every node (forks included)."""
-    for _ in range(200):
-        if not any(n.sessions or n.backend.open_sessions for n in swarm.nodes):  # type: ignore[attr-defined]
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError([n.backend.open_sessions for n in swarm.nodes])  # type: ignore[attr-defined]
 
 
 async def streamed_choices(swarm: Swarm, **kw: Any) -> tuple[dict[int, str], dict[int, str | None], Any]:
@@ -119,7 +101,7 @@ async def three_equal_choices(swarm: Swarm) -> None:
     assert texts == {i: single.choices[0].text for i in range(3)}
     assert finishes == {0: "length", 1: "length", 2: "length"}
     assert usage is not None and usage.completion_tokens == 36
-    await all_freed(swarm)
+    await swarm.freed()
 
 
 async def test_greedy_choices_are_one_sequence_on_every_hop(two: Swarm) -> None:
@@ -139,7 +121,7 @@ async def test_greedy_choices_are_one_sequence_on_every_hop(two: Swarm) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         await client(two).completions.create(model=MODEL, n=n, temperature=1.0, seed=1, **body)
     assert info.value.param == "n"
-    await all_freed(two)
+    await two.freed()
 
 
 async def test_seeded_choices_are_reproducible_and_choice_0_is_n1(two: Swarm) -> None:
@@ -152,7 +134,7 @@ async def test_seeded_choices_are_reproducible_and_choice_0_is_n1(two: Swarm) ->
     assert texts == [c.text for c in again.choices]
     assert texts[0] == single.choices[0].text
     assert len(set(texts)) > 1  # seed + i: the choices draw differently
-    await all_freed(two)
+    await two.freed()
 
 
 def reference_logprobs(prompt: Prompt, n_tokens: int, top: int,
@@ -203,7 +185,7 @@ async def test_chat_logprobs_equal_the_backends_for_every_choice(two: Swarm) -> 
     assert len(entries[0]) == len(entries[1]) == 6
     assert "".join(e.token for e in entries[0]) == texts[0] == texts[1]
     assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in entries[0])
-    await all_freed(two)
+    await two.freed()
 
 
 async def test_sampled_choices_logprobs_equal_the_backends(two: Swarm) -> None:
@@ -226,7 +208,7 @@ async def test_sampled_choices_logprobs_equal_the_backends(two: Swarm) -> None:
             assert [bytes(t.bytes or []) for t in entry.top_logprobs] == [stub.token_bytes(t) for t, _ in best]
             assert np.allclose([t.logprob for t in entry.top_logprobs], [x for _, x in best], atol=1e-5)
     assert picks[0] != picks[1]  # seed + i: two sequences that drew differently
-    await all_freed(two)
+    await two.freed()
 
 
 async def test_n_over_the_route_capacity_is_a_400_naming_n(two: Swarm) -> None:
@@ -236,7 +218,7 @@ async def test_n_over_the_route_capacity_is_a_400_naming_n(two: Swarm) -> None:
                                   "temperature": 1.0})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "n"
-    await all_freed(two)
+    await two.freed()
 
 
 async def test_choices_share_forward_passes(two: Swarm) -> None:
@@ -247,7 +229,7 @@ async def test_choices_share_forward_passes(two: Swarm) -> None:
     await client(two).completions.create(model=MODEL, prompt="batch", max_tokens=24, temperature=1.0, seed=2, n=4,
                                          extra_body={"ignore_eos": True})
     assert all(e.max_batch_seen >= 2 for e in engines)  # the choices decoded batched on every hop
-    await all_freed(two)
+    await two.freed()
 
 
 async def test_a_node_reserves_a_sequence_per_choice(two: Swarm) -> None:
@@ -270,4 +252,4 @@ async def test_a_node_reserves_a_sequence_per_choice(two: Swarm) -> None:
     finally:
         await node.sessions[ids[0]].close()
     assert node.sequences_in_use() == 0
-    await all_freed(two)
+    await two.freed()

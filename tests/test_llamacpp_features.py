@@ -15,6 +15,9 @@ What is proven here:
   events;
 * bad input is a 400 in OpenAI's error shape naming the field: an invalid JSON Schema, an unknown tool in
   ``tool_choice``, ``top_logprobs`` over the limit, ``n`` over the session capacity.
+
+Why one module of ~450 lines: one module-scoped route of two llama.cpp nodes and one reference ``Llama`` serve every
+feature's tests; a module per feature would load the model three more times.
 """
 
 from __future__ import annotations
@@ -43,10 +46,9 @@ from openai.types.responses import (
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
-from actors.backends import load_backend  # noqa: E402
-from bus.server import EmbeddedNats, NatsServerConfig  # noqa: E402
+from bus.server import EmbeddedNats  # noqa: E402
 from schemas.session import Prompt  # noqa: E402
-from tests.support.swarm import Swarm, make_settings, start_swarm  # noqa: E402
+from tests.support.swarm import Swarm, gemma_route  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -86,29 +88,13 @@ TIME: dict[str, Any] = {"type": "function", "function": {
 TOOL_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
 
 
-@pytest.fixture(scope="module")
-def module_nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNats]:
-    server = EmbeddedNats(NatsServerConfig(store_dir=tmp_path_factory.mktemp("nats")))
-    server.start()
-    yield server
-    server.stop()
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def swarm(module_nats: EmbeddedNats, gemma_path: Path,
                 tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Swarm]:
-    shard_dir = tmp_path_factory.mktemp("shards")
-    backends = [load_backend("llamacpp", model_path=gemma_path, n_ctx=1024, max_sessions=MAX_SESSIONS,
-                             threads=THREADS, layer_start=a, layer_end=b, shard_dir=shard_dir)
-                for a, b in ((0, 12), (12, 18))]
-    # Generous timeouts: this box's two cores are shared with other test processes.
-    settings = make_settings(module_nats.url, tmp_path_factory.mktemp("home"), namespace=f"feat{next(_namespaces)}",
-                             token_timeout_s=60.0, first_token_timeout_s=120.0, hop_timeout_s=60.0)
-    s = await start_swarm(settings, backends, model_id=MODEL)
-    yield s
-    await s.stop()
-    for b in backends:
-        b.close()
+    async with gemma_route(module_nats.url, gemma_path, tmp_path_factory.mktemp("route"),
+                           namespace=f"feat{next(_namespaces)}", max_sessions=MAX_SESSIONS, threads=THREADS,
+                           model_id=MODEL) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
@@ -129,10 +115,7 @@ def messages(question: str = QUESTION) -> list[Any]:
 
 async def all_freed(swarm: Swarm) -> None:
     """No session, and no KV cell of any sequence (every choice's fork included), left on any node."""
-    for _ in range(300):
-        if not any(n.sessions or n.backend.open_sessions for n in swarm.nodes):  # type: ignore[attr-defined]
-            break
-        await asyncio.sleep(0.02)
+    await swarm.freed()
     for node in swarm.nodes:
         backend: Any = node.backend
         assert not node.sessions and not backend.open_sessions

@@ -19,7 +19,7 @@ Series (all names prefixed ``swarmroute_``)::
     node_ttft_seconds                         head: session start to first sampled token
     node_time_per_output_token_seconds        head: one decode step around the ring
     node_frame_bytes_received_total           activation bytes received from the previous hop
-    node_hop_spin_seconds_total               event-loop polling around expected decode messages (actors/spin.py)
+    node_hop_spin_seconds_total               event-loop polling around expected decode messages (actors/node/spin.py)
     artifact_bytes_fetched_total{model}       artifact bytes downloaded by this process
     artifact_bytes_served_total{model}        artifact bytes uploaded to peers by this process
 """
