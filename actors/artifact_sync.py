@@ -13,7 +13,8 @@ Subjects (``bus.subjects.Subjects``):
 
 Bytes move over BitTorrent between the announced loopback/private addresses (``artifacts.torrent``); this module
 only tells libtorrent whom to dial. A range is announced only after ``artifacts.verify`` passed it. The commands
-that drive it (``swarmroute artifact fetch|seed``) live in ``swarmroute.artifact_commands``.
+that drive it (``swarmroute artifact fetch|seed``, ``swarmroute seeder``) live in ``swarmroute``; a provisioning
+node runs it on its own connection (``actors.provisioner``).
 """
 
 from __future__ import annotations
@@ -37,12 +38,14 @@ from artifacts.shard import ShardSource, write_shard
 from artifacts.store import Store
 from artifacts.torrent import TorrentSession, is_private_address
 from artifacts.verify import RangeVerdict, StoreReport, verify_store
+from bus.actor import NatsActor
 from bus.codec import DecodeError, decode, encode
 from bus.subjects import Subjects
 from schemas.artifact import ArtifactPeer, FetchProgress
 from schemas.errors import BadRequestError, NotFoundError, SwarmrouteError
 from schemas.manifest import ModelManifest
 from schemas.node import LayerRange
+from schemas.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +75,16 @@ class _Held:
     """Snapshot read by the fetch thread; replaced, never mutated."""
 
 
-class ArtifactSync:
-    """One node's participation in the artifact swarms of the models it holds or fetches."""
+class ArtifactSync(NatsActor):
+    """One node's participation in the artifact swarms of the models it holds or fetches. A NATS actor
+    (``bus.actor.NatsActor``): started before use, an async context manager, ``stop()`` safe to call twice; given
+    ``nc``, it runs on that connection and leaves it open."""
 
-    def __init__(self, nc: NATS, subjects: Subjects, store: Store, session: TorrentSession, config: SyncConfig) -> None:
-        self.nc, self.subjects, self.store, self.session, self.config = nc, subjects, store, session, config
+    def __init__(self, settings: Settings, store: Store, session: TorrentSession, config: SyncConfig, *,
+                 nc: NATS | None = None, name: str | None = None) -> None:
+        super().__init__(settings, nc=nc, name=name or f"artifact-{config.node_id}")
+        self.subjects = Subjects(settings.namespace)
+        self.store, self.session, self.config = store, session, config
         self._held: dict[str, _Held] = {}
         self._subs: list[object] = []
         self._tasks: list[asyncio.Task[None]] = []
@@ -250,7 +258,9 @@ class ArtifactSync:
         await self.announce(model_id)
         return report
 
-    async def close(self) -> None:
+    async def _on_stop(self) -> None:
+        """No more announcements or answers; the torrent session is the caller's (it may outlive this)."""
+        await self._stop_service()
         for task in self._tasks:
             task.cancel()
         for sub in self._subs:

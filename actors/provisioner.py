@@ -22,7 +22,6 @@ import math
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from types import TracebackType
 
 from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
@@ -35,7 +34,7 @@ from artifacts.fetch import FetchOptions
 from artifacts.store import Store
 from artifacts.torrent import TorrentSession
 from bus import codec
-from bus.connection import connect_settings
+from bus.actor import NatsActor
 from bus.subjects import Subjects
 from schemas.artifact import FetchProgress
 from schemas.assignment import AssignmentReply, AssignmentRequest, RangeLease
@@ -106,15 +105,16 @@ class Provisioned:
     """The tracker's answer (None for an explicit range)."""
 
 
-class Provisioner:
-    """An async context manager; ``stop()`` is safe to call twice."""
+class Provisioner(NatsActor):
+    """An async context manager (``bus.actor.NatsActor``); ``stop()`` is safe to call twice. Its ``ArtifactSync``
+    runs on its connection, which the serving ``Node`` takes over afterwards."""
 
     def __init__(self, config: ProvisionConfig, settings: Settings, session: TorrentSession, *,
                  nc: NATS | None = None) -> None:
-        self.config, self.settings, self.session = config, settings, session
+        super().__init__(settings, nc=nc, name=f"node-{config.node_id}")
+        self.config, self.session = config, session
         self.subjects = Subjects(settings.namespace)
         self.store = Store(settings.home)
-        self._nc, self._own_nc = nc, nc is None
         self.sync: ArtifactSync | None = None
         self.leases: Leases | None = None
         self.keeper: LeaseKeeper | None = None
@@ -124,31 +124,12 @@ class Provisioner:
         self.manifest: ModelManifest | None = None
         self._presence: asyncio.Task[None] | None = None
         self._advertised = False
-        self._started = self._stopped = False
 
-    @property
-    def nc(self) -> NATS:
-        assert self._nc is not None, "Provisioner.start() first"
-        return self._nc
-
-    async def start(self) -> Provisioner:
-        if self._started:
-            return self
-        self._started = True
-        if self._nc is None:
-            self._nc = await connect_settings(self.settings, name=f"node-{self.config.node_id}")
-        self.sync = ArtifactSync(self.nc, self.subjects, self.store, self.session,
-                                 SyncConfig(node_id=self.config.node_id))
+    async def _on_start(self) -> None:
+        self.sync = await ArtifactSync(self.settings, self.store, self.session,
+                                       SyncConfig(node_id=self.config.node_id), nc=self.nc).start()
         self.leases = await open_leases(self.nc, self.subjects, self.settings.registry_ttl_s,
                                         replicas=self.settings.registry_replicas)
-        return self
-
-    async def __aenter__(self) -> Provisioner:
-        return await self.start()
-
-    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
-                        tb: TracebackType | None) -> None:
-        await self.stop()
 
     # ---- the steps ---------------------------------------------------------------------------------------------
 
@@ -341,23 +322,18 @@ class Provisioner:
         if self.keeper is not None:
             await self.keeper.release()
 
-    async def stop(self) -> None:
-        """Release the lease, withdraw a fetching-state entry, stop seeding. Safe twice."""
-        if self._stopped:
-            return
-        self._stopped = True
+    async def _on_stop(self) -> None:
+        """Release the lease, withdraw a fetching-state entry, stop seeding (then ``stop`` drains the connection
+        it owns)."""
         advertised = self._advertised
         await self.hand_over()
         await self.release_lease()
-        if advertised and self._nc is not None:
+        if advertised:
             with contextlib.suppress(Exception):
                 kv = await open_registry(self.nc, self.subjects, self.settings.registry_ttl_s,
                                          unavailable_wait_s=1.0)
                 async with asyncio.timeout(2.0):
                     await kv.delete(self.config.node_id)
         if self.sync is not None:
-            await self.sync.close()
-        if self._own_nc and self._nc is not None:
-            with contextlib.suppress(Exception):
-                await self._nc.drain()
+            await self.sync.stop()
 

@@ -1,8 +1,10 @@
-"""The lifecycle every NATS actor shares (tracker, node, gateway, the artifact swarm's agent).
+"""The lifecycle every NATS actor shares (tracker, node, gateway, the artifact swarm's agent, a provisioning node).
 
 ``start()`` connects (unless it was handed a connection, which it then never closes), runs the actor's own
 ``_on_start`` once, and returns the actor; ``stop()`` runs ``_on_stop`` once, then drains the connection the actor
-owns. Both are idempotent; a stop before any start does nothing; the actor is an async context manager.
+owns. Both are idempotent; a stop before any start does nothing; the actor is an async context manager. An actor
+that registers a NATS micro service (``bus.service``) keeps it in ``service`` and leaves discovery with
+``_stop_service`` at the point of its shutdown where it stops answering.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from types import TracebackType
 from typing import Self
 
 from nats.aio.client import Client as NATS
+from nats.micro.service import Service
 
 from bus.connection import connect_settings
 from schemas.settings import Settings
@@ -26,6 +29,8 @@ class NatsActor:
         """How the connection introduces itself to the NATS server (its monitoring shows it)."""
         self._started = False
         self._stopped = False
+        self.service: Service | None = None
+        """The actor's micro service ($SRV discovery and stats), once it registered one."""
 
     @property
     def nc(self) -> NATS:
@@ -55,6 +60,13 @@ class NatsActor:
         if self._own_nc and self._nc is not None:
             with contextlib.suppress(Exception):
                 await self._nc.drain()
+
+    async def _stop_service(self) -> None:
+        """Leave $SRV discovery; a service that cannot say so (NATS already gone) is no reason to stop less."""
+        service, self.service = self.service, None
+        if service is not None:
+            with contextlib.suppress(Exception):
+                await service.stop()
 
     async def _on_start(self) -> None:
         """The actor's own start-up, connected."""

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 import nats
@@ -81,3 +83,14 @@ async def connect_settings(settings: Settings, *, name: str) -> NATS:
         inbox_prefix=settings.nats_inbox_prefix,
         randomize=settings.nats_randomize,
     )
+
+
+@contextlib.asynccontextmanager
+async def connected(settings: Settings, *, name: str) -> AsyncIterator[NATS]:
+    """A connection for the length of a block, drained at its end: operators' tools (``watch``, ``fleet status``).
+    An actor connects through ``bus.actor.NatsActor`` instead."""
+    nc = await connect_settings(settings, name=name)
+    try:
+        yield nc
+    finally:
+        await nc.drain()

@@ -69,13 +69,7 @@ class NodeClient:
                 raise HopError(node, "timeout", f"node {node} did not answer POST {path} within {wait:g}s") from None
             raise HopError(node, "unreachable", f"node {node} unreachable at {endpoint}: {exc}") from None
         if status >= 400:
-            try:
-                parsed = json.loads(payload) if payload else None
-            except ValueError:
-                parsed = None
-            peer = error_from_body(status, parsed)
-            raise HopError(node, "http_error", f"node {node} answered {status} to POST {path}: {peer.message}",
-                           peer_status=status, peer_error=peer)
+            raise _refused(node, f"POST {path}", status, payload)
 
     async def _request(self, node: str, method: str, url: str, *, timeout: float | None = None,
                        content: bytes | None = None, json: object | None = None,
@@ -91,14 +85,7 @@ class NodeClient:
         except httpx.TransportError as exc:
             raise HopError(node, "unreachable", f"node {node} unreachable at {url}: {type(exc).__name__}") from exc
         if response.status_code >= 400:
-            try:
-                body = response.json()
-            except ValueError:
-                body = None
-            peer = error_from_body(response.status_code, body)
-            raise HopError(node, "http_error", f"node {node} answered {response.status_code} to {method} "
-                                               f"{_path(url)}: {peer.message}", peer_status=response.status_code,
-                           peer_error=peer)
+            raise _refused(node, f"{method} {_path(url)}", response.status_code, response.content)
         return response
 
     async def tokenize(self, node: str, endpoint: str, prompt: Prompt, *, capability: str = "") -> list[int]:
@@ -213,6 +200,17 @@ class NodeClient:
         except HopError:
             return False
         return True
+
+
+def _refused(node: str, request: str, status: int, body: bytes) -> HopError:
+    """A node's error answer (either transport): its error rebuilt from the body, kept on the ``HopError``."""
+    try:
+        parsed = json.loads(body) if body else None
+    except ValueError:
+        parsed = None
+    peer = error_from_body(status, parsed)
+    return HopError(node, "http_error", f"node {node} answered {status} to {request}: {peer.message}",
+                    peer_status=status, peer_error=peer)
 
 
 def _auth(session_token: str | None) -> dict[str, str] | None:

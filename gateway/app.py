@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.micro.service import Service
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
 from starlette.requests import Request
@@ -190,7 +189,6 @@ class Gateway(NatsActor):
         self.server: HttpServer | None = None
         self.serving: OpenAIServing | None = None
         self._nodes: NodeClient | None = None
-        self._service: Service | None = None
 
     @property
     def url(self) -> str:
@@ -204,15 +202,13 @@ class Gateway(NatsActor):
         self.serving = OpenAIServing(manager)
         self.server = HttpServer(build_app(self.serving, self.settings), self._host, self._port)
         await self.server.start()
-        self._service = await register(self.nc, namespace=subjects.namespace, role="gateway",
+        self.service = await register(self.nc, namespace=subjects.namespace, role="gateway",
                                        member=self.settings.member_name or "gateway", extra={"url": self.server.url},
                                        description="swarmroute gateway: OpenAI-compatible API")
         log.info("gateway listening on %s", self.server.url)
 
     async def _on_stop(self) -> None:
-        if self._service is not None:
-            with contextlib.suppress(Exception):
-                await self._service.stop()
+        await self._stop_service()
         if self.serving is not None:
             await self._end_streams()
         if self.server is not None:

@@ -29,6 +29,7 @@ from schemas.openai import (
     NamedToolChoice,
     ResponseFormat,
 )
+from schemas.session import MAX_CHOICES
 from schemas.tools import FunctionSpec, ToolCallFormat, ToolMode, ToolSet
 
 FormatKind = Literal["text", "json_object", "json_schema"]
@@ -150,8 +151,10 @@ def chat_logprobs(req: ChatCompletionRequest) -> int | None:
 
 
 def check_choices(n: int, max_sessions: int | None) -> None:
-    """``n`` against the route: every hop holds one sequence per choice, so more choices than the smallest hop's
-    ``max_sessions`` can never be served (400; a busy route is a 429 from the nodes instead)."""
+    """The choices the route decodes (``n``, or 1 for a greedy request: ``gateway.fanout``) against the route:
+    every hop holds one sequence per sampled choice, so more than the smallest hop's ``max_sessions`` can never be
+    served (400; a busy route is a 429 from the nodes instead)."""
     if max_sessions is not None and n > max_sessions:
-        raise BadRequestError(f"n={n} is more than this model's route can hold at once ({max_sessions} choices)",
+        raise BadRequestError(f"n={n} sampled choices are more than this model's route can hold at once "
+                              f"({max_sessions} choices; at temperature 0 any n up to {MAX_CHOICES} is one sequence)",
                               param="n")

@@ -6,6 +6,10 @@ head owns its fate (it detects failures anywhere downstream and publishes the en
 finds what the head cannot report: the head itself gone (``bus.liveness`` probes of a silent session), events lost
 on the bus, or a head silent past every timeout. Whatever the outcome, it frees the session on every hop that still
 answers; a client that goes away gets its session cancelled by the head.
+
+Why one module of ~450 lines: the session as the gateway follows it (``LiveSession``) and the manager that opens and
+closes it on the route share its lifecycle, from routing to the last hop freed; each half alone reads as half a
+protocol.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from bus.connection import keep_cancellation
 from bus.liveness import Silence, first_lost
 from bus.nodeclient import NodeClient
 from bus.subjects import Subjects
+from gateway import fanout
 from gateway.constraints import check_choices
 from gateway.tracker_client import TrackerClient
 from schemas.constraint import OutputConstraint
@@ -84,7 +89,7 @@ class GenerationRequest:
     sampling: SamplingParams
     stop: list[str]
     ignore_eos: bool = False
-    n: int = 1  # choices; checked against the route's max_sessions once routed
+    n: int = 1  # choices; the route decodes one when greedy (gateway.fanout), else n, checked once routed
     constrain: Constrain | None = None  # between tokenizing and opening: the constraint from the head's tool format
 
 
@@ -99,8 +104,11 @@ class LiveSession:
         self.max_tokens = 0
         self.telemetry: GenerationTelemetry | None = None
         self.end: SessionEnd | None = None
-        self.tokens_seen = 0  # of every choice
-        self.n, self.seen = 1, [0]  # choices, and tokens seen per choice (each choice's seq counts from 0)
+        self.tokens_seen = 0  # of every choice the route decodes
+        self.n, self.seen = 1, [0]  # the route's choices, and tokens seen per choice (each one's seq counts from 0)
+        self.fan_out = 1
+        """Request choices per route choice: ``n`` when greedy (``gateway.fanout``: the route decodes one), else 1."""
+        self._held = 0  # fanned-out copies of a token not yet yielded (they count in ``backlog``)
         self.tool_format: ToolCallFormat | None = None  # how the head asked the model to write tool calls
         self._queue: asyncio.Queue[TokenEvent | GenerationTelemetry | SessionEnd] = asyncio.Queue()
         self._subs: list[Subscription] = []
@@ -145,10 +153,33 @@ class LiveSession:
     @property
     def backlog(self) -> int:
         """Events received but not yet consumed."""
-        return self._queue.qsize()
+        return self._queue.qsize() + self._held
 
-    async def events(self) -> AsyncIterator[Event]:
-        """Token events and telemetry in arrival order, then exactly one SessionEnd."""
+    def events(self) -> AsyncIterator[Event]:
+        """Token events (of every request choice) and telemetry in arrival order, then exactly one SessionEnd."""
+        events = self._route_events()
+        # A plain request pays nothing for the fan-out: no extra generator on its per-token path.
+        return events if self.fan_out == 1 else self._fanned(events)
+
+    async def _fanned(self, events: AsyncIterator[Event]) -> AsyncIterator[Event]:
+        """Greedy n > 1: each token of the route's one choice, once per request choice; the end counts them all.
+        The end replaces ``self.end`` before it is yielded, so whoever reads ``end`` sees the request's choices
+        (and the route's generator stops when resumed)."""
+        async for event in events:
+            if isinstance(event, TokenEvent):
+                copies = fanout.fan_token(event, self.fan_out)
+                for i, copy in enumerate(copies):
+                    self._held = len(copies) - 1 - i  # the stream writes a token's copies in one send
+                    yield copy
+                self._held = 0
+            elif isinstance(event, SessionEnd):
+                self.end = fanout.fan_end(event, self.fan_out)
+                yield self.end
+            else:
+                yield event
+
+    async def _route_events(self) -> AsyncIterator[Event]:
+        """The route's events (its own choices), checked for losses."""
         settings = self._m.settings
         silence = Silence(settings.liveness_probe_s)
         while self.end is None:
@@ -382,7 +413,8 @@ class SessionManager:
             reply = await _passthrough(self.nodes.tokenize_reply(head.node_id, head.endpoint, request.prompt,
                                                                  capability=head.capability))
             tokens, session.tool_format = reply.tokens, reply.tool_format
-        check_choices(request.n, route.max_sessions)
+        route_n = fanout.route_choices(request.n, request.sampling)
+        check_choices(route_n, route.max_sessions)  # the sequences every hop will hold, not the request's n
         sampling = request.sampling
         if request.constrain is not None:
             sampling = sampling.model_copy(update={"constraint": request.constrain(session.tool_format)})
@@ -396,13 +428,13 @@ class SessionManager:
             raise ContextLengthError(f"prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) = "
                                      f"{len(tokens) + max_tokens} exceeds the context of {n_ctx} tokens")
         session.prompt_tokens, session.max_tokens = tokens, max_tokens
-        session.n, session.seen = request.n, [0] * request.n
-        repair = self._repairs and request.n == 1
+        session.n, session.seen, session.fan_out = route_n, [0] * route_n, request.n // route_n
+        repair = self._repairs and route_n == 1
         # Each hop gets only its own grants: for the session, and for its standby (the snapshots it sends there).
         opens = [SessionOpen(session_id=session.id, route=capability.strip(route, keep_standby=i), hop_index=i,
                              prompt_tokens=tokens, max_tokens=max_tokens, sampling=sampling, stop=request.stop,
                              ignore_eos=request.ignore_eos, prefill_chunk=self.settings.prefill_chunk,
-                             capability=route.hops[i].capability, n=request.n, repair=repair,
+                             capability=route.hops[i].capability, n=route_n, repair=repair,
                              snapshot_every=self.settings.snapshot_every if repair else 0)
                  for i in range(len(route.hops))]
         downstream = [self.nodes.open_session(route.hops[i].node_id, route.hops[i].endpoint, opens[i])

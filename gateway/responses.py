@@ -107,9 +107,17 @@ def text_format(req: ResponsesRequest) -> tuple[FormatKind, dict[str, Any] | Non
     return "text", None
 
 
+def wants_logprobs(req: ResponsesRequest) -> bool:
+    """Whether the output text carries logprobs: ``include: ["message.output_text.logprobs"]`` asks for them
+    (OpenAI's switch; ``top_logprobs`` then says how many alternatives), and so does ``top_logprobs`` >= 1 alone.
+    OpenAI sends logprobs only with the include, but a count of alternatives is a request for them, and dropping it
+    silently would leave the client wondering; 0 (what every OpenAI response echoes) asks for nothing."""
+    return LOGPROBS_INCLUDE in (req.include or []) or bool(req.top_logprobs)
+
+
 def request_logprobs(req: ResponsesRequest) -> int | None:
-    """``SamplingParams.logprobs``: only when ``include`` asks for the output text's logprobs."""
-    return (req.top_logprobs or 0) if LOGPROBS_INCLUDE in (req.include or []) else None
+    """``SamplingParams.logprobs``: the number of alternatives when logprobs are wanted, else off."""
+    return (req.top_logprobs or 0) if wants_logprobs(req) else None
 
 
 # ---- reply -> output items and events ------------------------------------------------------------------------
@@ -127,7 +135,7 @@ class ResponseBuilder:
             id=response_id or _id("resp"), status="in_progress", model=req.model, instructions=req.instructions,
             max_output_tokens=req.max_output_tokens,
             parallel_tool_calls=True if req.parallel_tool_calls is None else req.parallel_tool_calls,
-            temperature=req.temperature, top_p=req.top_p,
+            temperature=req.temperature, top_p=req.top_p, top_logprobs=req.top_logprobs,
             tool_choice=req.tool_choice.model_dump() if isinstance(req.tool_choice, FunctionChoice)
             else (req.tool_choice or "auto"),
             tools=[t.model_dump(exclude_none=True) for t in req.tools or []],
@@ -139,7 +147,7 @@ class ResponseBuilder:
         self._logprobs: list[TokenLogprobs] = []
         self._pending_logprobs: list[TokenLogprobs] = []
         self._calls: dict[int, tuple[int, FunctionCall]] = {}
-        self._want_logprobs = LOGPROBS_INCLUDE in (req.include or [])
+        self._want_logprobs = wants_logprobs(req)
 
     def _next(self) -> int:
         self._seq += 1

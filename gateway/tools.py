@@ -9,7 +9,7 @@ guarantees it. The parser reads the reply text as it arrives and emits, per call
 It never fails: text that is not in the format (a model writing prose although tools were offered, a reply cut by
 ``max_tokens``) is content, or a call with the arguments written so far. Ids are ``call_`` and 24 hex digits.
 
-Why one module of ~460 lines: the whole and the streamed parser of both formats live together so that they
+Why one module of ~470 lines: the whole and the streamed parser of both formats live together so that they
 stay equal (tests/test_tools.py checks them against each other).
 """
 

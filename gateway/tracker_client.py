@@ -9,7 +9,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from bus import codec
 from bus.connection import keep_cancellation
 from bus.subjects import Subjects
-from schemas.errors import CapacityError, ModelNotFoundError, NoRouteError, error_for_status
+from schemas.errors import NoRouteError, error_for_status
 from schemas.route import ModelsReply, Route, RouteReply, RouteRequest
 
 
@@ -35,14 +35,7 @@ class TrackerClient:
         reply = codec.decode(await self._request(self._subjects.route_request, codec.encode(request)), RouteReply)
         if reply.route is not None:
             return reply.route
-        message = reply.error or "the tracker found no route"
-        if reply.status == 404:
-            raise ModelNotFoundError(message)
-        if reply.status == 429:
-            raise CapacityError(message, retry_after=1.0)
-        if reply.status == 503:
-            raise NoRouteError(message)
-        raise error_for_status(reply.status, message)
+        raise error_for_status(reply.status, reply.error or "the tracker found no route", code=reply.code)
 
     async def models(self) -> ModelsReply:
         return codec.decode(await self._request(self._subjects.models_request, b""), ModelsReply)

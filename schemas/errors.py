@@ -216,11 +216,20 @@ class PeerStatusError(SwarmrouteError):
 _BY_STATUS: dict[int, type[SwarmrouteError]] = {
     cls.status: cls for cls in (BadRequestError, AuthenticationError, PermissionDeniedError, NotFoundError,
                                 PayloadTooLargeError, CapacityError, NoRouteError, RouteFailedError, BackendError)}
+_BY_CODE: dict[tuple[int, str], type[SwarmrouteError]] = {
+    (cls.status, cls.code): cls for cls in (ContextLengthError, FrameError, CapabilityError, ModelNotFoundError,
+                                            SessionNotFoundError, NodeStoppingError, ModelLoadError,
+                                            BackendCrashedError, ArtifactError, FetchCancelled)}
+"""The classes a status alone does not name; ``HopError`` (it needs a node) and ``PeerStatusError`` are never
+rebuilt from a peer's answer."""
 
 
 def error_for_status(status: int, message: str, *, code: str | None = None) -> SwarmrouteError:
-    """The error class of a status (503 is ``NoRouteError``, 500 ``BackendError``), else a ``PeerStatusError``."""
-    cls = _BY_STATUS.get(status)
+    """The error class of a status and code: the class of the tree with both (404 ``model_not_found`` is
+    ``ModelNotFoundError``), else the status's (503 is ``NoRouteError``, 500 ``BackendError``), else a
+    ``PeerStatusError``."""
+    cls = _BY_CODE.get((status, code)) if code is not None else None
+    cls = cls or _BY_STATUS.get(status)
     if cls is None:
         return PeerStatusError(status, message, code=code)
     return cls(message, code=code)

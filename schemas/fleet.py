@@ -9,7 +9,7 @@ resolved on the machine that runs the member. Errors name the field that is wron
 Layer ranges are ``START:END`` (half-open) or ``auto``; ``auto`` is resolved by ``swarmroute.fleet`` (even split,
 or the memory planner when every auto node of the model gives ``memory``), because it may need the model's header.
 
-Why one module of ~460 lines: one document's schema, whose sections are validated together (cross-checks
+Why one module of ~550 lines: one document's schema, whose sections are validated together (cross-checks
 between models, nodes and settings).
 """
 
@@ -183,6 +183,10 @@ class ModelSpec(_Spec):
     manifest_id: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
     """With ``sha256``: the only manifest nodes accept (pinning, docs/artifacts.md "What is trusted")."""
 
+    allow_unproven_architecture: bool = False
+    """Let nodes cut shards of an architecture the shard matrix has not proven bit-exact
+    (docs/models/architectures.md); refused architectures stay refused."""
+
     @field_validator("hidden_shape")
     @classmethod
     def _positive(cls, shape: list[int]) -> list[int]:
@@ -301,6 +305,10 @@ class SeederSpec(_Member):
     upload_limit: int = Field(default=0, ge=0)
     """Bytes/s it uploads at most, 0 for no limit."""
 
+    from_store: bool = False
+    """Seed the artifact this seeder's store already holds, by the model's ``sha256``, instead of reading a GGUF
+    (``swarmroute up --from-swarm`` imports the file into the seeder's store once, before it starts)."""
+
     @field_validator("listen")
     @classmethod
     def _listen(cls, value: str) -> str:
@@ -396,6 +404,9 @@ class Fleet(_Spec):
                                 f"({', '.join(self.models)})")
             elif member.model is not None and member.model not in self.models:
                 problems.append(f"{section}[{i}].model: {member.model!r} is not in models ({', '.join(self.models)})")
+            elif (isinstance(member, SeederSpec) and member.from_store
+                  and self.models[self.model_key(member)].sha256 is None):
+                problems.append(f"{section}[{i}].from_store: seeds the model by its sha256; give the model one")
         return problems
 
     def _layer_problems(self) -> list[str]:

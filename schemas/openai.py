@@ -235,6 +235,17 @@ class CompletionRequest(_GenerationRequest):
                                  description="the N most likely tokens at each position (OpenAI allows up to 5)")
     response_format: ResponseFormat | None = Field(default=None, description="llama.cpp's server extension")
 
+    @field_validator("logprobs")
+    @classmethod
+    def _no_prompt_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        # OpenAI answers echo + logprobs with the prompt tokens' logprobs too. The tail computes logprobs only from
+        # the rows it samples from (the prompt's last); every prompt row's logits would have to come back from it.
+        # Returning the generated tokens' alone would silently drop what was asked for.
+        if v is not None and info.data.get("echo"):
+            raise ValueError("logprobs with echo asks for the prompt tokens' logprobs, which this server does not "
+                             "compute; drop echo (and prepend the prompt yourself) or drop logprobs")
+        return v
+
 
 class Usage(BaseModel):
     prompt_tokens: int

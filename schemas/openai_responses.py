@@ -299,6 +299,7 @@ class ResponseObject(_Lenient):
     parallel_tool_calls: bool = True
     temperature: float | None = None
     top_p: float | None = None
+    top_logprobs: int | None = None
     tool_choice: Any = "auto"
     tools: list[Any] = Field(default_factory=list)
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})

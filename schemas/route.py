@@ -65,6 +65,8 @@ class RouteReply(WireModel):
     route: Route | None = None
     error: str | None = None
     status: int = 200
+    code: str | None = Field(default=None, exclude_if=lambda v: v is None,
+                             description="the error's code (schemas.errors), so the gateway rebuilds its class")
     uncovered: list[LayerRange] = Field(default_factory=list)
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
 import sys
 import threading
 import time
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING
 from schemas.errors import ArtifactError, FetchCancelled, SwarmrouteError
 from schemas.settings import Settings
 from swarmroute import argtypes
+from swarmroute.foreground import stop_event
 
 if TYPE_CHECKING:
     from actors.artifact_sync import ArtifactSync
@@ -168,43 +168,26 @@ async def _serve_forever(stop: asyncio.Event) -> None:
     await stop.wait()
 
 
-def _stop_event(cancel: threading.Event) -> asyncio.Event:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-
-    def on_signal() -> None:
-        stop.set()
-        cancel.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal)
-    return stop
-
-
 async def _run(args: argparse.Namespace) -> int:
     from actors.artifact_sync import ArtifactSync, SyncConfig
     from artifacts.torrent import SwarmConfig, TorrentSession
-    from bus.connection import connect_settings
-    from bus.subjects import Subjects
 
     settings = _settings(args)
-    store = _store(args)
     session = TorrentSession(SwarmConfig(listen_host=args.listen_host, listen_port=args.listen_port,
                                          download_limit=args.download_limit, upload_limit=args.upload_limit))
+    sync = ArtifactSync(settings, _store(args), session, SyncConfig(node_id=args.node_id))
     try:
         # the connection retries forever by design (survives NATS restarts): bound only the first attempt
-        nc = await asyncio.wait_for(connect_settings(settings, name=f"artifact-{args.node_id}"), args.connect_timeout)
+        await asyncio.wait_for(sync.start(), args.connect_timeout)
     except (TimeoutError, OSError) as exc:
         session.close()
         raise ArtifactError(f"cannot reach NATS at {settings.nats_url}: {type(exc).__name__}") from exc
-    sync = ArtifactSync(nc, Subjects(settings.namespace), store, session, SyncConfig(node_id=args.node_id))
     cancel = threading.Event()
-    stop = _stop_event(cancel)
+    stop = stop_event(cancel.set)
     try:
         return await _command(sync, args, stop, cancel)
     finally:
-        await sync.close()
-        await nc.drain()
+        await sync.stop()  # and drains its connection
         session.close()
 
 

@@ -4,19 +4,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import signal
 import sys
-import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any, TypeVar
 
 from schemas.settings import Settings
 from swarmroute import argtypes, artifact_commands, fleet, plan_command, provision, seeder
+from swarmroute.foreground import (
+    BACKEND_CRASHED,
+    drain_node,
+    make_node,
+    node_backend,
+    node_id,
+    serve_until_signal,
+    start_node,
+)
 
-log = logging.getLogger("swarmroute")
 T = TypeVar("T")
 
 
@@ -48,27 +54,13 @@ def _run(main: Awaitable[T]) -> T:
     return uvloop.run(main)  # type: ignore[arg-type]
 
 
-async def _serve_until_signal(start: Callable[[], Awaitable[Any]], stop: Callable[[], Awaitable[None]]) -> None:
-    """Start an actor, run until SIGINT/SIGTERM, stop it."""
-    done = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, done.set)
-    await start()
-    try:
-        await done.wait()
-    finally:
-        await stop()
-
-
 # ---- actor commands ----------------------------------------------------------------------------------------------
 
 def cmd_tracker(args: argparse.Namespace) -> int:
     from actors.tracker import Tracker
 
     tracker = Tracker(_settings(args))
-    _run(_serve_until_signal(tracker.start, tracker.stop))
+    _run(serve_until_signal(tracker.start, tracker.stop))
     return 0
 
 
@@ -82,45 +74,26 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         await gateway.start()
         print(f"gateway ready at {gateway.url}", flush=True)
 
-    _run(_serve_until_signal(start, gateway.stop))
+    _run(serve_until_signal(start, gateway.stop))
     return 0
 
 
 def cmd_node(args: argparse.Namespace) -> int:
-    from actors.node import Node, NodeConfig
-    from actors.selfcheck import BackendCrashedError, warm_up
-    from swarmroute.backends import build_backend
-
     settings = _settings(args)
     if provision.wants_swarm(args):  # --model-id SHA256 and no file: fetch its range from the swarm first
         return provision.run_node(args, settings, _run)
-    try:
-        backend, identity = build_backend(args, settings)  # a llama.cpp backend is proven in a child first
-    except BackendCrashedError as exc:
-        print(f"swarmroute node: {exc.message}", file=sys.stderr, flush=True)
-        return 3
-    warm_up(backend)
-    model_id = identity.model_id
-    node = Node(NodeConfig(node_id=args.node_id or f"node-{uuid.uuid4().hex[:8]}", model_id=model_id,
-                           host=args.host or settings.bind_host, port=args.port, advertise_url=args.advertise_url,
-                           wire_dtype=args.wire_dtype, manifest_id=identity.manifest_id,
-                           verified=identity.verified, aliases=(*identity.aliases, *(args.alias or ()))),
-                backend, settings)
-
-    async def start() -> None:
-        await node.start()
-        print(f"node {node.config.node_id} ready at {node.endpoint} serving {model_id} layers {backend.layers}",
-              flush=True)
+    built = node_backend(args, settings)
+    if built is None:
+        return BACKEND_CRASHED
+    backend, identity = built
+    node = make_node(args, settings, backend, identity, name=node_id(args))
 
     async def stop() -> None:
-        # SIGTERM drains: out of the registry at once, open sessions finish, then the node stops.
-        left = await node.drain(settings.drain_timeout_s)
-        if left:
-            log.warning("stopping with %d session(s) still open after %gs", left, settings.drain_timeout_s)
+        await drain_node(node, settings)
         await node.stop()
 
     try:
-        _run(_serve_until_signal(start, stop))
+        _run(serve_until_signal(lambda: start_node(node), stop))
     finally:
         backend.close()
     return 0

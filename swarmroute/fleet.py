@@ -25,81 +25,17 @@ from nats.aio.client import Client as NATS
 
 from actors.registry import registry_snapshot
 from actors.tracker.routes import uncovered_layers
-from bus.connection import connect_settings
+from bus.connection import connected
 from bus.service import discover
 from bus.subjects import Subjects
-from schemas.errors import BadRequestError, SwarmrouteError
-from schemas.fleet import Fleet, GatewaySpec, MemberRole, NodeSpec, SeederSpec, parse_listen
+from schemas.errors import SwarmrouteError
+from schemas.fleet import Fleet, GatewaySpec, MemberRole, Role
 from schemas.node import NODE_FETCHING, NodeAdvertisement
 from schemas.settings import Settings
 from swarmroute import argtypes
 from swarmroute.fleet_file import load_fleet, resolve_secret
-from swarmroute.launcher import split_layers
-from swarmroute.supervisor import ChildSpec, Supervisor, run_supervised
-
-# ---- layer ranges -----------------------------------------------------------------------------------------------
-
-def _gguf_layers(path: Path) -> int:
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-    return int(reader.fields[f"{arch}.block_count"].parts[-1][0])
-
-
-def model_layers(fleet: Fleet, key: str) -> int:
-    """The model's layer count: from the file, else from the GGUF header at ``path`` (read only, never fetched)."""
-    spec = fleet.models[key]
-    if spec.layer_count is not None:
-        return spec.layer_count
-    if spec.path is not None and spec.path.is_file():
-        return _gguf_layers(spec.path)
-    where = spec.path or "the bundled model (not assembled here)"
-    raise BadRequestError(f"models.{key}.n_layers: needed for layers: auto, and no GGUF is readable at {where}",
-                          code="invalid_fleet")
-
-
-def _planned(fleet: Fleet, key: str, nodes: list[tuple[int, NodeSpec]]) -> list[tuple[int, int]]:
-    """Memory-proportional ranges from the planner (artifacts.layer_split), sized for each node's sessions."""
-    from artifacts.layer_split import NodeSpec as PlanNode
-    from artifacts.layer_split import PlanSettings, parse_nodes, split
-    from artifacts.plan import load_shape
-
-    spec = fleet.models[key]
-    if spec.path is None or not spec.path.is_file():
-        raise BadRequestError(f"models.{key}.path: the planner (nodes with memory) needs the model's GGUF or shape "
-                              f"file here", code="invalid_fleet")
-    plan_nodes = [PlanNode(n.name, parse_nodes([n.memory or ""])[0].memory_bytes) for _, n in nodes]
-    context = max((n.ctx or spec.context or 4096) for _, n in nodes)
-    sessions = max(n.max_sessions for _, n in nodes)
-    plan = split(load_shape(spec.path), plan_nodes, PlanSettings(context=context, sessions=sessions))
-    if plan.unused:
-        unused = {u.label for u in plan.unused}
-        first = next(i for i, n in nodes if n.name in unused)
-        raise BadRequestError(f"nodes[{first}].memory: the planner needs no layers on {', '.join(sorted(unused))}; "
-                              f"remove them or give explicit ranges", code="invalid_fleet")
-    return [(a.start, a.end) for a in plan.assignments]
-
-
-def resolve_layers(fleet: Fleet) -> dict[str, tuple[int, int] | None]:
-    """Every node's ``[start, end)``: explicit ranges as written, ``auto`` split per model in file order; None for
-    an ``auto`` node of a model fetched from the swarm (the tracker assigns its range when it joins)."""
-    ranges: dict[str, tuple[int, int] | None] = {}
-    for key, spec in fleet.models.items():
-        nodes = [(i, n) for i, n in enumerate(fleet.nodes) if fleet.model_key(n) == key]
-        if spec.from_swarm:
-            ranges.update((n.name, n.fixed_range) for _, n in nodes)
-            continue
-        if all(n.fixed_range is not None for _, n in nodes):
-            ranges.update((n.name, n.fixed_range) for _, n in nodes if n.fixed_range is not None)
-            continue
-        if all(n.memory is not None for _, n in nodes):
-            split = _planned(fleet, key, nodes)
-        else:
-            split = split_layers(model_layers(fleet, key), len(nodes))
-        ranges.update((n.name, r) for (_, n), r in zip(nodes, split, strict=True))
-    return ranges
-
+from swarmroute.fleet_members import LocalFleet, member_argv, resolve_layers
+from swarmroute.supervisor import Supervisor
 
 # ---- one member -------------------------------------------------------------------------------------------------
 
@@ -113,12 +49,7 @@ def member_settings(fleet: Fleet, role: MemberRole, name: str, *, nats_url: str 
                   nats_randomize=fleet.nats.randomize, member_name=name)
     # A seeder does on NATS what a node does for the artifact swarm (announce, answer manifests): node credentials.
     auth_role: Literal["tracker", "gateway", "node"] = "node" if role == "seeder" else role
-    auth = fleet.nats.auth.get(auth_role)
-    if auth is not None:
-        values.update(nats_user=auth.user, nats_creds=auth.creds,
-                      nats_password=resolve_secret(auth.password) if auth.password else None,
-                      nats_token=resolve_secret(auth.token) if auth.token else None,
-                      nats_inbox_prefix=auth.inbox_prefix or f"_INBOX_{auth_role}")
+    values.update(_credentials(fleet, auth_role))
     for setting, ref in fleet.secrets.items():
         if role != "seeder" and (ref.roles is None or role in ref.roles):
             values[setting] = resolve_secret(ref)
@@ -136,69 +67,19 @@ def monitor_settings(fleet: Fleet, *, nats_url: str | None = None) -> Settings:
     credentials (``admin``'s if the file gives no monitor)."""
     values: dict[str, Any] = dict(nats_url=nats_url or ",".join(fleet.nats.servers), namespace=fleet.namespace)
     role: Literal["monitor", "admin"] = "monitor" if "monitor" in fleet.nats.auth else "admin"
+    return Settings(**values, **_credentials(fleet, role))
+
+
+def _credentials(fleet: Fleet, role: Role) -> dict[str, Any]:
+    """The ``Settings`` fields of a role's NATS credentials (none if the file gives the role none), its secrets
+    resolved here, on the machine that runs it."""
     auth = fleet.nats.auth.get(role)
-    if auth is not None:
-        values.update(nats_user=auth.user, nats_creds=auth.creds,
-                      nats_password=resolve_secret(auth.password) if auth.password else None,
-                      nats_token=resolve_secret(auth.token) if auth.token else None,
-                      nats_inbox_prefix=auth.inbox_prefix or f"_INBOX_{role}")
-    return Settings(**values)
-
-
-def _node_argv(fleet: Fleet, node: NodeSpec, layers: tuple[int, int] | None) -> list[str]:
-    key = fleet.model_key(node)
-    model = fleet.models[key]
-    host, port = parse_listen(node.listen)
-    argv = ["--node-id", node.name, "--backend", model.backend, "--max-sessions", str(node.max_sessions),
-            "--wire-dtype", node.wire_dtype, "--host", host, "--port", str(port)]
-    if layers is not None:
-        argv += ["--layers", f"{layers[0]}:{layers[1]}"]
-    if model.from_swarm:  # start empty: fetch the (assigned) range from the seeders
-        assert model.sha256 is not None
-        argv += ["--model-id", model.sha256, "--alias", fleet.model_id(key)]
-        if node.memory is not None:
-            argv += ["--memory", node.memory.replace(" ", "")]
-        if model.manifest_id is not None:
-            argv += ["--manifest-id", model.manifest_id]
-    else:
-        argv += ["--model-id", fleet.model_id(key)]
-    if model.backend == "stub":
-        argv += ["--model", fleet.model_id(key), "--n-layers", str(model.layer_count),
-                 "--hidden-shape", "x".join(map(str, model.hidden_shape)), "--stub-delay", str(model.stub_delay)]
-    elif model.path is not None and not model.from_swarm:
-        argv += ["--model", str(model.path)]
-    ctx = node.ctx or model.context
-    if ctx:
-        argv += ["--ctx", str(ctx)]
-    if node.threads:
-        argv += ["--threads", str(node.threads)]
-    if node.advertise_url:
-        argv += ["--advertise-url", node.advertise_url]
-    return argv
-
-
-def _seeder_argv(fleet: Fleet, seeder: SeederSpec) -> list[str]:
-    model = fleet.models[fleet.model_key(seeder)]
-    path = seeder.path or (model.path if model.path is not None else None)
-    host, port = parse_listen(seeder.listen)
-    argv = [str(path) if path is not None else "bundled", "--node-id", seeder.name, "--listen-host", host,
-            "--listen-port", str(port)]
-    return argv + (["--upload-limit", str(seeder.upload_limit)] if seeder.upload_limit else [])
-
-
-def member_argv(fleet: Fleet, role: MemberRole, name: str,
-                layers: dict[str, tuple[int, int] | None] | None = None) -> list[str]:
-    """The ``swarmroute <role> ...`` arguments this member runs with (no secrets: those come from Settings)."""
-    member = fleet.member(role, name)
-    if isinstance(member, NodeSpec):
-        ranges = layers if layers is not None else resolve_layers(fleet)
-        return [role, *_node_argv(fleet, member, ranges[name])]
-    if isinstance(member, SeederSpec):
-        return [role, *_seeder_argv(fleet, member)]
-    if isinstance(member, GatewaySpec):
-        host, port = parse_listen(member.listen)
-        return [role, "--host", host, "--port", str(port)]
-    return [role]
+    if auth is None:
+        return {}
+    return dict(nats_user=auth.user, nats_creds=auth.creds,
+                nats_password=resolve_secret(auth.password) if auth.password else None,
+                nats_token=resolve_secret(auth.token) if auth.token else None,
+                nats_inbox_prefix=auth.inbox_prefix or f"_INBOX_{role}")
 
 
 def resolve_member(args: argparse.Namespace, parser: argparse.ArgumentParser) -> argparse.Namespace:
@@ -313,11 +194,8 @@ def render_report(report: FleetReport, title: str) -> str:
 
 
 async def _status_once(settings: Settings, fleet: Fleet | None, ttl_s: float) -> FleetReport:
-    nc = await connect_settings(settings, name="fleet-status")
-    try:
+    async with connected(settings, name="fleet-status") as nc:
         return await fleet_report(nc, settings.namespace, fleet, ttl_s=ttl_s)
-    finally:
-        await nc.drain()
 
 
 # ---- commands ---------------------------------------------------------------------------------------------------
@@ -363,9 +241,8 @@ async def _wait_healthy(settings: Settings, fleet: Fleet, supervisor: Supervisor
                         ttl_s: float) -> FleetReport:
     """Poll the fleet's health on one NATS connection until every member is up and every model routable."""
     deadline = time.monotonic() + timeout
-    nc = await connect_settings(settings, name="fleet-up")
     report: FleetReport | None = None
-    try:
+    async with connected(settings, name="fleet-up") as nc:
         while time.monotonic() < deadline:
             if not supervisor.check():
                 raise RuntimeError(supervisor.failed or "a fleet member exited during start-up")
@@ -373,8 +250,6 @@ async def _wait_healthy(settings: Settings, fleet: Fleet, supervisor: Supervisor
             if report.healthy:
                 return report
             await asyncio.sleep(0.5)
-    finally:
-        await nc.drain()
     detail = render_report(report, "last status:") if report else ""
     raise RuntimeError(f"the fleet did not become healthy within {timeout:g}s\n{detail}")
 
@@ -388,24 +263,19 @@ def _start_embedded(fleet: Fleet, home: Path) -> Any:
 
 def cmd_up(args: argparse.Namespace) -> int:
     fleet = load_fleet(args.file)
-    resolve_layers(fleet)  # fail here, once, rather than in every child
-    home = args.home or Settings().home
-    nats = _start_embedded(fleet, home) if fleet.nats.embedded else None
+    local = LocalFleet(fleet, home=args.home or Settings().home, log_level=args.log_level or "warning",
+                       file=args.file)
+    nats = _start_embedded(fleet, local.home) if fleet.nats.embedded else None
     nats_url = nats.url if nats is not None else args.nats_url
-    specs = []
-    for role, member in fleet.members():
-        argv = [sys.executable, "-m", "swarmroute", role, "--fleet", str(args.file), "--name", member.name,
-                "--log-level", args.log_level or "warning", "--home", str(home)]
-        specs.append(ChildSpec(member.name, argv + (["--nats", nats_url] if nats_url else []),
-                               essential=role not in ("node", "seeder")))
     ttl = float(fleet.settings.get("registry_ttl_s", Settings.model_fields["registry_ttl_s"].default))
 
     def ready(supervisor: Supervisor) -> str:
         report = asyncio.run(_wait_healthy(monitor_settings(fleet, nats_url=nats_url), fleet, supervisor,
                                            args.timeout, ttl))
-        return render_report(report, f"fleet {fleet.name} is up ({len(specs)} members); Ctrl-C stops it")
+        members = len(fleet.members())
+        return render_report(report, f"fleet {fleet.name} is up ({members} members); Ctrl-C stops it")
 
-    return run_supervised("fleet up", specs, ready, nats=nats)
+    return local.run("fleet up", ready, nats_url=nats_url, nats=nats)
 
 
 def _reporting_errors(command: Any) -> Any:

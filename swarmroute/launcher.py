@@ -1,7 +1,10 @@
 """``swarmroute up``: embedded NATS, a tracker, N nodes splitting the layers, and the gateway, as child processes.
 
-Each actor is its own process (as on a real fleet), so a node can be killed without taking the others with it;
-``swarmroute.supervisor`` names a child that dies and restarts it; Ctrl-C (or SIGTERM) stops every child.
+``up`` builds a fleet in memory from its options (``schemas.fleet``: one tracker, nodes ``node-1``..``node-N``
+splitting the layers evenly, one gateway) and runs it with the launcher of ``fleet up``
+(``swarmroute.fleet_members.LocalFleet``): the same node command lines, the same supervisor. Each actor is its own
+process (as on a real fleet), so a node can be killed without taking the others with it; ``swarmroute.supervisor``
+names a child that dies and restarts it; Ctrl-C (or SIGTERM) stops every child.
 """
 
 from __future__ import annotations
@@ -12,24 +15,17 @@ import os
 import sys
 import time
 import urllib.request
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from bus.server import EmbeddedNats, NatsServerConfig
+from schemas.errors import SwarmrouteError, validation_message
+from schemas.fleet import Fleet, GatewaySpec, ModelSpec, NodeSpec, SeederSpec, TrackerSpec
 from schemas.settings import Settings
-from swarmroute.supervisor import ChildSpec, Supervisor, run_supervised
-
-
-def split_layers(n_layers: int, n_nodes: int) -> list[tuple[int, int]]:
-    """Contiguous, near-equal ranges covering [0, n_layers)."""
-    if not 1 <= n_nodes <= n_layers:
-        raise ValueError(f"cannot split {n_layers} layers over {n_nodes} nodes")
-    base, extra = divmod(n_layers, n_nodes)
-    ranges, start = [], 0
-    for i in range(n_nodes):
-        end = start + base + (1 if i < extra else 0)
-        ranges.append((start, end))
-        start = end
-    return ranges
+from swarmroute.fleet_members import LocalFleet
+from swarmroute.supervisor import Supervisor
 
 
 def _model_layers(args: argparse.Namespace, settings: Settings) -> tuple[str, int]:
@@ -58,28 +54,6 @@ def _model_layers(args: argparse.Namespace, settings: Settings) -> tuple[str, in
 def slug(name: str) -> str:
     """A model name clients can type: 'Gemma 3 270m' -> 'gemma-3-270m' (nodes advertise it as an alias)."""
     return "-".join("".join(c if c.isalnum() else " " for c in name.lower()).split()) or "model"
-
-
-def child_argv(args: argparse.Namespace, settings: Settings, nats_url: str, role: str, extra: list[str]) -> list[str]:
-    argv = [sys.executable, "-m", "swarmroute", role, "--nats", nats_url, "--home", str(settings.home),
-            "--namespace", settings.namespace, "--log-level", args.log_level or "warning"]
-    return argv + extra
-
-
-def _node_extra(args: argparse.Namespace, model_id: str, index: int, layers: tuple[int, int]) -> list[str]:
-    extra = ["--backend", args.backend, "--node-id", f"node-{index + 1}", "--layers", f"{layers[0]}:{layers[1]}",
-             "--model-id", model_id, "--max-sessions", str(args.max_sessions), "--wire-dtype", args.wire_dtype]
-    if args.model:
-        extra += ["--model", args.model]
-    if args.ctx:
-        extra += ["--ctx", str(args.ctx)]
-    if args.threads:
-        extra += ["--threads", str(args.threads)]
-    if args.allow_unproven_architecture:
-        extra.append("--allow-unproven-architecture")
-    if args.backend == "stub":
-        extra += ["--n-layers", str(args.n_layers), "--hidden-shape", "x".join(map(str, args.hidden_shape))]
-    return extra
 
 
 def wait_ready(url: str, model_id: str, supervisor: Supervisor, timeout: float) -> None:
@@ -111,15 +85,43 @@ def local_node_env() -> dict[str, str]:
     return {k: v for k, v in LOCAL_NODE_ENV.items() if k not in own}
 
 
-def _specs(args: argparse.Namespace, settings: Settings, nats_url: str, model_id: str,
-           ranges: list[tuple[int, int]], host: str) -> list[ChildSpec]:
-    specs = [ChildSpec("tracker", child_argv(args, settings, nats_url, "tracker", []), essential=True)]
-    specs += [ChildSpec(f"node-{i + 1}", child_argv(args, settings, nats_url, "node",
-                                                     _node_extra(args, model_id, i, layers)), env=local_node_env())
-              for i, layers in enumerate(ranges)]
-    specs.append(ChildSpec("gateway", child_argv(args, settings, nats_url, "gateway",
-                                                  ["--host", host, "--port", str(args.port)]), essential=True))
-    return specs
+def listen(host: str, port: int) -> str:
+    """``host:port`` as a fleet file writes it (``[::1]:0`` for an IPv6 host)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def up_model(args: argparse.Namespace, model_id: str, n_layers: int) -> ModelSpec:
+    """The model ``up`` serves (``_model_layers`` has resolved its id, layers and file)."""
+    if args.backend == "stub":
+        return ModelSpec(backend="stub", id=model_id, n_layers=n_layers, hidden_shape=list(args.hidden_shape),
+                         stub_delay=args.stub_delay)
+    return ModelSpec(backend=args.backend, id=model_id, path=Path(args.model), n_layers=n_layers,
+                     allow_unproven_architecture=args.allow_unproven_architecture)
+
+
+def up_fleet(args: argparse.Namespace, settings: Settings, model: ModelSpec, *, nodes: int, gateway: str,
+             memory: str | None = None, seeders: Sequence[SeederSpec] = ()) -> Fleet:
+    """The fleet ``up`` runs: one tracker, ``node-1``..``node-N`` as ``up``'s options describe them (listening on
+    the bind host, any free port; ``memory`` each, to be assigned their layers), one gateway listening on
+    ``gateway``, and ``seeders``; in this process's namespace."""
+    node_specs = [NodeSpec(name=f"node-{i + 1}", max_sessions=args.max_sessions, ctx=args.ctx, threads=args.threads,
+                           wire_dtype=args.wire_dtype, listen=listen(settings.bind_host, 0), memory=memory)
+                  for i in range(nodes)]
+    return Fleet(name="up", namespace=settings.namespace, models={"model": model},
+                 trackers=[TrackerSpec(name="tracker")], gateways=[GatewaySpec(name="gateway", listen=gateway)],
+                 nodes=node_specs, seeders=list(seeders))
+
+
+def local_fleet(command: str, build: Callable[[], LocalFleet]) -> LocalFleet | None:
+    """``build()``, or None with the reason on stderr: options no fleet can be made of (more nodes than layers,
+    a context below the fleet's minimum)."""
+    try:
+        return build()
+    except ValidationError as exc:
+        print(f"swarmroute {command}: {validation_message(exc)}", file=sys.stderr)
+    except SwarmrouteError as exc:
+        print(f"swarmroute {command}: {exc.message}", file=sys.stderr)
+    return None
 
 
 def run_up(args: argparse.Namespace, settings: Settings) -> int:
@@ -129,10 +131,14 @@ def run_up(args: argparse.Namespace, settings: Settings) -> int:
         return run_up_from_swarm(args, settings)
     n_nodes = args.nodes or 2  # the distributed route is the product, so it is the default (--nodes 1 for one)
     model_id, n_layers = _model_layers(args, settings)
-    ranges = split_layers(n_layers, n_nodes)
     host = args.host or settings.bind_host
     if args.port is None:
         args.port = settings.gateway_port
+    local = local_fleet("up", lambda: LocalFleet(
+        up_fleet(args, settings, up_model(args, model_id, n_layers), nodes=n_nodes, gateway=listen(host, args.port)),
+        home=settings.home, log_level=args.log_level or "warning", node_env=local_node_env()))
+    if local is None:
+        return 2
     settings.home.mkdir(parents=True, exist_ok=True)
     nats = EmbeddedNats(NatsServerConfig(store_dir=settings.home / "nats-up", host=settings.bind_host))
     nats.start()
@@ -140,7 +146,7 @@ def run_up(args: argparse.Namespace, settings: Settings) -> int:
 
     def ready(supervisor: Supervisor) -> str:
         wait_ready(url, model_id, supervisor, timeout=600)
-        route = " -> ".join(f"node-{i + 1}[{a},{b})" for i, (a, b) in enumerate(ranges))
+        route = " -> ".join(f"{name}[{r[0]},{r[1]})" for name, r in local.layers.items() if r is not None)
         return f"""
 swarmroute is up: {args.backend} backend, model {model_id!r}, route {route}
   NATS      {nats.url}
@@ -156,4 +162,4 @@ messages=[{{'role': 'user', 'content': 'Hello!'}}]).choices[0].message.content)"
   swarmroute watch --nats {nats.url}     (live sessions and telemetry)
 Ctrl-C stops everything."""
 
-    return run_supervised("up", _specs(args, settings, nats.url, model_id, ranges, host), ready, nats=nats)
+    return local.run("up", ready, nats_url=nats.url, nats=nats)

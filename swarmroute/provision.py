@@ -15,19 +15,21 @@ import dataclasses
 import logging
 import os
 import re
-import signal
 import sys
 import threading
-import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING
 
 from schemas.errors import SwarmrouteError
 from schemas.settings import Settings
+from swarmroute.foreground import BACKEND_CRASHED, drain_node, make_node, node_backend, node_id, start_node, stop_event
+
+if TYPE_CHECKING:
+    from actors.backend import Backend
+    from actors.node import Node
 
 log = logging.getLogger("swarmroute")
-T = TypeVar("T")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -80,36 +82,25 @@ def run_node(args: argparse.Namespace, settings: Settings, runner: Callable[[Awa
 
 
 async def _serve(args: argparse.Namespace, settings: Settings) -> int:
-    from actors.node import Node, NodeConfig
     from actors.provisioner import ProvisionConfig, Provisioner
-    from actors.selfcheck import BackendCrashedError, warm_up
     from artifacts.progress import ProgressPrinter
     from artifacts.torrent import SwarmConfig, TorrentSession
     from schemas.errors import FetchCancelled
-    from swarmroute.backends import build_backend
 
-    node_id = args.node_id or f"node-{uuid.uuid4().hex[:8]}"
+    name = node_id(args)
     memory = args.memory or available_memory()
     context = args.ctx or _default_context()
     session = TorrentSession(SwarmConfig(listen_host=_torrent_host(args, settings), listen_port=args.torrent_port))
-    config = ProvisionConfig(node_id=node_id, model_id=args.model_id, memory_bytes=memory,
+    config = ProvisionConfig(node_id=name, model_id=args.model_id, memory_bytes=memory,
                              manifest_id=args.manifest_id, layers=args.layers, max_sessions=args.max_sessions,
                              context=context, allow_unproven=args.allow_unproven_architecture,
                              aliases=tuple(args.alias or ()))
-    stop, cancel = asyncio.Event(), threading.Event()
-    loop = asyncio.get_running_loop()
-
-    def on_signal() -> None:
-        stop.set()
-        cancel.set()  # a fetch in its thread stops at its next poll (resume data saved)
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, on_signal)
+    cancel = threading.Event()
+    stop = stop_event(cancel.set)  # a fetch in its thread stops at its next poll (resume data saved)
     provisioner = Provisioner(config, settings, session)
     node: Node | None = None
-    backend = None
-    log.info("node %s joining the swarm of model %s with %.1f MiB for it; seeding from %s:%d", node_id,
+    backend: Backend | None = None
+    log.info("node %s joining the swarm of model %s with %.1f MiB for it; seeding from %s:%d", name,
              args.model_id[:12], memory / 2**20, *session.address)
     try:
         await provisioner.start()
@@ -127,27 +118,19 @@ async def _serve(args: argparse.Namespace, settings: Settings) -> int:
         except FetchCancelled:
             return 0
         args.model, args.layers, args.model_id = got.manifest.model_id, (got.start, got.end), None
-        try:  # the shard is loaded exactly as a local file is: verified in the store, proven in a child first
-            backend, identity = await asyncio.to_thread(build_backend, args, settings)
-        except BackendCrashedError as exc:
-            print(f"swarmroute node: {exc.message}", file=sys.stderr, flush=True)
-            return 3
-        await asyncio.to_thread(warm_up, backend)
+        # the shard is loaded exactly as a local file is: verified in the store, proven in a child first
+        built = await asyncio.to_thread(node_backend, args, settings)
+        if built is None:
+            return BACKEND_CRASHED
+        backend, identity = built
         if stop.is_set():
             return 0
         await provisioner.hand_over()
-        node = Node(NodeConfig(node_id=node_id, model_id=identity.model_id, host=args.host or settings.bind_host,
-                               port=args.port, advertise_url=args.advertise_url, wire_dtype=args.wire_dtype,
-                               manifest_id=identity.manifest_id, verified=identity.verified,
-                               aliases=tuple(args.alias or ())), backend, settings, nc=provisioner.nc)
-        await node.start()
-        print(f"node {node_id} ready at {node.endpoint} serving {identity.model_id} layers {backend.layers}",
-              flush=True)
+        node = make_node(args, settings, backend, identity, name=name, nc=provisioner.nc)
+        await start_node(node)
         await stop.wait()
         await provisioner.release_lease()  # draining: the range is free for a replacement at once
-        left = await node.drain(settings.drain_timeout_s)
-        if left:
-            log.warning("stopping with %d session(s) still open after %gs", left, settings.drain_timeout_s)
+        await drain_node(node, settings)
         return 0
     finally:
         if node is not None:

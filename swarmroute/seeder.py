@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import signal
 import sys
 from pathlib import Path
 
 from schemas.errors import SwarmrouteError
 from schemas.settings import Settings
 from swarmroute import argtypes
+from swarmroute.foreground import stop_event
 
 BUNDLED = "bundled"
 
@@ -59,27 +58,19 @@ async def _seed(args: argparse.Namespace, settings: Settings) -> int:
     from actors.artifact_sync import ArtifactSync, SyncConfig
     from artifacts.store import Store
     from artifacts.torrent import SwarmConfig, TorrentSession
-    from bus.connection import connect_settings
     from bus.service import register
-    from bus.subjects import Subjects
 
     model_id = await asyncio.to_thread(_model_id, args.model, settings)
     name = args.node_id or settings.member_name or f"seeder-{model_id[:8]}"
     session = TorrentSession(SwarmConfig(listen_host=args.listen_host or settings.bind_host,
                                          listen_port=args.listen_port, upload_limit=args.upload_limit))
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
-    nc = await connect_settings(settings, name=name)
-    subjects = Subjects(settings.namespace)
-    sync = ArtifactSync(nc, subjects, Store(settings.home), session, SyncConfig(node_id=name))
-    service = None
+    stop = stop_event()
+    sync = ArtifactSync(settings, Store(settings.home), session, SyncConfig(node_id=name), name=name)
     try:
+        await sync.start()
         report = await sync.seed(model_id)
         ranges = sorted({(a, b) for a, b, _ in report.servable})
-        service = await register(nc, namespace=settings.namespace, role="seeder", member=name,
+        sync.service = await register(sync.nc, namespace=settings.namespace, role="seeder", member=name,
                                  description="swarmroute seeder: seeds a model artifact's verified ranges",
                                  extra={"model_id": model_id, "torrent": "{}:{}".format(*session.address)})
         print(json.dumps({"event": "seeding", "node_id": name, "model_id": model_id,
@@ -87,11 +78,6 @@ async def _seed(args: argparse.Namespace, settings: Settings) -> int:
         await stop.wait()
         return 0
     finally:
-        if service is not None:
-            with contextlib.suppress(Exception):
-                await service.stop()
-        await sync.close()
-        with contextlib.suppress(Exception):
-            await nc.drain()
+        await sync.stop()  # leaves discovery, then drains its connection
         session.close()
 

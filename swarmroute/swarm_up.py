@@ -19,10 +19,12 @@ from pathlib import Path
 
 from bus.server import EmbeddedNats, NatsServerConfig
 from schemas.errors import BadRequestError
+from schemas.fleet import ModelSpec, SeederSpec
 from schemas.manifest import ModelManifest
 from schemas.settings import Settings
-from swarmroute.launcher import child_argv, local_node_env, slug, wait_ready
-from swarmroute.supervisor import ChildSpec, Supervisor, run_supervised
+from swarmroute.fleet_members import LocalFleet
+from swarmroute.launcher import listen, local_fleet, local_node_env, slug, up_fleet, wait_ready
+from swarmroute.supervisor import Supervisor
 
 DEFAULT_CONTEXT = 4096
 """The node's context when ``--ctx`` is not given (``LlamaCppConfig.n_ctx``'s default)."""
@@ -74,19 +76,6 @@ def memory_for(manifest: ModelManifest, n_nodes: int, *, context: int, sessions:
     return (exact + least(n_nodes - 1)) // 2 if n_nodes > 1 else int(exact * 1.1)
 
 
-def _node_argv(args: argparse.Namespace, model_id: str, alias: str, index: int, memory: int, home: Path) -> list[str]:
-    extra = ["--backend", "llamacpp", "--node-id", f"node-{index + 1}", "--model-id", model_id, "--alias", alias,
-             "--memory", f"{memory}B", "--max-sessions", str(args.max_sessions), "--wire-dtype", args.wire_dtype,
-             "--home", str(home)]
-    if args.ctx:
-        extra += ["--ctx", str(args.ctx)]
-    if args.threads:
-        extra += ["--threads", str(args.threads)]
-    if args.allow_unproven_architecture:
-        extra.append("--allow-unproven-architecture")
-    return extra
-
-
 def _served_ranges(url: str, model_id: str) -> list[tuple[str, list[int]]]:
     with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as r:
         for m in json.load(r)["data"]:
@@ -117,17 +106,19 @@ def run_up_from_swarm(args: argparse.Namespace, settings: Settings) -> int:
     host = args.host or settings.bind_host
     if args.port is None:
         args.port = settings.gateway_port
+    # The nodes start empty with the model's id; the seeder seeds what the import above put in its store.
+    model = ModelSpec(backend="llamacpp", id=alias, sha256=manifest.model_id,
+                      allow_unproven_architecture=args.allow_unproven_architecture)
+    seeder = SeederSpec(name="seeder", from_store=True, listen=listen(settings.bind_host, 0))
+    homes = {"seeder": seeder_home, **{f"node-{i + 1}": root / f"node-{i + 1}" for i in range(n_nodes)}}
+    local = local_fleet("up --from-swarm", lambda: LocalFleet(
+        up_fleet(args, settings, model, nodes=n_nodes, gateway=listen(host, args.port), memory=f"{memory}B",
+                 seeders=[seeder]), home=settings.home, log_level=args.log_level or "warning", homes=homes,
+        node_env=local_node_env()))
+    if local is None:
+        return 2
     nats = EmbeddedNats(NatsServerConfig(store_dir=settings.home / "nats-up", host=settings.bind_host))
     nats.start()
-    specs = [ChildSpec("tracker", child_argv(args, settings, nats.url, "tracker", []), essential=True),
-             ChildSpec("seeder", child_argv(args, settings, nats.url, "seeder",
-                                             [manifest.model_id, "--node-id", "seeder", "--home", str(seeder_home)]))]
-    specs += [ChildSpec(f"node-{i + 1}", child_argv(args, settings, nats.url, "node",
-                                                     _node_argv(args, manifest.model_id, alias, i, memory,
-                                                                root / f"node-{i + 1}")), env=local_node_env())
-              for i in range(n_nodes)]
-    specs.append(ChildSpec("gateway", child_argv(args, settings, nats.url, "gateway",
-                                                  ["--host", host, "--port", str(args.port)]), essential=True))
     started = time.monotonic()
     url = f"http://{host}:{args.port}"
 
@@ -147,4 +138,4 @@ their layers; route {route}
   swarmroute watch --nats {nats.url}     (nodes, fetches, live sessions)
 Ctrl-C stops everything."""
 
-    return run_supervised("up", specs, ready, nats=nats)
+    return local.run("up", ready, nats_url=nats.url, nats=nats)

@@ -6,12 +6,13 @@ import asyncio
 import contextlib
 import time
 
+from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from actors.registry import RegistryView
 from artifacts.progress import format_progress
 from bus import codec
-from bus.connection import connect_settings
+from bus.connection import connected
 from bus.subjects import Subjects
 from schemas.artifact import FetchProgress
 from schemas.node import NODE_SERVING, NodeAdvertisement
@@ -45,7 +46,11 @@ def render(nodes: dict[str, NodeAdvertisement], sessions: dict[str, GenerationTe
 
 
 async def watch(settings: Settings, *, once: bool = False, duration: float | None = None) -> int:
-    nc = await connect_settings(settings, name="watch")
+    async with connected(settings, name="watch") as nc:
+        return await _watch(nc, settings, once=once, duration=duration)
+
+
+async def _watch(nc: NATS, settings: Settings, *, once: bool, duration: float | None) -> int:
     subjects = Subjects(settings.namespace)
     registry = RegistryView(None, settings.registry_ttl_s, nc=nc, subjects=subjects)
     sessions: dict[str, GenerationTelemetry] = {}
@@ -76,4 +81,3 @@ async def watch(settings: Settings, *, once: bool = False, duration: float | Non
             await asyncio.sleep(1.0)
     finally:
         await registry.stop()
-        await nc.drain()

@@ -2,17 +2,17 @@
 NATS and tracker -> stub nodes on loopback, on a 2-node route (every hop forks, frames name their choice) and on one
 node (head and tail together: the choices step in lockstep).
 
-The stub computes the same thing whatever the batch, so at temperature 0 the choices are exactly equal here (the
-llama.cpp route, where batching moves logits a little, is tests/test_llamacpp_features.py). Logprobs are checked
-against the stub's own logits for the same tokens, driven directly.
+At temperature 0 the route decodes one choice and the gateway gives its tokens to all n (gateway/fanout.py): the
+choices are the n = 1 reply by construction, on any backend, and n may exceed what the route holds. Sampled choices
+fork on every hop; they are what exercises the forks here (seeded reproducibility, batched forward passes, each
+choice's logprobs). Logprobs are checked against the stub's own logits for the same tokens, driven directly.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ import pytest_asyncio
 
 from actors.backend import StepInput
 from actors.backends.stub import StubBackend, StubConfig
-from bus.server import EmbeddedNats, NatsServerConfig
+from bus.server import EmbeddedNats
 from schemas.errors import BadRequestError, CapacityError
 from schemas.route import RouteRequest
 from schemas.session import Prompt, SamplingParams, SessionOpen
@@ -40,14 +40,6 @@ _namespaces = itertools.count()
 def stubs(*ranges: tuple[int, int]) -> list[StubBackend]:
     return [StubBackend(StubConfig(model=MODEL, n_layers=8, layer_start=a, layer_end=b, max_sessions=MAX_SESSIONS))
             for a, b in ranges]
-
-
-@pytest.fixture(scope="module")
-def module_nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNats]:
-    server = EmbeddedNats(NatsServerConfig(store_dir=tmp_path_factory.mktemp("nats")))
-    server.start()
-    yield server
-    server.stop()
 
 
 async def _swarm(server: EmbeddedNats, home: Path, backends: list[StubBackend]) -> AsyncIterator[Swarm]:
@@ -71,15 +63,6 @@ async def one(module_nats: EmbeddedNats, tmp_path_factory: pytest.TempPathFactor
 
 def client(swarm: Swarm) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=swarm.base_url, api_key="unused", max_retries=0)
-
-
-async def all_freed(swarm: Swarm) -> None:
-    """Every backend session of every choice is closed on every node (forks included)."""
-    for _ in range(200):
-        if not any(n.sessions or n.backend.open_sessions for n in swarm.nodes):  # type: ignore[attr-defined]
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError([n.backend.open_sessions for n in swarm.nodes])  # type: ignore[attr-defined]
 
 
 async def streamed_choices(swarm: Swarm, **kw: Any) -> tuple[dict[int, str], dict[int, str | None], Any]:
@@ -118,7 +101,27 @@ async def three_equal_choices(swarm: Swarm) -> None:
     assert texts == {i: single.choices[0].text for i in range(3)}
     assert finishes == {0: "length", 1: "length", 2: "length"}
     assert usage is not None and usage.completion_tokens == 36
-    await all_freed(swarm)
+    await swarm.freed()
+
+
+async def test_greedy_choices_are_one_sequence_on_every_hop(two: Swarm) -> None:
+    """More greedy choices than the route can hold at once: one sequence, decoded alone (no batch of choices on
+    any hop), given to every choice; the same n sampled is a 400, since every sampled choice is a sequence."""
+    n = MAX_SESSIONS + 1
+    body: dict[str, Any] = {"prompt": "The fox", "max_tokens": 10, "extra_body": {"ignore_eos": True}}
+    single = await client(two).completions.create(model=MODEL, temperature=0, **body)
+    engines = [node.engine for node in two.nodes]
+    for e in engines:
+        e.max_batch_seen = 0
+    texts, finishes, usage = await streamed_choices(two, n=n, temperature=0, **body)
+    assert texts == {i: single.choices[0].text for i in range(n)}
+    assert finishes == dict.fromkeys(range(n), "length")
+    assert usage is not None and usage.completion_tokens == n * 10
+    assert [e.max_batch_seen for e in engines] == [1, 1]
+    with pytest.raises(openai.BadRequestError) as info:
+        await client(two).completions.create(model=MODEL, n=n, temperature=1.0, seed=1, **body)
+    assert info.value.param == "n"
+    await two.freed()
 
 
 async def test_seeded_choices_are_reproducible_and_choice_0_is_n1(two: Swarm) -> None:
@@ -131,18 +134,21 @@ async def test_seeded_choices_are_reproducible_and_choice_0_is_n1(two: Swarm) ->
     assert texts == [c.text for c in again.choices]
     assert texts[0] == single.choices[0].text
     assert len(set(texts)) > 1  # seed + i: the choices draw differently
-    await all_freed(two)
+    await two.freed()
 
 
-def reference_logprobs(prompt: str, n_tokens: int, top: int) -> list[tuple[int, float, list[tuple[int, float]]]]:
-    """The stub's own greedy run of the whole model, with the log-softmax of every pick's logits."""
+def reference_logprobs(prompt: Prompt, n_tokens: int, top: int,
+                       picks: list[int] | None = None) -> list[tuple[int, float, list[tuple[int, float]]]]:
+    """The stub's own run of the whole model, with the log-softmax of every pick's logits: its greedy picks, or
+    ``picks`` teacher-forced (a sampled choice's tokens)."""
     backend = stubs((0, 8))[0]
-    tokens = backend.tokenize(Prompt(text=prompt))
+    tokens = backend.tokenize(prompt)
     backend.open_session("ref", prompt_tokens=tokens, sampling=SamplingParams(temperature=0))
     out = []
     item = StepInput("ref", 0, tokens=tokens, sample=True)
-    for _ in range(n_tokens):
-        token = backend.step([item])[0].token
+    for i in range(n_tokens):
+        sampled = backend.step([item])[0].token
+        token = sampled if picks is None else picks[i]
         assert token is not None
         logits = backend.last_logits("ref")
         lp = logits - logits.max()
@@ -155,7 +161,7 @@ def reference_logprobs(prompt: str, n_tokens: int, top: int) -> list[tuple[int, 
 
 async def test_chat_logprobs_equal_the_backends_for_every_choice(two: Swarm) -> None:
     # Chat renders the stub's prompt as text; the reference takes the same tokens the head tokenized.
-    ref = reference_logprobs("The fox", 8, 3)
+    ref = reference_logprobs(Prompt(text="The fox"), 8, 3)
     got = await client(two).completions.create(model=MODEL, prompt="The fox", max_tokens=8, temperature=0, n=2,
                                                logprobs=3, extra_body={"ignore_eos": True})
     for choice in got.choices:
@@ -179,26 +185,51 @@ async def test_chat_logprobs_equal_the_backends_for_every_choice(two: Swarm) -> 
     assert len(entries[0]) == len(entries[1]) == 6
     assert "".join(e.token for e in entries[0]) == texts[0] == texts[1]
     assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in entries[0])
-    await all_freed(two)
+    await two.freed()
+
+
+async def test_sampled_choices_logprobs_equal_the_backends(two: Swarm) -> None:
+    """Forked choices (sampled: each its own sequence on every hop) carry their own tokens' logprobs."""
+    ask: list[Any] = [{"role": "user", "content": "hi"}]
+    stub = stubs((0, 8))[0]
+    got = await client(two).chat.completions.create(model=MODEL, messages=ask, max_tokens=8,
+                                                    temperature=1.0, seed=5, n=2, logprobs=True, top_logprobs=3,
+                                                    extra_body={"ignore_eos": True})
+    picks = {}
+    for choice in got.choices:
+        assert choice.logprobs is not None and choice.logprobs.content is not None
+        content = choice.logprobs.content
+        # The stub's tokens are bytes (the seed draws no BOS, whose bytes are empty): the bytes give the ids back.
+        assert len(content) == 8 and all(len(e.bytes or []) == 1 for e in content)
+        picks[choice.index] = [(e.bytes or [])[0] for e in content]
+        ref = reference_logprobs(Prompt(messages=ask), 8, 3, picks=picks[choice.index])
+        assert np.allclose([e.logprob for e in content], [x for _, x, _ in ref], atol=1e-5)
+        for entry, (_, _, best) in zip(content, ref, strict=True):
+            assert [bytes(t.bytes or []) for t in entry.top_logprobs] == [stub.token_bytes(t) for t, _ in best]
+            assert np.allclose([t.logprob for t in entry.top_logprobs], [x for _, x in best], atol=1e-5)
+    assert picks[0] != picks[1]  # seed + i: two sequences that drew differently
+    await two.freed()
 
 
 async def test_n_over_the_route_capacity_is_a_400_naming_n(two: Swarm) -> None:
     async with httpx.AsyncClient(timeout=10) as http:
         r = await http.post(f"{two.base_url}/completions",
-                            json={"model": MODEL, "prompt": "x", "max_tokens": 2, "n": MAX_SESSIONS + 1})
+                            json={"model": MODEL, "prompt": "x", "max_tokens": 2, "n": MAX_SESSIONS + 1,
+                                  "temperature": 1.0})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "n"
-    await all_freed(two)
+    await two.freed()
 
 
 async def test_choices_share_forward_passes(two: Swarm) -> None:
     engines = [n.engine for n in two.nodes]
     for e in engines:
         e.max_batch_seen = 0
-    await client(two).completions.create(model=MODEL, prompt="batch", max_tokens=24, temperature=0, n=4,
+    # Sampled: greedy choices would be one sequence (test_greedy_choices_are_one_sequence_on_every_hop).
+    await client(two).completions.create(model=MODEL, prompt="batch", max_tokens=24, temperature=1.0, seed=2, n=4,
                                          extra_body={"ignore_eos": True})
     assert all(e.max_batch_seen >= 2 for e in engines)  # the choices decoded batched on every hop
-    await all_freed(two)
+    await two.freed()
 
 
 async def test_a_node_reserves_a_sequence_per_choice(two: Swarm) -> None:
@@ -221,4 +252,4 @@ async def test_a_node_reserves_a_sequence_per_choice(two: Swarm) -> None:
     finally:
         await node.sessions[ids[0]].close()
     assert node.sequences_in_use() == 0
-    await all_freed(two)
+    await two.freed()

@@ -16,8 +16,10 @@ from bus.server import EmbeddedNats
 from schemas.errors import BadRequestError
 from schemas.fleet import Fleet, parse_fleet
 from schemas.session import Prompt
+from schemas.settings import Settings
 from swarmroute.fleet import member_argv, member_settings, resolve_layers
 from swarmroute.fleet_file import load_fleet
+from swarmroute.fleet_members import LocalFleet
 from tests.support.actors import Children
 from tests.support.fleet import Proc, stub_reference, write_fleet
 from tests.support.nats_cluster import free_port
@@ -363,3 +365,65 @@ def test_fleet_check_says_who_is_assigned_by_the_tracker(tmp_path: Path, capsys:
     out = capsys.readouterr().out
     assert "n1               layers assigned by the tracker when it joins" in out and "layers 6:12" in out
     assert "swarmroute seeder --fleet" in out
+
+
+# ---- the one launcher of fleet up and up (swarmroute/fleet_members.py) --------------------------------------------
+
+def test_fleet_up_children_read_their_member_from_the_file(tmp_path: Path) -> None:
+    path = write_fleet(tmp_path / "fleet.yaml", BASE)
+    local = LocalFleet(load_fleet(path), home=tmp_path / "home", log_level="info", file=path)
+    specs = {s.name: s for s in local.child_specs("nats://127.0.0.1:4333")}
+    assert list(specs) == ["tracker-1", "n1", "n2", "n3", "gateway"]
+    assert [s.essential for s in specs.values()] == [True, False, False, False, True]
+    assert specs["n2"].argv[1:] == ["-m", "swarmroute", "node", "--fleet", str(path), "--name", "n2", "--log-level",
+                                    "info", "--home", str(tmp_path / "home"), "--nats", "nats://127.0.0.1:4333"]
+    assert all(not s.env for s in specs.values())
+
+
+def test_up_runs_an_in_memory_fleet_whose_children_get_their_command_lines(tmp_path: Path) -> None:
+    """``up``'s options become a fleet (launcher.up_fleet); each child's command line is its member's, which the
+    CLI parses back into what ``up`` was asked for."""
+    from swarmroute.cli import build_parser
+    from swarmroute.launcher import listen, up_fleet, up_model
+
+    parser = build_parser()
+    args = parser.parse_args(["up", "--backend", "stub", "--nodes", "3", "--stub-delay", "0.01", "--ctx", "512",
+                              "--hidden-shape", "4x64", "--max-sessions", "2", "--wire-dtype", "bf16"])
+    settings = Settings(home=tmp_path / "home", namespace="up-test", bind_host="127.0.0.2")
+    fleet = up_fleet(args, settings, up_model(args, "stub-model", 8), nodes=3, gateway=listen("127.0.0.1", 8123))
+    local = LocalFleet(fleet, home=settings.home, log_level="warning", node_env={"OMP_WAIT_POLICY": "passive"})
+    specs = {s.name: s for s in local.child_specs("nats://127.0.0.1:4333")}
+    assert list(specs) == ["tracker", "node-1", "node-2", "node-3", "gateway"]
+    parsed = {name: parser.parse_args(spec.argv[3:]) for name, spec in specs.items()}
+    for p in parsed.values():
+        assert (p.namespace, p.home, p.nats_url, p.log_level) == ("up-test", settings.home, "nats://127.0.0.1:4333",
+                                                                  "warning")
+    nodes = [parsed[f"node-{i}"] for i in (1, 2, 3)]
+    assert [n.layers for n in nodes] == [(0, 3), (3, 6), (6, 8)]
+    for i, n in enumerate(nodes, start=1):
+        assert (n.node_id, n.backend, n.model_id, n.model, n.n_layers, n.hidden_shape) == (
+            f"node-{i}", "stub", "stub-model", "stub-model", 8, (4, 64))
+        assert (n.stub_delay, n.ctx, n.max_sessions, n.wire_dtype, n.host, n.port) == (
+            0.01, 512, 2, "bf16", "127.0.0.2", 0)
+        assert specs[f"node-{i}"].env == {"OMP_WAIT_POLICY": "passive"} and not specs[f"node-{i}"].essential
+    assert (parsed["gateway"].host, parsed["gateway"].port) == ("127.0.0.1", 8123)
+    assert specs["tracker"].essential and specs["gateway"].essential and not specs["gateway"].env
+
+
+def test_a_fleet_without_its_file_cannot_pass_settings_or_secrets(tmp_path: Path) -> None:
+    with pytest.raises(BadRequestError, match="fleet up FILE"):
+        LocalFleet(Fleet.model_validate(BASE), home=tmp_path, log_level="info")  # BASE has NATS credentials
+
+
+def test_a_seeder_seeds_from_its_store_by_the_model_id() -> None:
+    doc = _swarm_doc()
+    doc["seeders"] = [{"name": "seed-1", "from_store": True}]
+    doc["models"]["gemma"]["allow_unproven_architecture"] = True
+    fleet = Fleet.model_validate(doc)
+    assert member_argv(fleet, "seeder", "seed-1") == ["seeder", SHA, "--node-id", "seed-1", "--listen-host",
+                                                      "127.0.0.1", "--listen-port", "0"]
+    assert member_argv(fleet, "node", "n1")[-1] == "--allow-unproven-architecture"
+    no_id = copy.deepcopy(BASE)
+    no_id["seeders"] = [{"name": "seed-1", "from_store": True}]
+    with pytest.raises(BadRequestError, match="seeders\\[0\\].from_store: seeds the model by its sha256"):
+        parse_fleet(json.dumps(no_id))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,9 +21,8 @@ from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
 
-from actors.backends import load_backend
-from bus.server import EmbeddedNats, NatsServerConfig
-from tests.support.swarm import Swarm, make_settings, start_swarm
+from bus.server import EmbeddedNats
+from tests.support.swarm import Swarm, gemma_route
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -45,27 +44,12 @@ def get_weather(city: str, unit: Literal["celsius", "fahrenheit"]) -> str:
     return json.dumps({"city": city, "temperature": 18, "unit": unit})
 
 
-@pytest.fixture(scope="module")
-def module_nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNats]:
-    server = EmbeddedNats(NatsServerConfig(store_dir=tmp_path_factory.mktemp("nats")))
-    server.start()
-    yield server
-    server.stop()
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def swarm(module_nats: EmbeddedNats, gemma_path: Path,
                 tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Swarm]:
-    shard_dir = tmp_path_factory.mktemp("shards")
-    backends = [load_backend("llamacpp", model_path=gemma_path, n_ctx=1024, max_sessions=2, threads=2,
-                             layer_start=a, layer_end=b, shard_dir=shard_dir) for a, b in ((0, 12), (12, 18))]
-    settings = make_settings(module_nats.url, tmp_path_factory.mktemp("home"), namespace=f"lc{next(_namespaces)}",
-                             token_timeout_s=60.0, first_token_timeout_s=120.0, hop_timeout_s=60.0)
-    s = await start_swarm(settings, backends, model_id=MODEL)
-    yield s
-    await s.stop()
-    for b in backends:
-        b.close()
+    async with gemma_route(module_nats.url, gemma_path, tmp_path_factory.mktemp("route"),
+                           namespace=f"lc{next(_namespaces)}", max_sessions=2, model_id=MODEL) as s:
+        yield s
 
 
 def chat_model(swarm: Swarm, **kw: Any) -> ChatOpenAI:

@@ -8,13 +8,16 @@ What is proven here:
   and ``json_object`` replies parse as objects, whatever this small pretrained model would write on its own;
 * tools: a required call and a named one parse into ``tool_calls`` whose arguments validate against the function's
   schema, streamed (``delta.tool_calls``) and not; a tool result round-trips into the next turn;
-* n = 3: at temperature 0 three choices equal the n = 1 reply except after near-ties (counted, each within the
-  documented batch noise ``BATCH_NOISE`` of the n = 1 run's own top-2 margin); at temperature 1 with a seed the
-  choices are reproducible; usage counts every choice;
+* n = 3: at temperature 0 the three choices equal each other and the n = 1 reply (the gateway decodes one greedy
+  sequence for all of them, gateway/fanout.py), logprobs included, streamed and not; at temperature 1 with a seed
+  the choices (forked on every hop) are reproducible; usage counts every choice;
 * the Responses API stream parses with the SDK's own event types (text and a function call), with telemetry on its
   events;
 * bad input is a 400 in OpenAI's error shape naming the field: an invalid JSON Schema, an unknown tool in
   ``tool_choice``, ``top_logprobs`` over the limit, ``n`` over the session capacity.
+
+Why one module of ~450 lines: one module-scoped route of two llama.cpp nodes and one reference ``Llama`` serve every
+feature's tests; a module per feature would load the model three more times.
 """
 
 from __future__ import annotations
@@ -43,11 +46,9 @@ from openai.types.responses import (
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
-from actors.backends import load_backend  # noqa: E402
-from bus.server import EmbeddedNats, NatsServerConfig  # noqa: E402
+from bus.server import EmbeddedNats  # noqa: E402
 from schemas.session import Prompt  # noqa: E402
-from tests.support.swarm import Swarm, make_settings, start_swarm  # noqa: E402
-from tests.test_llamacpp_gateway import BATCH_NOISE  # noqa: E402
+from tests.support.swarm import Swarm, gemma_route  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -87,29 +88,13 @@ TIME: dict[str, Any] = {"type": "function", "function": {
 TOOL_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
 
 
-@pytest.fixture(scope="module")
-def module_nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNats]:
-    server = EmbeddedNats(NatsServerConfig(store_dir=tmp_path_factory.mktemp("nats")))
-    server.start()
-    yield server
-    server.stop()
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def swarm(module_nats: EmbeddedNats, gemma_path: Path,
                 tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Swarm]:
-    shard_dir = tmp_path_factory.mktemp("shards")
-    backends = [load_backend("llamacpp", model_path=gemma_path, n_ctx=1024, max_sessions=MAX_SESSIONS,
-                             threads=THREADS, layer_start=a, layer_end=b, shard_dir=shard_dir)
-                for a, b in ((0, 12), (12, 18))]
-    # Generous timeouts: this box's two cores are shared with other test processes.
-    settings = make_settings(module_nats.url, tmp_path_factory.mktemp("home"), namespace=f"feat{next(_namespaces)}",
-                             token_timeout_s=60.0, first_token_timeout_s=120.0, hop_timeout_s=60.0)
-    s = await start_swarm(settings, backends, model_id=MODEL)
-    yield s
-    await s.stop()
-    for b in backends:
-        b.close()
+    async with gemma_route(module_nats.url, gemma_path, tmp_path_factory.mktemp("route"),
+                           namespace=f"feat{next(_namespaces)}", max_sessions=MAX_SESSIONS, threads=THREADS,
+                           model_id=MODEL) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
@@ -130,10 +115,7 @@ def messages(question: str = QUESTION) -> list[Any]:
 
 async def all_freed(swarm: Swarm) -> None:
     """No session, and no KV cell of any sequence (every choice's fork included), left on any node."""
-    for _ in range(300):
-        if not any(n.sessions or n.backend.open_sessions for n in swarm.nodes):  # type: ignore[attr-defined]
-            break
-        await asyncio.sleep(0.02)
+    await swarm.freed()
     for node in swarm.nodes:
         backend: Any = node.backend
         assert not node.sessions and not backend.open_sessions
@@ -161,7 +143,9 @@ def reference_greedy(llm: Any, tokens: list[int], n: int) -> list[tuple[int, np.
 
 
 def check_chat_logprobs(content: list[Any], ref: list[tuple[int, np.ndarray]], piece: Any, top: int) -> None:
-    assert len(content) == len(ref)
+    """The reply's logprobs are the reference run's, token for token, and as many: the whole reference (up to
+    max_tokens or the end of generation), not just a prefix of it as long as the reply."""
+    assert len(content) == len(ref), (len(content), len(ref))
     for entry, (token, lp) in zip(content, ref, strict=True):
         assert bytes(entry.bytes) == piece(token)
         assert abs(entry.logprob - lp[token]) < 1e-4
@@ -181,7 +165,7 @@ async def test_chat_logprobs_equal_llama_cpp_python(swarm: Swarm, reference: Any
     whole = await client(swarm).chat.completions.create(**body)
     choice = whole.choices[0]
     assert choice.logprobs is not None and choice.logprobs.content is not None
-    check_chat_logprobs(choice.logprobs.content, ref[:len(choice.logprobs.content)], head.token_bytes, 5)
+    check_chat_logprobs(choice.logprobs.content, ref, head.token_bytes, 5)
     assert "".join(e.token for e in choice.logprobs.content) == choice.message.content
     streamed: list[Any] = []
     text = ""
@@ -191,8 +175,7 @@ async def test_chat_logprobs_equal_llama_cpp_python(swarm: Swarm, reference: Any
             if c.logprobs is not None and c.logprobs.content:
                 streamed += c.logprobs.content
     assert text == choice.message.content
-    check_chat_logprobs(streamed, ref[:len(streamed)], head.token_bytes, 5)
-    assert len(streamed) == len(choice.logprobs.content)
+    check_chat_logprobs(streamed, ref, head.token_bytes, 5)
 
 
 async def test_completion_logprobs_equal_llama_cpp_python(swarm: Swarm, reference: Any) -> None:
@@ -216,13 +199,26 @@ async def test_completion_logprobs_equal_llama_cpp_python(swarm: Swarm, referenc
                                                     logprobs=5, stream=True)
     tokens: list[str] = []
     values: list[float | None] = []
+    tops: list[dict[str, float]] = []
+    offsets: list[int] = []
+    text = ""
     async for chunk in stream:
         for c in chunk.choices:
+            text += c.text
             if c.logprobs is not None:
                 tokens += c.logprobs.tokens or []
                 values += c.logprobs.token_logprobs or []
+                tops += c.logprobs.top_logprobs or []
+                offsets += c.logprobs.text_offset or []
+    assert text == got.text
     assert tokens == lp.tokens
-    assert np.allclose([v for v in values if v is not None], lp.token_logprobs, atol=1e-6)
+    assert len(values) == len(lp.token_logprobs) and None not in values
+    assert np.allclose(values, lp.token_logprobs, atol=1e-6)
+    assert offsets == lp.text_offset
+    assert len(tops) == len(lp.top_logprobs)
+    for ours, whole_top in zip(tops, lp.top_logprobs, strict=True):
+        assert set(ours) == set(whole_top)
+        assert all(abs(ours[k] - whole_top[k]) < 1e-6 for k in whole_top)
 
 
 # ---- structured output -----------------------------------------------------------------------------------------
@@ -326,6 +322,31 @@ async def test_auto_tool_choice_gives_a_valid_call_or_text(swarm: Swarm) -> None
             assert not choice.message.content.lstrip().startswith('{"response"')
 
 
+async def test_tool_choice_none_gives_plain_text(swarm: Swarm) -> None:
+    """Tools given with ``tool_choice: none``: neither rendered nor constrained, so the reply is the same text as
+    with no tools at all (the same prompt tokens, greedy), never parsed into calls, streamed and not."""
+    ask = messages("What is the weather in Paris right now?")
+    body: dict[str, Any] = {"model": MODEL, "messages": ask, "max_tokens": 40, "temperature": 0}
+    bare = await client(swarm).chat.completions.create(**body)
+    none = await client(swarm).chat.completions.create(tools=[WEATHER, TIME], tool_choice="none", **body)
+    choice = none.choices[0]
+    assert choice.message.tool_calls is None and choice.finish_reason in ("stop", "length")
+    assert choice.message.content and choice.message.content == bare.choices[0].message.content
+    assert none.usage is not None and bare.usage is not None
+    assert none.usage.prompt_tokens == bare.usage.prompt_tokens  # the tools were not rendered into the prompt
+    text = ""
+    finishes = []
+    async for chunk in await client(swarm).chat.completions.create(tools=[WEATHER, TIME], tool_choice="none",
+                                                                   stream=True, **body):
+        for c in chunk.choices:
+            assert c.delta.tool_calls is None
+            text += c.delta.content or ""
+            finishes.append(c.finish_reason)
+    assert text == choice.message.content
+    assert [f for f in finishes if f] == [choice.finish_reason]
+    await all_freed(swarm)
+
+
 async def test_a_tool_result_round_trips(swarm: Swarm) -> None:
     api = client(swarm)
     ask = messages("What is the weather in Paris?")
@@ -354,34 +375,55 @@ async def test_a_tool_result_round_trips(swarm: Swarm) -> None:
 # ---- n > 1 ---------------------------------------------------------------------------------------------------------
 
 
-async def test_n3_greedy_choices_equal_n1_but_for_near_ties(swarm: Swarm) -> None:
+def logprob_rows(content: list[Any]) -> list[tuple[bytes, float, list[tuple[bytes, float]]]]:
+    return [(bytes(e.bytes), e.logprob, [(bytes(t.bytes), t.logprob) for t in e.top_logprobs]) for e in content]
+
+
+async def test_n3_greedy_choices_are_the_n1_reply(swarm: Swarm) -> None:
+    """Greedy choices are one sequence the gateway gives to every choice (gateway/fanout.py): the three are equal to
+    each other and to the n = 1 reply (both decoded as one sequence: the same batch shapes), logprobs and finish
+    reasons included, streamed and not; usage counts every choice."""
     n_tokens = 24
     body: dict[str, Any] = {"model": MODEL, "messages": messages("Write a short story about a fox."),
                             "max_tokens": n_tokens, "temperature": 0, "logprobs": True, "top_logprobs": 2}
     single = await client(swarm).chat.completions.create(**body)
-    lone = single.choices[0].logprobs
-    assert lone is not None and lone.content is not None
+    lone = single.choices[0]
+    assert lone.logprobs is not None and lone.logprobs.content and lone.message.content
+    reference = logprob_rows(lone.logprobs.content)
     three = await client(swarm).chat.completions.create(n=3, **body)
     assert [c.index for c in three.choices] == [0, 1, 2]
-    assert three.usage is not None and single.usage is not None
-    assert three.usage.completion_tokens == sum(len(c.logprobs.content or []) for c in three.choices
-                                                if c.logprobs is not None)
-    flips = 0
+    rows = []
     for choice in three.choices:
+        assert choice.message.content == lone.message.content
+        assert choice.finish_reason == lone.finish_reason
         assert choice.logprobs is not None and choice.logprobs.content is not None
-        picks = [bytes(e.bytes) for e in choice.logprobs.content]
-        ref = [bytes(e.bytes) for e in lone.content]
-        at = next((i for i, (a, b) in enumerate(zip(picks, ref, strict=False)) if a != b), None)
-        if at is None:
-            assert picks == ref and choice.message.content == single.choices[0].message.content
-            continue
-        # The choice left the lone run's text: only where the lone run's top two were within batch noise.
-        flips += 1
-        top = lone.content[at].top_logprobs
-        margin = top[0].logprob - top[1].logprob
-        assert margin < BATCH_NOISE, f"choice {choice.index} diverged at token {at} with a margin of {margin:.2f}"
-    print(f"n=3 greedy: {flips} of 3 choices left the n=1 reply at a near-tie; "
-          f"{len({c.message.content for c in three.choices})} distinct text(s) among the 3")
+        rows.append(logprob_rows(choice.logprobs.content))
+    assert rows[0] == rows[1] == rows[2]  # one sequence: the very same numbers
+    assert [token for token, _, _ in rows[0]] == [token for token, _, _ in reference]
+    assert np.allclose([lp for _, lp, _ in rows[0]], [lp for _, lp, _ in reference], atol=1e-4)
+    assert three.usage is not None and single.usage is not None
+    assert three.usage.prompt_tokens == single.usage.prompt_tokens
+    assert three.usage.completion_tokens == 3 * single.usage.completion_tokens == 3 * len(reference)
+    texts = dict.fromkeys(range(3), "")
+    streamed: dict[int, list[Any]] = {i: [] for i in range(3)}
+    finishes: dict[int, str] = {}
+    usage = None
+    async for chunk in await client(swarm).chat.completions.create(n=3, stream=True,
+                                                                   stream_options={"include_usage": True}, **body):
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.logprobs is not None and c.logprobs.content:
+                streamed[c.index] += c.logprobs.content
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert texts == dict.fromkeys(range(3), lone.message.content)
+    assert finishes == dict.fromkeys(range(3), lone.finish_reason)
+    got = [logprob_rows(streamed[i]) for i in range(3)]
+    assert got[0] == got[1] == got[2]
+    assert [token for token, _, _ in got[0]] == [token for token, _, _ in reference]
+    assert np.allclose([lp for _, lp, _ in got[0]], [lp for _, lp, _ in reference], atol=1e-4)
+    assert usage is not None and usage.completion_tokens == three.usage.completion_tokens
     await all_freed(swarm)
 
 
@@ -438,6 +480,65 @@ async def test_responses_function_call(swarm: Swarm) -> None:
     jsonschema.validate(json.loads(arguments), TOOL_SCHEMAS["get_weather"])
 
 
+async def test_responses_function_call_output_round_trips(swarm: Swarm) -> None:
+    """A Responses function call, then its ``function_call_output`` in the next request's input: the head renders
+    both into the prompt exactly as the chat turn with a ``role: tool`` message (the same prompt tokens and, greedy,
+    the same reply), streamed and not."""
+    api = client(swarm)
+    tool: Any = {"type": "function", **WEATHER["function"]}
+    question = "What is the weather in Rome?"
+    first = await api.responses.create(model=MODEL, input=question, tools=[tool], tool_choice="required",
+                                       parallel_tool_calls=False, max_output_tokens=120, temperature=0)
+    calls = [o for o in first.output if o.type == "function_call"]
+    assert first.status == "completed" and len(calls) == 1
+    call = calls[0]
+    result = '{"temperature": 24, "sky": "clear"}'
+    follow_up: Any = [{"role": "user", "content": question}, call.model_dump(exclude_none=True),
+                      {"type": "function_call_output", "call_id": call.call_id, "output": result}]
+    second = await api.responses.create(model=MODEL, input=follow_up, tools=[tool], max_output_tokens=40,
+                                        temperature=0)
+    assert second.status in ("completed", "incomplete") and second.output
+    assert second.usage is not None and first.usage is not None
+    assert second.usage.input_tokens > first.usage.input_tokens
+    # The same conversation as chat turns (proven to render the call and its result: test_a_tool_result_round_trips).
+    history: list[Any] = [{"role": "user", "content": question},
+                          {"role": "assistant", "content": None, "tool_calls": [{
+                              "id": call.call_id, "type": "function",
+                              "function": {"name": call.name, "arguments": call.arguments}}]},
+                          {"role": "tool", "tool_call_id": call.call_id, "content": result}]
+    chat = await api.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], max_tokens=40,
+                                             temperature=0)
+    assert chat.usage is not None and second.usage.input_tokens == chat.usage.prompt_tokens
+    message = chat.choices[0].message
+    assert second.output_text == (message.content or "")
+    assert [(o.name, o.arguments) for o in second.output if o.type == "function_call"] == [
+        (c.function.name, c.function.arguments) for c in message.tool_calls or []]  # type: ignore[union-attr]
+    events = [e async for e in await api.responses.create(model=MODEL, input=follow_up, tools=[tool],
+                                                           max_output_tokens=40, temperature=0, stream=True)]
+    final = events[-1]
+    assert isinstance(final, ResponseCompletedEvent | ResponseIncompleteEvent)
+    assert final.response.output_text == second.output_text
+    assert final.response.usage is not None and final.response.usage.input_tokens == second.usage.input_tokens
+    await all_freed(swarm)
+
+
+async def test_responses_top_logprobs_alone_gives_logprobs(swarm: Swarm) -> None:
+    """``top_logprobs`` without ``include`` is honoured (gateway/responses.py ``wants_logprobs``): the same logprobs
+    as with the include, one per output token, each with its alternatives."""
+    body: dict[str, Any] = {"model": MODEL, "input": QUESTION, "max_output_tokens": 8, "temperature": 0,
+                            "top_logprobs": 3}
+    alone = await client(swarm).responses.create(**body)
+    included = await client(swarm).responses.create(include=["message.output_text.logprobs"], **body)
+    rows = []
+    for response in (alone, included):
+        part: Any = response.output[0].content[0]  # type: ignore[union-attr]
+        assert response.usage is not None and len(part.logprobs) == response.usage.output_tokens == 8
+        assert all(len(x.top_logprobs) == 3 for x in part.logprobs)
+        rows.append([(x.token, x.logprob) for x in part.logprobs])
+    assert [t for t, _ in rows[0]] == [t for t, _ in rows[1]]
+    assert np.allclose([v for _, v in rows[0]], [v for _, v in rows[1]], atol=1e-4)
+
+
 # ---- bad input ---------------------------------------------------------------------------------------------------
 
 
@@ -448,7 +549,7 @@ async def test_responses_function_call(swarm: Swarm) -> None:
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_stock_price"}}},
      "tool_choice"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"n": MAX_SESSIONS + 1}, "n"),
+    ({"n": MAX_SESSIONS + 1, "temperature": 1.0}, "n"),  # sampled: every choice is a sequence on every hop
 ])
 async def test_bad_input_is_a_400_naming_the_field(swarm: Swarm, extra: dict[str, Any], param: str) -> None:
     with pytest.raises(openai.BadRequestError) as info:

@@ -127,7 +127,7 @@ async def test_metrics_after_a_streamed_request(settings: Settings, swarms: Swar
     assert node1.value("swarmroute_node_step_seconds_sum", kind="decode") >= 0.002 * (n_tokens - 1)
     hidden = 64 * 4  # one f32 position of the stub's (64,) hidden state
     assert node2.value("swarmroute_node_frame_bytes_received_total") > hidden * (prompt_tokens + n_tokens - 1)
-    # the nodes polled between decode steps (actors/spin.py): each for part of the session at most (its last
+    # the nodes polled between decode steps (actors/node/spin.py): each for part of the session at most (its last
     # stretch may outlast the stream by a step plus the grace)
     node2 = await eventually(lambda: at_zero(swarm.nodes[1].endpoint, "swarmroute_node_live_sessions"),
                              timeout=5.0, interval=0.02, what="the tail's live sessions reading 0")

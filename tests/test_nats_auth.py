@@ -307,18 +307,17 @@ async def test_joining_with_a_model_id_stays_within_the_roles_permissions(auth_s
     from actors.provisioner import ProvisionConfig, Provisioner
     from artifacts.store import Store
     from artifacts.torrent import TorrentSession
-    from bus.connection import connect_settings
-    from bus.subjects import Subjects
     from tests.support.gguf_factory import write_tiny_gguf
 
     home = tmp_path / "home"
     tracker_s = role_settings(auth_server, home, passwords, "tracker")
     node_s = role_settings(auth_server, tmp_path / "node", passwords, "node")
     manifest = Store(tmp_path / "seed").import_gguf(write_tiny_gguf(tmp_path / "t.gguf", n_layers=4))
-    seed_nc = await connect_settings(role_settings(auth_server, tmp_path / "seed", passwords, "node"), name="seed")
     seed_session, node_session = TorrentSession(), TorrentSession()
-    seeder = ArtifactSync(seed_nc, Subjects(), Store(tmp_path / "seed"), seed_session, SyncConfig(node_id="seed"))
+    seeder = ArtifactSync(role_settings(auth_server, tmp_path / "seed", passwords, "node"), Store(tmp_path / "seed"),
+                          seed_session, SyncConfig(node_id="seed"), name="seed")
     try:
+        await seeder.start()
         await seeder.seed(manifest.model_id)
         async with Tracker(tracker_s):
             config = ProvisionConfig(node_id="joiner", model_id=manifest.model_id, memory_bytes=2**30)
@@ -327,8 +326,7 @@ async def test_joining_with_a_model_id_stays_within_the_roles_permissions(auth_s
                 assert got.assignment is not None and (got.start, got.end) == (0, 4)
                 await asyncio.sleep(3 * node_s.heartbeat_s)  # lease renewals and fetching heartbeats
     finally:
-        await seeder.close()
-        await seed_nc.drain()
+        await seeder.stop()  # and drains its connection
         seed_session.close()
         node_session.close()
     violations = [line for line in auth_server.log_tail(500) if "Violation" in line]

@@ -90,6 +90,15 @@ def test_completions_logprobs_over_the_limit_name_the_field() -> None:
     assert bad({"logprobs": 21}, CompletionRequest)[0] == "logprobs"
 
 
+@pytest.mark.parametrize("logprobs", [0, 5])
+def test_completions_echo_with_logprobs_is_a_400_naming_both(logprobs: int) -> None:
+    # OpenAI would add the prompt tokens' logprobs, which the route does not compute: refused, not half-served.
+    param, message = bad({"echo": True, "logprobs": logprobs}, CompletionRequest)
+    assert param == "logprobs" and "echo" in message and "prompt tokens' logprobs" in message
+    assert CompletionRequest.model_validate({"model": "m", "prompt": "x", "echo": True}).echo
+    assert CompletionRequest.model_validate({"model": "m", "prompt": "x", "echo": False, "logprobs": 5}).logprobs == 5
+
+
 def test_issue_19_fields_are_served_and_neutral_values_pass() -> None:
     # Served since part 2 (gateway/serving.py): a request using them validates, and so do their neutral values.
     req = chat(logprobs=True, top_logprobs=3, tools=[TOOL], tool_choice="required",

@@ -8,9 +8,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import shutil
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import openai
@@ -32,8 +34,10 @@ from swarmroute import argtypes
 from swarmroute.artifact_prep import import_model
 from swarmroute.provision import available_memory, wants_swarm
 from tests.support import netns
-from tests.support.provisioned import READY, Child, ProgressWatch, child_env, empty_node, seeder
+from tests.support.actors import ChildProcess, Children, settings_env
+from tests.support.provisioned import ProgressWatch, empty_node, seeder
 from tests.support.swarm import make_settings, wait_model
+from tests.support.waiting import eventually
 
 PROMPT, N_TOKENS = "The capital of France is", 24
 DEFAULT_CONTEXT, DEFAULT_SESSIONS = 4096, 4
@@ -73,9 +77,24 @@ def llama_reference(gemma_path: Path) -> str:
         llm.close()
 
 
-def settings_for(server: EmbeddedNats, tmp: Path) -> Settings:
-    return make_settings(server.url, tmp / "home", token_timeout_s=60.0, first_token_timeout_s=120.0,
-                         hop_timeout_s=60.0)
+@contextlib.asynccontextmanager
+async def separate_hosts(tmp: Path, n: int, *, subnet: int) -> AsyncIterator[
+        tuple[list[tuple[str, str]], Settings, ProgressWatch, Children]]:
+    """``n`` hosts (network namespace, address) on a bridge with NATS on it, the test's settings for that NATS (and
+    generous timeouts: llama.cpp on a shared 2-core machine), a watch of the fetches' progress, and the children the
+    test starts, all stopped at the end, children first."""
+    with netns.hosts(n, subnet=subnet) as (bridge, hosts):
+        server = EmbeddedNats(NatsServerConfig(store_dir=tmp / "nats", host=bridge)).start()
+        settings = make_settings(server.url, tmp / "home", token_timeout_s=60.0, first_token_timeout_s=120.0,
+                                 hop_timeout_s=60.0)
+        watch = await ProgressWatch().start(server.url)
+        children = Children()
+        try:
+            yield hosts, settings, watch, children
+        finally:
+            children.close()
+            await watch.close()
+            server.stop()
 
 
 def seed_store(home: Path, gemma_path: Path) -> ModelManifest:
@@ -99,62 +118,53 @@ async def test_two_empty_nodes_fetch_disjoint_ranges_and_serve_llama_cpp_text(tm
     expected = llama_reference(gemma_path)
     manifest = seed_store(tmp_path / "seed", gemma_path)
     mid, n = manifest.model_id, manifest.n_layers
-    with netns.hosts(3, subnet=215) as (bridge, hosts):
-        server = EmbeddedNats(NatsServerConfig(store_dir=tmp_path / "nats", host=bridge)).start()
-        settings = settings_for(server, tmp_path)
-        watch = await ProgressWatch().start(server.url)
-        children: list[Child] = []
-        try:
-            async with Tracker(settings) as tracker, Gateway(settings, port=0) as gateway:
-                (ns0, a0), *node_hosts = hosts
-                children.append(seeder(settings, "seeder", tmp_path / "seed", mid, host=a0, prefix=in_ns(ns0)))
-                memory = memory_for_two(manifest)
-                with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both join within the same second
-                    nodes = list(pool.map(lambda i: empty_node(
-                        settings, f"n{i}", tmp_path / f"n{i}", mid, "--memory", memory, "--threads", "1",
-                        "--host", node_hosts[i][1], prefix=in_ns(node_hosts[i][0])), range(2)))
-                children += nodes
-                coming_up: set[str] = set()
-                deadline = asyncio.get_running_loop().time() + 300
-                while not all(any("ready at" in line for line in c.lines) for c in nodes):
-                    assert asyncio.get_running_loop().time() < deadline, "\n".join(c.text[-3000:] for c in nodes)
-                    for c in nodes:
-                        assert c.proc.poll() is None, f"{c.name} exited:\n{c.text[-3000:]}"
-                    served = model_of(tracker, mid)
-                    if served is not None:  # a node coming up shows in /v1/models' data, never in a route
-                        coming_up |= {f.node_id for f in served.fetching}
-                        assert not set(served.nodes) & {f.node_id for f in served.fetching}
-                    await asyncio.sleep(0.1)
-                assert coming_up, "no node was ever seen in the fetching state"
-                await wait_model(tracker, mid, timeout=60, n_nodes=2)
+    async with (separate_hosts(tmp_path, 3, subnet=215) as (hosts, settings, watch, children),
+                Tracker(settings) as tracker, Gateway(settings, port=0) as gateway):
+        (ns0, a0), *node_hosts = hosts
+        children.add(seeder(settings, "seeder", tmp_path / "seed", mid, host=a0, prefix=in_ns(ns0)))
+        memory = memory_for_two(manifest)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both join within the same second
+            nodes = [children.add(node) for node in pool.map(lambda i: empty_node(
+                settings, f"n{i}", tmp_path / f"n{i}", mid, "--memory", memory, "--threads", "1",
+                "--host", node_hosts[i][1], prefix=in_ns(node_hosts[i][0])), range(2))]
+        coming_up: set[str] = set()
 
-                done = {c.name: watch.last(c.name, "done") for c in nodes}
-                ranges = sorted((p.start, p.end) for p in done.values())
-                assert ranges[0][0] == 0 and ranges[0][1] == ranges[1][0] and ranges[1][1] == n, ranges
-                for name, p in done.items():
-                    need = needed_bytes(manifest, p.start, p.end)
-                    assert p.bytes_needed == need
-                    # libtorrent's own payload counter: only the range's pieces moved (piece granularity aside)
-                    assert need <= p.bytes_downloaded <= 1.05 * need, (name, p.bytes_downloaded, need)
-                    assert p.hash_failures == 0 and not p.banned_peers
-                    assert verify_shard(manifest, Store(tmp_path / name).shard_path(mid, p.start, p.end),
-                                        p.start, p.end).ok
-                print("bytes", {k: (v.start, v.end, v.bytes_downloaded, v.bytes_needed) for k, v in done.items()},
-                      "file", manifest.file_size)
+        def serving() -> bool:
+            for c in nodes:
+                assert c.proc.poll() is None, f"{c.name} exited:\n{c.tail()}"
+            served = model_of(tracker, mid)
+            if served is not None:  # a node coming up shows in /v1/models' data, never in a route
+                coming_up.update(f.node_id for f in served.fetching)
+                assert not set(served.nodes) & {f.node_id for f in served.fetching}
+            return all(any("ready at" in line for line in c.lines) for c in nodes)
 
-                client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0,
-                                            timeout=300)
-                result = await client.completions.create(model=mid, prompt=PROMPT, max_tokens=N_TOKENS,
-                                                         temperature=0)
-                assert result.choices[0].text == expected
-                route = result.model_extra["swarmroute"]["route"]  # type: ignore[index]
-                by_start = {p.start: name for name, p in done.items()}
-                assert [h["node_id"] for h in route] == [by_start[a] for a, _ in ranges]
-        finally:
-            for c in children:
-                c.stop()
-            await watch.close()
-            server.stop()
+        await eventually(serving, timeout=300, interval=0.1,
+                         what=lambda: "both nodes serving:\n" + "\n".join(c.tail() for c in nodes))
+        assert coming_up, "no node was ever seen in the fetching state"
+        await wait_model(tracker, mid, timeout=60, n_nodes=2)
+
+        done = {c.name: watch.last(c.name, "done") for c in nodes}
+        ranges = sorted((p.start, p.end) for p in done.values())
+        assert ranges[0][0] == 0 and ranges[0][1] == ranges[1][0] and ranges[1][1] == n, ranges
+        for name, p in done.items():
+            need = needed_bytes(manifest, p.start, p.end)
+            assert p.bytes_needed == need
+            # libtorrent's own payload counter: only the range's pieces moved (piece granularity aside)
+            assert need <= p.bytes_downloaded <= 1.05 * need, (name, p.bytes_downloaded, need)
+            assert p.hash_failures == 0 and not p.banned_peers
+            assert verify_shard(manifest, Store(tmp_path / name).shard_path(mid, p.start, p.end),
+                                p.start, p.end).ok
+        print("bytes", {k: (v.start, v.end, v.bytes_downloaded, v.bytes_needed) for k, v in done.items()},
+              "file", manifest.file_size)
+
+        client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0,
+                                    timeout=300)
+        result = await client.completions.create(model=mid, prompt=PROMPT, max_tokens=N_TOKENS,
+                                                 temperature=0)
+        assert result.choices[0].text == expected
+        route = result.model_extra["swarmroute"]["route"]  # type: ignore[index]
+        by_start = {p.start: name for name, p in done.items()}
+        assert [h["node_id"] for h in route] == [by_start[a] for a, _ in ranges]
 
 
 @pytest.mark.netns
@@ -165,52 +175,40 @@ async def test_killed_fetch_resumes_with_only_the_missing_pieces(tmp_path: Path,
     pieces the crash left missing."""
     manifest = seed_store(tmp_path / "seed", gemma_path)
     mid = manifest.model_id
-    with netns.hosts(2, subnet=216) as (bridge, hosts):
-        server = EmbeddedNats(NatsServerConfig(store_dir=tmp_path / "nats", host=bridge)).start()
-        settings = settings_for(server, tmp_path)
-        watch = await ProgressWatch().start(server.url)
-        children: list[Child] = []
-        try:
-            async with Tracker(settings):
-                (ns0, a0), (ns1, a1) = hosts
-                # a throttled seeder, so that the kill lands mid-fetch
-                children.append(seeder(settings, "seeder", tmp_path / "seed", mid, host=a0, prefix=in_ns(ns0),
-                                       extra=["--upload-limit", "25000000"]))
-                args = ["--memory", memory_for_two(manifest), "--threads", "1", "--host", a1]
-                first = empty_node(settings, "n1", tmp_path / "n1", mid, *args, prefix=in_ns(ns1))
-                children.append(first)
+    async with (separate_hosts(tmp_path, 2, subnet=216) as (hosts, settings, watch, children),
+                Tracker(settings)):
+        (ns0, a0), (ns1, a1) = hosts
+        # a throttled seeder, so that the kill lands mid-fetch
+        children.add(seeder(settings, "seeder", tmp_path / "seed", mid, host=a0, prefix=in_ns(ns0),
+                            extra=["--upload-limit", "25000000"]))
+        args = ["--memory", memory_for_two(manifest), "--threads", "1", "--host", a1]
+        first = children.add(empty_node(settings, "n1", tmp_path / "n1", mid, *args, prefix=in_ns(ns1)))
 
-                def far_enough() -> bool:
-                    return any(p.phase == "fetching" and p.pieces_done >= 0.4 * p.pieces_wanted > 0
-                               for p in watch.of("n1"))
+        def far_enough() -> bool:
+            return any(p.phase == "fetching" and p.pieces_done >= 0.4 * p.pieces_wanted > 0
+                       for p in watch.of("n1"))
 
-                await watch.until(far_enough, 120, "n1 fetching 40% of its pieces")
-                first.kill()
-                before = watch.of("n1")
-                held = max(p.pieces_done for p in before)
-                start, end = before[-1].start, before[-1].end
-                wanted = max(p.pieces_wanted for p in before)
-                assert held < wanted, "the fetch finished before the kill"
-                seen = len(watch.events)
+        await eventually(far_enough, timeout=120, what="n1 fetching 40% of its pieces (on NATS)")
+        first.kill()
+        before = watch.of("n1")
+        held = max(p.pieces_done for p in before)
+        start, end = before[-1].start, before[-1].end
+        wanted = max(p.pieces_wanted for p in before)
+        assert held < wanted, "the fetch finished before the kill"
+        seen = len(watch.events)
 
-                second = empty_node(settings, "n1", tmp_path / "n1", mid, *args, prefix=in_ns(ns1))
-                children.append(second)
-                await second.wait_for_async(READY, 300)
-                after = [p for p in watch.events[seen:] if p.node_id == "n1"]
-                done = [p for p in after if p.phase == "done"][-1]
-                assert (done.start, done.end) == (start, end), "the restart was given another range"
-                assert verify_shard(manifest, Store(tmp_path / "n1").shard_path(mid, start, end), start, end).ok
-                piece = manifest.torrent.piece_size
-                # only what the crash left missing moved again (a few pieces in flight at the kill may be lost)
-                assert done.bytes_downloaded <= wanted_bytes(manifest, start, end) - (held - 8) * piece, (
-                    done.bytes_downloaded, held, wanted)
-                print("resume: held", held, "of", wanted, "pieces at the kill; restart downloaded",
-                      done.bytes_downloaded, "of", wanted_bytes(manifest, start, end))
-        finally:
-            for c in children:
-                c.stop()
-            await watch.close()
-            server.stop()
+        second = children.add(empty_node(settings, "n1", tmp_path / "n1", mid, *args, prefix=in_ns(ns1)))
+        await asyncio.to_thread(second.ready, 300)
+        after = [p for p in watch.events[seen:] if p.node_id == "n1"]
+        done = [p for p in after if p.phase == "done"][-1]
+        assert (done.start, done.end) == (start, end), "the restart was given another range"
+        assert verify_shard(manifest, Store(tmp_path / "n1").shard_path(mid, start, end), start, end).ok
+        piece = manifest.torrent.piece_size
+        # only what the crash left missing moved again (a few pieces in flight at the kill may be lost)
+        assert done.bytes_downloaded <= wanted_bytes(manifest, start, end) - (held - 8) * piece, (
+            done.bytes_downloaded, held, wanted)
+        print("resume: held", held, "of", wanted, "pieces at the kill; restart downloaded",
+              done.bytes_downloaded, "of", wanted_bytes(manifest, start, end))
 
 
 @pytest.mark.netns
@@ -233,50 +231,38 @@ async def test_corrupt_seeder_is_banned_and_named_and_a_node_waits_for_an_honest
             f.seek(piece * manifest.torrent.piece_size + 17)
             f.write(bytes([b[0] ^ 0xFF]))
     manifest_file = save_manifest(manifest, tmp_path / "manifest.json")
-    with netns.hosts(3, subnet=217) as (bridge, hosts):
-        server = EmbeddedNats(NatsServerConfig(store_dir=tmp_path / "nats", host=bridge)).start()
-        settings = settings_for(server, tmp_path)
-        watch = await ProgressWatch().start(server.url)
-        children: list[Child] = []
-        try:
-            async with Tracker(settings) as tracker:
-                (ns0, a0), (ns1, a1), (ns2, a2) = hosts
-                liar = Child("liar", [sys.executable, "-m", "tests.support.corrupt_peer", str(manifest_file),
-                                      str(bad), "--host", a0, "--nats", server.url, "--node-id", "liar"],
-                             child_env(settings), prefix=in_ns(ns0))
-                children.append(liar)
-                liar_port = liar.wait_for(r'"port": (\d+)', 60).group(1)
-                liar_address = f"{a0}:{liar_port}"
-                node = empty_node(settings, "n1", tmp_path / "n1", mid, "--layers", "6:12", "--threads", "1",
-                                  "--host", a2, prefix=in_ns(ns2))
-                children.append(node)
+    async with (separate_hosts(tmp_path, 3, subnet=217) as (hosts, settings, watch, children),
+                Tracker(settings) as tracker):
+        (ns0, a0), (ns1, a1), (ns2, a2) = hosts
+        liar = children.add(ChildProcess(
+            [*in_ns(ns0), sys.executable, "-m", "tests.support.corrupt_peer", str(manifest_file), str(bad),
+             "--host", a0, "--nats", settings.nats_url, "--node-id", "liar"], env=settings_env(settings)))
+        liar_port = liar.wait_for(r'"port": (\d+)', 60).group(1)
+        liar_address = f"{a0}:{liar_port}"
+        node = children.add(empty_node(settings, "n1", tmp_path / "n1", mid, "--layers", "6:12",
+                                       "--threads", "1", "--host", a2, prefix=in_ns(ns2)))
 
-                def waiting() -> bool:
-                    return any(p.banned_peers and p.unseeded_layers for p in watch.of("n1"))
+        def waiting() -> bool:
+            return any(p.banned_peers and p.unseeded_layers for p in watch.of("n1"))
 
-                await watch.until(waiting, 120, "n1 banning the liar, then waiting for a seeder")
-                stalled = next(p for p in watch.of("n1") if p.banned_peers and p.unseeded_layers)
-                assert stalled.banned_peers == [liar_address] and stalled.hash_failures >= 1
-                assert {(r.start, r.end) for r in stalled.unseeded_layers} == {(6, 12)}
-                assert "layers [6, 12)" in stalled.message
-                served = model_of(tracker, mid)
-                assert served is not None and [f.node_id for f in served.fetching] == ["n1"] and not served.nodes
-                node.wait_for(rf"peer {liar_address} banned", 10)  # named in its log
-                node.wait_for(r"waiting for a peer that has layers \[6, 12\)", 10)
+        await eventually(waiting, timeout=120, what="n1 banning the liar, then waiting for a seeder (on NATS)")
+        stalled = next(p for p in watch.of("n1") if p.banned_peers and p.unseeded_layers)
+        assert stalled.banned_peers == [liar_address] and stalled.hash_failures >= 1
+        assert {(r.start, r.end) for r in stalled.unseeded_layers} == {(6, 12)}
+        assert "layers [6, 12)" in stalled.message
+        served = model_of(tracker, mid)
+        assert served is not None and [f.node_id for f in served.fetching] == ["n1"] and not served.nodes
+        node.wait_for(rf"peer {liar_address} banned", 10)  # named in its log
+        node.wait_for(r"waiting for a peer that has layers \[6, 12\)", 10)
 
-                children.append(seeder(settings, "seeder", tmp_path / "seed", mid, host=a1, prefix=in_ns(ns1)))
-                await node.wait_for_async(READY, 300)
-                done = watch.last("n1", "done")
-                assert (done.start, done.end) == (6, 12)
-                assert done.banned_peers == [liar_address] and done.hash_failures >= 1
-                assert verify_shard(manifest, Store(tmp_path / "n1").shard_path(mid, 6, 12), 6, 12).ok
-                served = model_of(tracker, mid)
-                assert served is not None and served.nodes == ["n1"] and not served.fetching
-        finally:
-            for c in children:
-                c.stop()
-            await watch.close()
-            server.stop()
+        children.add(seeder(settings, "seeder", tmp_path / "seed", mid, host=a1, prefix=in_ns(ns1)))
+        await asyncio.to_thread(node.ready, 300)
+        done = watch.last("n1", "done")
+        assert (done.start, done.end) == (6, 12)
+        assert done.banned_peers == [liar_address] and done.hash_failures >= 1
+        assert verify_shard(manifest, Store(tmp_path / "n1").shard_path(mid, 6, 12), 6, 12).ok
+        served = model_of(tracker, mid)
+        assert served is not None and served.nodes == ["n1"] and not served.fetching
 
 
 # ---- the command line ---------------------------------------------------------------------------------------------

@@ -24,10 +24,12 @@ from artifacts.torrent import SwarmConfig, TorrentSession
 from artifacts.verify import verify_shard
 from bus import codec
 from bus.subjects import Subjects
+from schemas.artifact import FetchProgress
 from schemas.manifest import ModelManifest
 from schemas.node import NodeAdvertisement
 from schemas.settings import Settings
 from tests.support.gguf_factory import write_tiny_gguf
+from tests.support.waiting import eventually
 
 N_LAYERS = 8
 
@@ -43,14 +45,15 @@ class Seeder:
 
     def __init__(self, nc: Any, settings: Settings, home: Path, name: str) -> None:
         self.session = TorrentSession()
-        self.sync = ArtifactSync(nc, Subjects(settings.namespace), Store(home), self.session, SyncConfig(node_id=name))
+        self.sync = ArtifactSync(settings, Store(home), self.session, SyncConfig(node_id=name), nc=nc)
 
     async def seed(self, model_id: str) -> Seeder:
+        await self.sync.start()
         await self.sync.seed(model_id)
         return self
 
     async def close(self) -> None:
-        await self.sync.close()
+        await self.sync.stop()
         self.session.close()
 
 
@@ -133,21 +136,22 @@ async def test_a_node_waits_for_layers_nobody_seeds_without_advertising_them(
     provisioner = await Provisioner(config, node_settings, session).start()
     try:
         task = asyncio.create_task(provisioner.provision())
-        for _ in range(300):
-            latest = provisioner.latest
-            if latest is not None and latest.unseeded_layers:
-                break
+
+        def waiting() -> FetchProgress | None:
             assert not task.done(), task
-            await asyncio.sleep(0.05)
-        assert latest is not None
+            latest = provisioner.latest
+            return latest if latest is not None and latest.unseeded_layers else None
+
+        latest = await eventually(waiting, timeout=15, what="the fetch waiting for a seeder")
         assert [(r.start, r.end) for r in latest.unseeded_layers] == [(4, 8)]
         assert "output" in latest.unseeded_parts and "layers [4, 8)" in latest.message
-        for _ in range(100):  # the next heartbeat carries the wait
+
+        async def advertised() -> NodeAdvertisement | None:  # the next heartbeat carries the wait
             advert = await registry_entry(nc, settings, "j2")
-            if advert is not None and advert.fetch is not None and advert.fetch.message:
-                break
-            await asyncio.sleep(0.05)
-        assert advert is not None and advert.state == "fetching" and not advert.verified
+            return advert if advert is not None and advert.fetch is not None and advert.fetch.message else None
+
+        advert = await eventually(advertised, timeout=5, what="the registry entry saying what it waits for")
+        assert advert.state == "fetching" and not advert.verified
         assert advert.fetch is not None and "layers [4, 8)" in advert.fetch.message
         assert advert.fetch.eta_s is None  # no ETA while waiting for a seeder
         # an honest seeder appears: the same fetch goes on and ends verified

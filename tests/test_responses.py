@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from actors.backends.llamacpp.chat_template import select_template
 from gateway.responses import ResponseBuilder, chat_messages, request_logprobs, request_tools, sse_event, text_format
-from gateway.tools import ToolCallParser
+from gateway.tools import ContentDelta, ToolCallParser
 from schemas.errors import validation_error
 from schemas.openai_responses import ResponseEvent, ResponsesRequest
 from schemas.session import LogprobCandidate, TokenLogprobs
@@ -65,8 +65,13 @@ def test_formats_logprobs_and_choices() -> None:
         "json_schema", schema)
     assert text_format(request(text={"format": {"type": "json_object"}})) == ("json_object", None)
     assert text_format(request()) == ("text", None)
-    assert request_logprobs(request(top_logprobs=3)) is None  # not included: not computed
     assert request_logprobs(request(top_logprobs=3, include=["message.output_text.logprobs"])) == 3
+    assert request_logprobs(request(include=["message.output_text.logprobs"])) == 0  # the sampled token's only
+    # A count of alternatives asks for logprobs even without the include (honoured, not silently dropped); 0, what
+    # OpenAI echoes in every response, asks for nothing.
+    assert request_logprobs(request(top_logprobs=3)) == 3
+    assert request_logprobs(request(top_logprobs=0)) is None
+    assert request_logprobs(request()) is None
     named = request_tools(request(tools=[WEATHER], tool_choice={"type": "function", "name": "get_weather"},
                                   parallel_tool_calls=False))
     assert named is not None and named.mode == "function" and not named.parallel
@@ -131,8 +136,24 @@ def test_a_text_reply_streams_and_accumulates_in_the_sdk() -> None:
     done = next(e for e in decoded if e.type == "response.output_text.done")
     assert done.text == "Hello world" and [x.token for x in done.logprobs] == ["Hel", "lo", " world"]
     assert final.usage is not None and final.usage.total_tokens == 8
-    assert SDKResponse.model_validate(builder.response.model_dump(mode="json", by_alias=True)).output_text == (
-        "Hello world")
+    sdk = SDKResponse.model_validate(builder.response.model_dump(mode="json", by_alias=True))
+    assert sdk.output_text == "Hello world" and sdk.top_logprobs == 1
+
+
+def test_top_logprobs_alone_gives_the_output_texts_logprobs() -> None:
+    builder = ResponseBuilder(request(top_logprobs=2))
+    events = builder.start() + builder.feed([ContentDelta("Hi")], [lp(7, b"Hi", -0.25)])
+    events += builder.finish("stop", input_tokens=1, output_tokens=1)
+    decoded, final = through_the_sdk(events)
+    assert final is not None
+    part = final.output[0].content[0]  # type: ignore[union-attr]
+    assert part.type == "output_text" and [(x.token, x.logprob) for x in part.logprobs or []] == [("Hi", -0.25)]
+    delta = next(e for e in decoded if e.type == "response.output_text.delta")
+    assert [x.token for x in delta.logprobs] == ["Hi"]
+    plain = ResponseBuilder(request(top_logprobs=0))
+    events = plain.start() + plain.feed([ContentDelta("Hi")], [lp(7, b"Hi", -0.25)])
+    _, final = through_the_sdk(events + plain.finish("stop", input_tokens=1, output_tokens=1))
+    assert final is not None and not final.output[0].content[0].logprobs  # type: ignore[union-attr]
 
 
 def test_a_function_call_streams_name_then_arguments() -> None:

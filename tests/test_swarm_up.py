@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import time
 from pathlib import Path
 
 import openai
@@ -15,7 +14,9 @@ import pytest
 from artifacts.manifest import build_manifest
 from schemas.errors import BadRequestError
 from swarmroute.swarm_up import memory_for, nodes_needed
-from tests.support.up import Up, alive, descendants, free_port
+from tests.support.actors import Children, descendants, still_alive
+from tests.support.up import Up, free_port
+from tests.support.waiting import eventually_sync
 
 CONTEXT, SESSIONS = 4096, 4
 
@@ -32,38 +33,32 @@ def test_the_node_memory_makes_the_tracker_split_over_exactly_n_nodes(gemma_path
 
 
 @pytest.mark.slow
-def test_up_from_swarm_serves_from_nodes_that_fetched_only_their_layers(tmp_path: Path, gemma_path: Path) -> None:
+def test_up_from_swarm_serves_from_nodes_that_fetched_only_their_layers(tmp_path: Path, gemma_path: Path,
+                                                                        children: Children) -> None:
     home = tmp_path / "home"
-    up = Up("--nodes", "2", "--from-swarm", "--model", str(gemma_path), "--threads", "1", "--log-level", "info",
-            env={"SWARMROUTE_HOME": str(home), "SWARMROUTE_GATEWAY_PORT": str(free_port())})
-    try:
-        assert up.banner.wait(300), up.output
-        assert up.proc.poll() is None, up.output
-        assert "2 nodes that started empty" in up.output
-        fetched = re.findall(r"\[(node-\d)\].*layers \[(\d+), (\d+)\) of \w+ verified: (\d+) bytes downloaded for "
-                             r"(\d+) needed", up.output)
-        assert sorted(f[0] for f in fetched) == ["node-1", "node-2"], up.output
-        ranges = sorted((int(a), int(b)) for _, a, b, _, _ in fetched)
-        assert ranges[0][0] == 0 and ranges[0][1] == ranges[1][0] and ranges[1][1] == 18
-        for _, _, _, downloaded, needed in fetched:
-            assert int(needed) <= int(downloaded) <= 1.05 * int(needed)
-        manifest = build_manifest(gemma_path)
-        for node in ("node-1", "node-2"):  # each store holds its pieces only: a sparse file, not a copy
-            data = home / "up-swarm" / node / "store" / manifest.model_id / "model.gguf"
-            assert data.stat().st_blocks * 512 < 0.95 * manifest.file_size
-        url = re.search(r"gateway\s+(http://\S+)/v1", up.output)
-        assert url is not None
-        client = openai.OpenAI(base_url=url.group(1) + "/v1", api_key="none", max_retries=0, timeout=120)
-        text = client.completions.create(model="gemma-3-270m", prompt="The capital of France is", max_tokens=8,
-                                         temperature=0).choices[0].text
-        assert text.strip()
-        children = descendants(up.proc.pid)
-        os.kill(up.proc.pid, signal.SIGINT)
-        assert up.proc.wait(60) == 0, up.output
-        deadline = time.monotonic() + 15
-        while any(alive(pid, started) for pid, started in children.items()):
-            assert time.monotonic() < deadline, [pid for pid, s in children.items() if alive(pid, s)]
-            time.sleep(0.1)
-    finally:
-        if up.proc.poll() is None:
-            up.kill_all()
+    up = children.add(Up("--nodes", "2", "--from-swarm", "--model", str(gemma_path), "--threads", "1",
+                         "--log-level", "info",
+                         env={"SWARMROUTE_HOME": str(home), "SWARMROUTE_GATEWAY_PORT": str(free_port())}))
+    assert up.banner.wait(300), up.output
+    assert up.proc.poll() is None, up.output
+    assert "2 nodes that started empty" in up.output
+    fetched = re.findall(r"\[(node-\d)\].*layers \[(\d+), (\d+)\) of \w+ verified: (\d+) bytes downloaded for "
+                         r"(\d+) needed", up.output)
+    assert sorted(f[0] for f in fetched) == ["node-1", "node-2"], up.output
+    ranges = sorted((int(a), int(b)) for _, a, b, _, _ in fetched)
+    assert ranges[0][0] == 0 and ranges[0][1] == ranges[1][0] and ranges[1][1] == 18
+    for _, _, _, downloaded, needed in fetched:
+        assert int(needed) <= int(downloaded) <= 1.05 * int(needed)
+    manifest = build_manifest(gemma_path)
+    for node in ("node-1", "node-2"):  # each store holds its pieces only: a sparse file, not a copy
+        data = home / "up-swarm" / node / "store" / manifest.model_id / "model.gguf"
+        assert data.stat().st_blocks * 512 < 0.95 * manifest.file_size
+    client = openai.OpenAI(base_url=up.gateway_url() + "/v1", api_key="none", max_retries=0, timeout=120)
+    text = client.completions.create(model="gemma-3-270m", prompt="The capital of France is", max_tokens=8,
+                                     temperature=0).choices[0].text
+    assert text.strip()
+    below = descendants(up.proc.pid)
+    os.kill(up.proc.pid, signal.SIGINT)
+    assert up.proc.wait(60) == 0, up.output
+    eventually_sync(lambda: not still_alive(below), timeout=15, interval=0.1,
+                    what=lambda: f"every child exiting (alive: {still_alive(below)})")

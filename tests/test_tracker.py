@@ -253,10 +253,10 @@ async def holder(settings: Settings, nc: Any, tmp_path: Any) -> AsyncIterator[An
     store = Store(tmp_path / "holder")
     manifest = store.import_gguf(write_tiny_gguf(tmp_path / "tiny.gguf", n_layers=8, n_embd=128, n_ff=512))
     session = TorrentSession()
-    sync = ArtifactSync(nc, Subjects(settings.namespace), store, session, SyncConfig(node_id="holder"))
+    sync = await ArtifactSync(settings, store, session, SyncConfig(node_id="holder"), nc=nc).start()
     await sync.hold(manifest)
     yield manifest
-    await sync.close()
+    await sync.stop()
     session.close()
 
 

@@ -139,7 +139,6 @@ class Node(NatsActor):
         """Set by ``drain()``: no more heartbeats, so the registry forgets this node while its sessions finish."""
         self.metrics.bind(live_sessions=lambda: len(self.sessions), max_sessions=lambda: self.backend.max_sessions,
                           kv_bytes=self.backend.kv_bytes_in_use)
-        self._service: object | None = None
         self._beat_soon = asyncio.Event()
         self._opened_total = 0
         self.admission = Admission(verifier_from_settings(settings), config.node_id, skew_s=settings.capability_ttl_s)
@@ -171,7 +170,7 @@ class Node(NatsActor):
         self._kv = await open_registry(self.nc, self.subjects, self.settings.registry_ttl_s,
                                        replicas=self.settings.registry_replicas)
         await self.advertise_now()
-        self._service = await node_service(self.nc, self.subjects, self.advertisement)
+        self.service = await node_service(self.nc, self.subjects, self.advertisement)
         self._tasks = [asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
                        asyncio.create_task(self._sweep_loop(), name="idle-sweep")]
         log.info("node %s serving layers %s of %s at %s", self.config.node_id, self.backend.layers,
@@ -195,9 +194,7 @@ class Node(NatsActor):
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self._service is not None:
-            with contextlib.suppress(Exception):
-                await self._service.stop()  # type: ignore[attr-defined]
+        await self._stop_service()
         await self._withdraw()
         for session in list(self.sessions.values()):
             await session.close()

@@ -9,6 +9,9 @@ hop. The gateway only follows, except for what the head cannot report: its own d
 
 With head and tail on one node the engine chains the steps on its worker (each sampled token is the next input);
 the stop rules stay ``Generation``'s (``Generation.ends_for_certain``).
+
+Why one module of ~450 lines: one class, the session's one owner, whose prefill, three decode loops (ring, local
+chain, n > 1 rounds) and terminal phases share its event queue and phase; split, the fate would have several owners.
 """
 
 from __future__ import annotations

@@ -14,7 +14,6 @@ import time
 from typing import TYPE_CHECKING
 
 from nats.aio.client import Client as NATS
-from nats.micro.service import Service
 
 from actors.registry import RegistryView, open_registry
 from actors.services import tracker_service
@@ -48,7 +47,6 @@ class Tracker(NatsActor):
     def __init__(self, settings: Settings, *, nc: NATS | None = None) -> None:
         super().__init__(settings, nc=nc, name="tracker")
         self.subjects = Subjects(settings.namespace)
-        self._service: Service | None = None
         self.registry: RegistryView | None = None
         self._pending: dict[str, list[tuple[float, int]]] = {}
         """node id -> (when a route was handed out, the node's sessions_opened then), oldest first."""
@@ -66,15 +64,13 @@ class Tracker(NatsActor):
         # Route and models requests are micro-service endpoints (same subjects, queue group "tracker"), so $SRV
         # discovery lists every tracker and $SRV.STATS counts its requests.
         self.assigner = await self._open_assigner()
-        self._service = await tracker_service(self.nc, self.subjects, member=self.settings.member_name or "tracker",
+        self.service = await tracker_service(self.nc, self.subjects, member=self.settings.member_name or "tracker",
                                               route=self._handle_route, models=self._handle_models,
                                               assign=self._handle_assign, repair=self._handle_repair)
         log.info("tracker ready on %s", self.subjects.route_request)
 
     async def _on_stop(self) -> None:
-        if self._service is not None:
-            with contextlib.suppress(Exception):
-                await self._service.stop()
+        await self._stop_service()
         if self.registry is not None:
             await self.registry.stop()
 
@@ -106,12 +102,12 @@ class Tracker(NatsActor):
             route = select_route(self.registry.live(), request.model, request.session_id,
                                  exclude=frozenset(request.exclude), pending=self._pending_counts())
         except CapacityError as exc:
-            return RouteReply(error=exc.message, status=exc.status)
+            return RouteReply(error=exc.message, status=exc.status, code=exc.code)
         except SwarmrouteError as exc:
             gaps: list[LayerRange] = []
             with contextlib.suppress(SwarmrouteError):  # the same nodes the route could use, so gaps match the message
                 gaps = uncovered_layers(*routable(self.registry.live(), request.model, frozenset(request.exclude)))
-            return RouteReply(error=exc.message, status=exc.status, uncovered=gaps)
+            return RouteReply(error=exc.message, status=exc.status, code=exc.code, uncovered=gaps)
         if request.standby:
             route = with_standbys(route, self.registry.live(), exclude=frozenset(request.exclude))
         return RouteReply(route=self._hand_out(route))
@@ -137,7 +133,7 @@ class Tracker(NatsActor):
             repaired = replace_hop(self.registry.live(), route, request.lost, exclude=exclude,
                                    pending=self._pending_counts())
         except SwarmrouteError as exc:
-            return RouteReply(error=exc.message, status=exc.status)
+            return RouteReply(error=exc.message, status=exc.status, code=exc.code)
         repaired = with_standbys(repaired, self.registry.live(), exclude=exclude)
         if self._signer is not None and not request.session_token:
             return RouteReply(error="a repair needs the session's token when the swarm signs capabilities",

@@ -45,7 +45,7 @@ import openai
 from bus import frame as frames
 from bus.server import EmbeddedNats, NatsServerConfig
 from schemas.frame import FrameKind
-from swarmroute.launcher import split_layers
+from swarmroute.fleet_members import split_layers
 from tests.bench.bench_llamacpp import _routable, free_port, run_in_process, stop, wait_http
 from tests.support.proxy import CountingProxy
 from tests.support.waiting import eventually_sync

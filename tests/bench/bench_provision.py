@@ -44,7 +44,8 @@ from gateway.app import Gateway
 from schemas.manifest import ModelManifest
 from schemas.settings import Settings
 from swarmroute.swarm_up import memory_for
-from tests.support.provisioned import READY, Child, ProgressWatch, child_env, empty_node, seeder, swarmroute
+from tests.support.actors import ActorProcess, ChildProcess, Children, settings_env, swarmroute
+from tests.support.provisioned import READY, ProgressWatch, empty_node, seeder
 from tests.support.swarm import make_settings
 
 PROMPT = "The capital of France is"
@@ -83,23 +84,23 @@ class Round:
         settings: Settings = make_settings(server.url, work / "home", first_token_timeout_s=300.0,
                                            token_timeout_s=60.0, hop_timeout_s=60.0)
         watch = await ProgressWatch().start(server.url)
-        children: list[Child] = []
+        children = Children()
         mid = self.manifest.model_id
         try:
             async with Tracker(settings), Gateway(settings, port=0) as gateway:
                 Store(work / "seed").import_gguf(self.source, link=True)
-                children.append(seeder(settings, "seeder", work / "seed", mid))
+                children.add(seeder(settings, "seeder", work / "seed", mid))
                 started = time.monotonic()
                 if mode == "swarm":
                     memory = memory_for(self.manifest, n, context=CONTEXT, sessions=SESSIONS)
-                    children += [empty_node(settings, f"n{i}", work / f"n{i}", mid, "--memory", f"{memory}B",
-                                            "--threads", "1") for i in range(n)]
+                    nodes = [children.add(empty_node(settings, f"n{i}", work / f"n{i}", mid, "--memory",
+                                                     f"{memory}B", "--threads", "1")) for i in range(n)]
                 else:
                     assert ranges is not None
-                    children += await asyncio.gather(*(self._status_quo(settings, work, mode, i, r)
-                                                       for i, r in enumerate(ranges)))
+                    nodes = [children.add(node) for node in await asyncio.gather(
+                        *(self._status_quo(settings, work, mode, i, r) for i, r in enumerate(ranges)))]
                 ttft = await _first_token(gateway.url, mid, started)
-                for c in children[1:]:
+                for c in nodes:
                     c.wait_for(READY, 60)
                 if mode == "swarm":  # per node, in route order
                     done = sorted((p for p in watch.events if p.phase == "done"), key=lambda p: p.start)
@@ -111,29 +112,29 @@ class Round:
                     got, per_node = ranges or [], [self.manifest.file_size] * n
                 return {"ttft": ttft, "ranges": got, "bytes": per_node}
         finally:
-            for c in children:
-                c.stop()
+            children.close()
             await watch.close()
             server.stop()
             shutil.rmtree(work, ignore_errors=True)
 
-    async def _status_quo(self, settings: Settings, work: Path, mode: str, i: int, r: tuple[int, int]) -> Child:
+    async def _status_quo(self, settings: Settings, work: Path, mode: str, i: int,
+                          r: tuple[int, int]) -> ActorProcess:
         home = work / f"n{i}"
         home.mkdir(parents=True)
         if mode == "copy+local":
             path = home / "model.gguf"
             await asyncio.to_thread(shutil.copyfile, self.source, path)
         else:  # the whole file over libtorrent, from the seeder
-            fetch = Child(f"fetch{i}", swarmroute("artifact", "fetch", "--model-id", self.manifest.model_id,
-                                                  "--range", f"0:{self.manifest.n_layers}", "--home", str(home),
-                                                  "--nats-url", settings.nats_url, "--node-id", f"n{i}", "--quiet"),
-                          child_env(settings))
+            fetch = ChildProcess(swarmroute("artifact", "fetch", "--model-id", self.manifest.model_id,
+                                            "--range", f"0:{self.manifest.n_layers}", "--home", str(home),
+                                            "--nats-url", settings.nats_url, "--node-id", f"n{i}", "--quiet"),
+                                 env=settings_env(settings))
             await asyncio.to_thread(fetch.wait_for, r'"event": "fetched"', 600)
             fetch.stop()
             path = Store(home).data_path(self.manifest)
-        return Child(f"n{i}", swarmroute("node", "--nats", settings.nats_url, "--home", str(home), "--node-id",
-                                         f"n{i}", "--model", str(path), "--layers", f"{r[0]}:{r[1]}",
-                                         "--threads", "1", "--log-level", "warning"), child_env(settings))
+        return ActorProcess("node", settings, ["--home", str(home), "--node-id", f"n{i}", "--model", str(path),
+                                               "--layers", f"{r[0]}:{r[1]}", "--threads", "1"],
+                            log_level="warning", name=f"n{i}", wait=False)
 
 
 def main() -> None:

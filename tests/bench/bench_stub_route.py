@@ -53,6 +53,7 @@ from gateway.app import Gateway
 from schemas.frame import MAGIC, FrameKind
 from schemas.session import TokenEvent
 from schemas.settings import Settings
+from swarmroute.fleet_members import split_layers
 from tests.support.proxy import CountingProxy
 from tests.support.swarm import NodeProcess, Swarm, make_settings, start_swarm, wait_model
 
@@ -66,13 +67,8 @@ ROUTES = (1, 2, 3)
 
 
 def split(k: int) -> list[tuple[int, int]]:
-    base, extra = divmod(N_LAYERS, k)
-    out, start = [], 0
-    for i in range(k):
-        end = start + base + (1 if i < extra else 0)
-        out.append((start, end))
-        start = end
-    return out
+    """The layers of a ``k``-node route, split as ``swarmroute up`` splits them."""
+    return split_layers(N_LAYERS, k)
 
 
 @dataclass

@@ -234,20 +234,30 @@ def swarmroute(*args: str) -> list[str]:
 
 
 class ActorProcess(ChildProcess):
-    """``python -m swarmroute <role> ...``, returned once it reports ready; ``url`` is the base URL the gateway or
-    node reported then (a tracker reports none: "")."""
+    """``python -m swarmroute <role> ...``, returned once it reports ready (unless ``wait`` is false: then
+    ``ready()`` waits); ``url`` is the base URL the gateway or node reported then (a tracker reports none: "")."""
 
     def __init__(self, role: str, settings: Settings, args: list[str], *, ready_timeout: float = 60.0,
-                 prefix: Sequence[str] = (), log_level: str = "info") -> None:
-        """``prefix`` goes before the interpreter (e.g. ``ip netns exec HOST``)."""
+                 prefix: Sequence[str] = (), log_level: str = "info", name: str | None = None,
+                 wait: bool = True) -> None:
+        """``prefix`` goes before the interpreter (e.g. ``ip netns exec HOST``); ``name`` is how messages name it
+        (default: its role)."""
         self.role = role
+        self.name = name or role
         super().__init__([*prefix, *swarmroute(role, "--log-level", log_level, *args)], env=settings_env(settings))
         self.url = ""
+        if wait:
+            self.ready(ready_timeout)
+
+    def ready(self, timeout: float) -> str:
+        """Wait (at most ``timeout``) for its ready line; its URL. If it exits or is not ready by then, it is
+        killed and ``RuntimeError`` shows its last lines."""
         try:
-            ready = self.wait_for(_READY[role], ready_timeout)
+            ready = self.wait_for(_READY[self.role], timeout)
         except (ChildExited, AssertionError):
             ready = None
         if ready is None or self.proc.poll() is not None:
             self.kill()
-            raise RuntimeError(f"{role} did not start:\n" + self.tail(30))
+            raise RuntimeError(f"{self.name} did not start:\n" + self.tail(30))
         self.url = ready.group(1) if ready.groups() else ""
+        return self.url

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -55,6 +55,19 @@ class Swarm:
     async def wait_model(self, model: str, timeout: float = 10.0) -> None:
         await wait_model(self.tracker, model, timeout)
 
+    def held(self) -> dict[str, list[str]]:
+        """What is still open: each node's sessions and its backend's (every choice's fork included), and the
+        gateway's live sessions; empty lists dropped."""
+        held = {n.config.node_id: [*n.sessions, *getattr(n.backend, "open_sessions", [])] for n in self.nodes}
+        serving = self.gateway.serving
+        held["gateway"] = list(serving.sessions.live) if serving is not None else []
+        return {k: v for k, v in held.items() if v}
+
+    async def freed(self, timeout: float = 10.0) -> None:
+        """Until no node, backend or the gateway holds a session any more."""
+        await eventually(lambda: not self.held(), timeout=timeout, interval=0.02,
+                         what=lambda: f"every session freed (still open: {self.held()})")
+
     async def route_through(self, node: Node, url: str, timeout: float = 10.0) -> None:
         """Have ``node`` advertise ``url`` (a proxy in front of it) and wait until the tracker routes there."""
         await node.advertise_at(url)
@@ -93,6 +106,31 @@ async def start_swarm(settings: Settings, backends: Sequence[Backend], *, model_
     return Swarm(settings, tracker, nodes, gateway)
 
 
+@contextlib.asynccontextmanager
+async def gemma_route(nats_url: str, gemma_path: Path, work: Path, *, namespace: str, max_sessions: int,
+                      threads: int = 2, model_id: str = "gemma") -> AsyncIterator[Swarm]:
+    """The bundled Gemma 3 270M as a real 2-node llama.cpp route (shards [0, 12) + [12, 18), a context of 1024 per
+    session), served as ``model_id`` with generous timeouts (llama.cpp on a 2-core machine shared with other test
+    processes); stopped, and its backends closed, at the end."""
+    from actors.backends import load_backend
+
+    (work / "shards").mkdir(parents=True, exist_ok=True)
+    backends = [load_backend("llamacpp", model_path=gemma_path, n_ctx=1024, max_sessions=max_sessions,
+                             threads=threads, layer_start=a, layer_end=b, shard_dir=work / "shards")
+                for a, b in ((0, 12), (12, 18))]
+    settings = make_settings(nats_url, work / "home", namespace=namespace, token_timeout_s=60.0,
+                             first_token_timeout_s=120.0, hop_timeout_s=60.0)
+    try:
+        swarm = await start_swarm(settings, backends, model_id=model_id)
+        try:
+            yield swarm
+        finally:
+            await swarm.stop()
+    finally:
+        for backend in backends:
+            backend.close()
+
+
 class NodeProcess(ActorProcess):
     """``swarmroute node`` as a real child process (so a test can SIGKILL it), configured like the test's Settings."""
 
@@ -100,7 +138,7 @@ class NodeProcess(ActorProcess):
                  prefix: Sequence[str] = ()) -> None:
         self.node_id = node_id
         super().__init__("node", settings, ["--node-id", node_id, *args], ready_timeout=ready_timeout,
-                         prefix=prefix, log_level="warning")
+                         prefix=prefix, log_level="warning", name=node_id)
 
     @property
     def endpoint(self) -> str:
