@@ -8,7 +8,7 @@ with an error, which is what the structured session failure reports.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Literal
 
 import httpx
@@ -103,10 +103,15 @@ class NodeClient:
         return SessionOpened.model_validate(r.json())
 
     async def close_session(self, node: str, endpoint: str, session_id: str, *, timeout: float = 2.0,
-                            session_token: str | None = None, cancel: bool = False) -> bool:
-        """Free the session on a node; with ``cancel`` a head ends it as cancelled (it publishes the end). False
-        if the node could not be reached (its KV dies with it)."""
-        query = "?cancel=1" if cancel else ""
+                            session_token: str | None = None, cancel: bool = False, keep: bool = False,
+                            keys: Sequence[str] = ()) -> bool:
+        """Free the session on a node; with ``cancel`` a head ends it as cancelled (it publishes the end). ``keep``:
+        it completed, the node may keep its KV for reuse; ``keys``: prefix keys naming what that KV holds (issue
+        #18), also for a session the node freed already. False if the node could not be reached."""
+        params = [p for p, on in (("cancel=1", cancel), ("keep=1", keep)) if on]
+        if keys:
+            params.append("keys=" + ",".join(keys))
+        query = "?" + "&".join(params) if params else ""
         try:
             await self._request(node, "DELETE", f"{endpoint}/v1/sessions/{session_id}{query}", timeout=timeout,
                                 extra=_auth(session_token))

@@ -44,6 +44,7 @@ from schemas.errors import (
     RouteFailedError,
     SwarmrouteError,
 )
+from schemas.prefix import conversation_keys, request_keys
 from schemas.route import Route
 from schemas.session import (
     CONTEXT_CAP,
@@ -110,6 +111,9 @@ class LiveSession:
         """Request choices per route choice: ``n`` when greedy (``gateway.fanout``: the route decodes one), else 1."""
         self._held = 0  # fanned-out copies of a token not yet yielded (they count in ``backlog``)
         self.tool_format: ToolCallFormat | None = None  # how the head asked the model to write tool calls
+        self.prompt: Prompt | None = None
+        self.reply: list[str] = []
+        """Choice 0's text so far: with the prompt, the prefix keys of what the hops keep (issue #18)."""
         self._queue: asyncio.Queue[TokenEvent | GenerationTelemetry | SessionEnd] = asyncio.Queue()
         self._subs: list[Subscription] = []
         self._nats_stats: dict[str, int] = {}
@@ -258,6 +262,8 @@ class LiveSession:
             return self._lost(f"token {self.seen[index]}{which} was lost on the bus (received token {event.seq})")
         self.seen[index] += 1
         self.tokens_seen += 1
+        if index == 0:
+            self.reply.append(event.text)
         return event
 
     def _lost(self, message: str) -> SessionEnd:
@@ -309,8 +315,16 @@ class LiveSession:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
         if self.route is not None:
-            await self._m.close_on_hops(self.route, self.id, cancel=cancel)
+            keys = self._conversation_keys() if self.end is not None and self.end.phase is SessionPhase.COMPLETE \
+                else []
+            await self._m.close_on_hops(self.route, self.id, cancel=cancel, keys=keys)
         self._m.forget(self)
+
+    def _conversation_keys(self) -> list[str]:
+        """What the hops kept of this session, named so that a request continuing it is routed to them."""
+        if self.prompt is None or self.n != 1:
+            return []
+        return conversation_keys(self.prompt.messages, self.prompt.text, "".join(self.reply))
 
 
 async def _passthrough(awaitable: Awaitable[T]) -> T:
@@ -361,8 +375,10 @@ class SessionManager:
         it until its entry expires) is excluded and the session routed again, so a client gets a working route or
         the tracker's 503 naming the layers nobody serves, not a 502 for a node that is already gone."""
         exclude: list[str] = []
+        session.prompt = request.prompt
+        keys = request_keys(request.prompt.messages, request.prompt.text) if request.prompt is not None else []
         while True:
-            session.route = await self._route(request.model, session.id, exclude)
+            session.route = await self._route(request.model, session.id, exclude, keys)
             # Kept locally so a stream's first chunk shows the route before any token; the head's snapshots
             # (seq >= 1) supersede it.
             session.telemetry = self.snapshot(session, SessionPhase.ROUTING, seq=0)
@@ -377,15 +393,18 @@ class SessionManager:
                 exclude.append(dead.node)
                 await self.close_on_hops(session.route, session.id)
 
-    async def _route(self, model: str, session_id: str, exclude: list[str] | None = None) -> Route:
-        return await self._route_with(model, session_id, exclude, standby=self._repairs)
+    async def _route(self, model: str, session_id: str, exclude: list[str] | None = None,
+                     prefix_keys: list[str] | None = None) -> Route:
+        return await self._route_with(model, session_id, exclude, standby=self._repairs,
+                                      prefix_keys=prefix_keys or [])
 
     @property
     def _repairs(self) -> bool:
         """Sessions repair (and so every hop needs a standby for its snapshots) unless switched off."""
         return self.settings.repair
 
-    async def _route_with(self, model: str, session_id: str, exclude: list[str] | None, *, standby: bool) -> Route:
+    async def _route_with(self, model: str, session_id: str, exclude: list[str] | None, *, standby: bool,
+                          prefix_keys: list[str]) -> Route:
         """Ask for a route; while every route is full, ask again for up to ``route_retry_s`` before the 429.
 
         A slot freed a moment ago reaches the tracker with the node's next heartbeat, after the client that freed
@@ -395,7 +414,8 @@ class SessionManager:
         wait = 0.02
         while True:
             try:
-                return await self.tracker.route(model, session_id, exclude, standby=standby)
+                return await self.tracker.route(model, session_id, exclude, standby=standby,
+                                                prefix_keys=prefix_keys)
             except CapacityError:
                 if time.monotonic() + wait > deadline:
                     raise
@@ -439,7 +459,9 @@ class SessionManager:
                  for i in range(len(route.hops))]
         downstream = [self.nodes.open_session(route.hops[i].node_id, route.hops[i].endpoint, opens[i])
                       for i in range(1, len(route.hops))]
-        await _passthrough(asyncio.gather(*downstream))
+        opened = await _passthrough(asyncio.gather(*downstream))
+        if opened:  # prefix reuse: the head reuses no more than every hop after it holds (issue #18)
+            opens[0].reuse_limit = min(o.reused for o in opened)
         await _passthrough(self.nodes.open_session(head.node_id, head.endpoint, opens[0]))
 
     async def publish_telemetry(self, session: LiveSession, phase: SessionPhase, *, seq: int | None = None,
@@ -480,11 +502,12 @@ class SessionManager:
         token = capability.session_token_of(route)
         return await first_lost(self.nodes, route.hops[:1], session_id, session_token=token)
 
-    async def close_on_hops(self, route: Route, session_id: str, *, cancel: bool = False) -> None:
+    async def close_on_hops(self, route: Route, session_id: str, *, cancel: bool = False,
+                            keys: list[str] | None = None) -> None:
         """Free the session on every hop (idempotent there); ``cancel`` asks the head to end it as cancelled."""
         token = capability.session_token_of(route)
         await asyncio.gather(*(self.nodes.close_session(h.node_id, h.endpoint, session_id, session_token=token,
-                                                        cancel=cancel and i == 0)
+                                                        cancel=cancel and i == 0, keys=keys or ())
                                for i, h in enumerate(route.hops)))
 
     def forget(self, session: LiveSession) -> None:

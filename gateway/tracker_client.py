@@ -30,8 +30,9 @@ class TrackerClient:
         return bytes(msg.data)
 
     async def route(self, model: str, session_id: str, exclude: list[str] | None = None, *,
-                    standby: bool = False) -> Route:
-        request = RouteRequest(model=model, session_id=session_id, exclude=exclude or [], standby=standby)
+                    standby: bool = False, prefix_keys: list[str] | None = None) -> Route:
+        request = RouteRequest(model=model, session_id=session_id, exclude=exclude or [], standby=standby,
+                               prefix_keys=prefix_keys or [])
         reply = codec.decode(await self._request(self._subjects.route_request, codec.encode(request)), RouteReply)
         if reply.route is not None:
             return reply.route

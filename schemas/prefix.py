@@ -42,3 +42,18 @@ def text_keys(text: str) -> list[str]:
         key = _chain(key, text[end - TEXT_BLOCK:end].encode())
         keys.append(key)
     return keys[-MAX_KEYS:]
+
+
+def request_keys(messages: Sequence[Mapping[str, object]] | None, text: str | None) -> list[str]:
+    """The keys of what a request starts with (its route request carries them)."""
+    if messages is not None:
+        return message_keys(messages)
+    return text_keys(text or "")
+
+
+def conversation_keys(messages: Sequence[Mapping[str, object]] | None, text: str | None, reply: str) -> list[str]:
+    """The keys of what a completed session's KV holds, its reply included: what the next turn extends. The
+    longest few only (the nodes advertise them)."""
+    if messages is not None:
+        return message_keys([*messages, {"role": "assistant", "content": reply}])[-4:]
+    return text_keys((text or "") + reply)[-4:]

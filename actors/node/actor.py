@@ -46,6 +46,8 @@ from actors.node.hop_api import HopApi
 from actors.node.hop_session import HopSession
 from actors.node.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from actors.node.metrics import NodeMetrics
+from actors.node.prefix_cache import PrefixCache
+from actors.node.reuse import Reuse
 from actors.node.runtime import NodeRuntime
 from actors.node.session import NodeSession
 from actors.node.snapshot_store import SnapshotStore
@@ -147,6 +149,11 @@ class Node(NatsActor):
         self._holder_tokens: dict[str, str] = {}
         """Session id -> the session token its first snapshot upload was granted with (admission on)."""
         self.metrics.snapshots_held.set_function(lambda: float(self.snapshots.bytes_used))
+        self.reuse = Reuse(self.engine, PrefixCache(max_entries=settings.prefix_cache_sessions,
+                                                    max_bytes=int(settings.prefix_cache_mb * 2**20)),
+                           self.snapshots, model_id=config.model_id, layers=backend.layers)
+        """Completed sessions' KV kept for requests that start the same way (issue #18)."""
+        self.metrics.prefix_cache_sessions.set_function(lambda: float(len(self.reuse.cache)))
 
     @property
     def endpoint(self) -> str:
@@ -214,7 +221,8 @@ class Node(NatsActor):
                             active_sessions=min(self.sequences_in_use(), self.backend.max_sessions),
                             max_context=min(info.context_length, CONTEXT_CAP),
                             kv_bytes_in_use=self.backend.kv_bytes_in_use(), sessions_opened=self._opened_total,
-                            snapshot_free_bytes=max(0, self.snapshots.budget_bytes - self.snapshots.bytes_used))
+                            snapshot_free_bytes=max(0, self.snapshots.budget_bytes - self.snapshots.bytes_used),
+                            prefix_keys=self.reuse.cache.keys())
         return NodeAdvertisement(node_id=self.config.node_id, endpoint=self.endpoint, model_id=self.config.model_id,
                                  layers=self.backend.layers, is_head=self.backend.is_head,
                                  is_tail=self.backend.is_tail, backend=info, capacity=capacity,
@@ -325,6 +333,12 @@ class Node(NatsActor):
     async def _session_closed(self, session: NodeSession) -> None:
         if self.sessions.get(session.id) is session:
             del self.sessions[session.id]
+        if session.keep and session.request.n == 1 and self.reuse.enabled:
+            try:
+                await self.reuse.keep(session.id, session.recovery.tokens, session.position,
+                                      session.request.prefill_chunk, session.session_token)
+            except Exception as exc:  # noqa: BLE001 - a prefix not kept costs a later prefill, nothing else
+                log.warning("session %s: KV not kept for reuse: %r", session.id[:8], exc)
         for backend_id in session.choices.backend_ids():  # n > 1: every choice's forked backend session too
             with contextlib.suppress(Exception):
                 await self.engine.close_session(backend_id)
@@ -364,19 +378,26 @@ class Node(NatsActor):
         role = HeadSession if request.hop_index == 0 else HopSession
         session = role(self.runtime, request, hidden_shape=self.hidden_shape, on_closed=self._session_closed)
         session.session_token = grant.session_token if grant else None
-        if request.resume is not None:
-            try:
+        reused = 0
+        try:
+            if request.resume is not None:
                 await self._rebuild(session, request.resume)
-            except BaseException:
-                await self.engine.close_session(request.session_id)
-                raise
+            elif request.n == 1:
+                reused = await self.reuse.start(request.session_id, request.prompt_tokens, request.prefill_chunk,
+                                                request.reuse_limit)
+        except BaseException:
+            await self.engine.close_session(request.session_id)
+            raise
+        if reused:
+            session.choices.first.position = session.reused = reused
+            self.metrics.prefix_reused.inc(reused)
         self.admission.record(grant)
         self.sessions[request.session_id] = session
         self._opened_total += 1
         self.metrics.session_opened(request.hop_index, len(hops))
         session.start()
         return SessionOpened(session_id=request.session_id, node_id=self.config.node_id,
-                             prompt_tokens=len(request.prompt_tokens))
+                             prompt_tokens=len(request.prompt_tokens), reused=reused)
 
     async def _rebuild(self, session: NodeSession, resume: Resume) -> None:
         """A replacement for a lost hop (issue #18): import the lost hop's snapshot chain from its standby (every
@@ -477,13 +498,22 @@ class Node(NatsActor):
                              "positions_received": s.positions_received})
 
     async def _close(self, request: Request) -> Response:
-        session = self.sessions.get(request.path_params["sid"])
+        sid = request.path_params["sid"]
+        session = self.sessions.get(sid)
+        token = request.headers.get(HEADER_SESSION_TOKEN)
         if session is not None:
-            Admission.check_session_token(session.session_token, request.headers.get(HEADER_SESSION_TOKEN))
+            Admission.check_session_token(session.session_token, token)
             if isinstance(session, HeadSession) and request.query_params.get("cancel") == "1":
                 await session.cancel("its client went away")
             else:
+                session.keep = request.query_params.get("keep") == "1"
                 await session.close()
+        keys = [k for k in request.query_params.get("keys", "").split(",") if k]
+        kept = self.reuse.cache.get(sid)
+        if keys and kept is not None:
+            Admission.check_session_token(kept.token, token)
+            self.reuse.cache.attach_keys(sid, keys)
+            self._beat_soon.set()  # trackers learn at once where the next turn's prefix is
         return JSONResponse({"closed": session is not None})
 
     async def _failure(self, request: Request) -> Response:

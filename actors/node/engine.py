@@ -169,6 +169,13 @@ class StepEngine:
         for p in dropped:
             self._to_loop(StepEngine._fail, p, SessionNotFoundError(f"session {session_id} was closed"))
 
+    def call_soon(self, fn: Callable[..., object], *args: object) -> asyncio.Future[Any]:
+        """``call`` without waiting: queued now, so it runs on the worker before any step queued after it (calls
+        go ahead of batches). The returned future says how it went."""
+        future: asyncio.Future[Any] = self._running_loop().create_future()
+        self._enqueue_call(_Call(lambda: fn(*args), future))
+        return future
+
     async def call(self, fn: Callable[..., T], *args: object) -> T:
         """Run a backend method on the worker thread, serialized with forward passes."""
         future: asyncio.Future[T] = self._running_loop().create_future()

@@ -148,7 +148,9 @@ class HeadSession(NodeSession):
     async def _prefill(self) -> None:
         tokens = self.request.prompt_tokens
         chunk = self.request.prefill_chunk
-        for start in range(0, len(tokens), chunk):
+        if self.reused:  # prefix reuse: every hop holds the first ``reused`` positions already
+            await self.telemetry.prefill_progress(self.reused, len(tokens), reused=self.reused)
+        for start in range(self.position, len(tokens), chunk):
             part = tokens[start:start + chunk]
             last = start + len(part) >= len(tokens)
             first = self.choices.first
@@ -397,8 +399,9 @@ class HeadSession(NodeSession):
         # at once must find the slots free, or a swarm within its capacity refuses it (tests/test_load.py).
         if self.outbox is not None:
             await self.outbox.drain(DRAIN_S)
+        self.keep = True  # its KV may serve a request that continues it (issue #18)
         await self.close()
-        await self._release_route()
+        await self._release_route(keep=True)
         await self.rt.publish(self.rt.subjects.tokens(self.id), end)
 
     async def _watch_client(self) -> None:
@@ -444,11 +447,12 @@ class HeadSession(NodeSession):
         return SessionEnd(session_id=self.id, phase=phase, finish_reason=finish_reason, failure=failure,
                           prompt_tokens=len(self.request.prompt_tokens), completion_tokens=completion_tokens)
 
-    async def _release_route(self) -> None:
-        """Head, at the end: free the session on every other hop. The gateway does the same, but it may be gone,
-        and then the tail (and any middle hop) would hold its KV until the idle TTL. Idempotent on the nodes."""
+    async def _release_route(self, *, keep: bool = False) -> None:
+        """Head, at the end: free the session on every other hop (``keep``: it completed, and they may keep its KV
+        for reuse). The gateway does the same, but it may be gone, and then the tail (and any middle hop) would hold
+        its KV until the idle TTL. Idempotent on the nodes."""
         await asyncio.gather(*(self.rt.client.close_session(h.node_id, h.endpoint, self.id, timeout=1.0,
-                                                            session_token=self.session_token)
+                                                            session_token=self.session_token, keep=keep)
                                for h in self.route.hops[1:]), return_exceptions=True)
 
     async def _fail(self, reason: FailureReason) -> None:

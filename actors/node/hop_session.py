@@ -111,6 +111,11 @@ class HopSession(NodeSession):
         """Check a frame against its choice and count it; the step that computes it."""
         if self.closed:  # a frame that waited for its predecessor while the session closed
             raise SessionNotFoundError(f"session {self.id} closed on node {self.rt.node_id}")
+        if header.start_position < choice.position and self.reused and not self.frames_received:
+            # Prefix reuse: the head reused less than this hop could (the least any hop had), so this hop drops
+            # the rest first; the worker runs the cut before the step (calls go ahead of steps).
+            self.rt.engine.call_soon(self._kv().truncate, self.id, header.start_position)
+            choice.position = self.reused = header.start_position
         if header.start_position != choice.position:
             raise FrameError(f"frame starts at position {header.start_position}; session {self.id} (choice "
                              f"{choice.index}) is at {choice.position}", code="position_mismatch")

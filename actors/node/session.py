@@ -62,6 +62,10 @@ class NodeSession:
         self.positions_received = 0
         self.session_token: str | None = None
         """Bound at open when the node checks capabilities; sent on every request to this session's other hops."""
+        self.keep = False
+        """It completed: its KV is kept for prefix reuse when it closes (issue #18)."""
+        self.reused = 0
+        """Prompt positions it took from kept KV at open (it then prefills from there)."""
         self._on_closed = on_closed
         self._next: Hop | None = None if self.is_tail else self.route.hops[self.hop_index + 1]
         self.outbox = self._make_outbox()

@@ -97,6 +97,11 @@ class SnapshotStore:
             self._forget(key)
         return len(keys)
 
+    def chains_of(self, model_id: str, layers: LayerRange) -> list[list[SnapshotSegment]]:
+        """Every chain held of ``model_id``'s ``layers`` (prefix reuse seeded from snapshots)."""
+        return [list(c.segments) for k, c in self._chains.items()
+                if (k[1], k[2]) == (layers.start, layers.end) and c.segments and c.segments[0].model_id == model_id]
+
     def sessions(self) -> set[str]:
         return {k[0] for k in self._chains}
 

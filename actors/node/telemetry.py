@@ -104,9 +104,11 @@ class TelemetryPublisher:
         self.phase = phase
         await self._send(True)
 
-    async def prefill_progress(self, done: int, total: int) -> None:
-        self.prefill = PrefillProgress(done=done, total=total)
-        await self._send(done >= total)
+    async def prefill_progress(self, done: int, total: int, *, reused: int | None = None) -> None:
+        """``reused``: prompt positions taken from kept KV (said once, at the start; shown from then on)."""
+        reused = self.prefill.reused if reused is None else reused
+        self.prefill = PrefillProgress(done=done, total=total, reused=reused)
+        await self._send(done >= total or done == reused)
 
     async def token(self, timings: list[HopTiming], step_wall_ms: float | None) -> None:
         now = time.monotonic()

@@ -100,7 +100,8 @@ class Tracker(NatsActor):
         assert self.registry is not None
         try:
             route = select_route(self.registry.live(), request.model, request.session_id,
-                                 exclude=frozenset(request.exclude), pending=self._pending_counts())
+                                 exclude=frozenset(request.exclude), pending=self._pending_counts(),
+                                 prefix_keys=request.prefix_keys)
         except CapacityError as exc:
             return RouteReply(error=exc.message, status=exc.status, code=exc.code)
         except SwarmrouteError as exc:

@@ -67,6 +67,17 @@ def _cheapest_chain(adverts: list[NodeAdvertisement], n_layers: int,
     return chain[::-1]
 
 
+def _holding_chain(free: list[NodeAdvertisement], n_layers: int, pending: dict[str, int], rng: random.Random,
+                   keys: list[str]) -> list[NodeAdvertisement] | None:
+    """The cheapest chain of nodes that all advertise the longest of ``keys`` some chain can hold."""
+    for key in reversed(keys):
+        holders = [a for a in free if key in a.capacity.prefix_keys]
+        chain = _cheapest_chain(holders, n_layers, pending, rng) if holders else None
+        if chain is not None:
+            return chain
+    return None
+
+
 def routable(adverts: list[NodeAdvertisement], model: str,
              exclude: frozenset[str] = frozenset()) -> tuple[list[NodeAdvertisement], int]:
     """The nodes a route may use (verified, not excluded) and the model's layer count. Only a model no live node
@@ -102,9 +113,10 @@ def has_full_chain(adverts: list[NodeAdvertisement], n_layers: int) -> bool:
 
 def select_route(adverts: list[NodeAdvertisement], model: str, session_id: str, *,
                  exclude: frozenset[str] = frozenset(), pending: dict[str, int] | None = None,
-                 rng: random.Random | None = None) -> Route:
+                 rng: random.Random | None = None, prefix_keys: list[str] | None = None) -> Route:
     """Pick the route, or raise ModelNotFoundError (404), NoRouteError naming the uncovered layers (503),
-    or CapacityError when every full route is busy (429)."""
+    or CapacityError when every full route is busy (429). With ``prefix_keys`` (the request's, shortest first),
+    a route whose every node kept the longest of them comes first (issue #18: they hold its KV)."""
     pending = pending or {}
     rng = rng or random.Random()
     candidates, n_layers = routable(adverts, model, exclude)
@@ -116,7 +128,9 @@ def select_route(adverts: list[NodeAdvertisement], model: str, session_id: str, 
         raise NoRouteError(f"no full route for model {model!r}: layers {names} of {n_layers} are not served by any "
                            f"live, verified node{coming}")
     free = [a for a in candidates if a.capacity.free_sessions - pending.get(a.node_id, 0) > 0]
-    chain = _cheapest_chain(free, n_layers, pending, rng)
+    chain = _holding_chain(free, n_layers, pending, rng, prefix_keys or [])
+    if chain is None:
+        chain = _cheapest_chain(free, n_layers, pending, rng)
     if chain is None:
         if _cheapest_chain(candidates, n_layers, {}, rng) is None:
             raise NoRouteError(f"no chain of contiguous layer ranges covers [0, {n_layers}) for model {model!r}")
