@@ -283,7 +283,8 @@ def reusable(cache: DynamicCache, layout: KvLayout, held: int, length: int) -> i
 
 def copy_prefix(source: DynamicCache, target: DynamicCache, layout: KvLayout, length: int) -> None:
     """Give ``target`` (empty) copies of the first ``length`` positions of ``source`` (``reusable`` says which
-    lengths work). Copies, not views: closing or truncating either session never touches the other."""
+    lengths work). Copies, not views: a view would keep the source's whole tensors alive after it closes, memory
+    that ``kv_bytes_in_use`` would not count (no cache op writes in place, so sharing would be correct otherwise)."""
     with torch.inference_mode():
         for spec in layout.layers:
             layer, into = _own(source, spec), _own(target, spec)
