@@ -354,6 +354,11 @@ class TorchBackend:
                 s.position = position
                 s.last_logits = None
 
+    def kv_continues(self, session_id: str) -> bool:
+        with self._lock:
+            s = self._session(session_id)
+            return kv.reusable(s.cache, self._kv_layout, s.position, s.position) == s.position
+
     def reusable_prefix(self, source_id: str, length: int) -> int:
         with self._lock:
             s = self._session(source_id)
