@@ -33,6 +33,8 @@ class StepInput:
     """Incoming hidden states, on every hop but the head."""
     sample: bool = False
     """On the tail: sample a token after the last position (last prefill chunk, every decode step)."""
+    rows: bool = False
+    """On the tail: return the logits of every position (a verify window, issue #20) instead of sampling."""
     forks: tuple[str, ...] = ()
     """n > 1, on the last prefill chunk: after this step, fork the session into these new sessions (choices
     1..n-1; see ``ForkingBackend.fork_session``). Done inside the step, so nothing runs between the forward pass and
@@ -54,6 +56,8 @@ class StepOutput:
     """The sampled token (tail, when asked)."""
     logprobs: TokenLogprobs | None = None
     """The sampled token's logprobs (tail, when the session's ``SamplingParams.logprobs`` asked for them)."""
+    rows: npt.NDArray[np.float32] | None = None
+    """The logits of every position (tail, when ``StepInput.rows``): shape ``(n_positions, n_vocab)``, a copy."""
     forks: list[StepOutput] = dataclasses.field(default_factory=list)
     """One output per ``StepInput.forks`` entry, in order (the forks' first tokens on the tail)."""
 

@@ -3,7 +3,7 @@
 Layout (all little-endian; docs/protocol.md has the table)::
 
     0   4  magic "SRF1"
-    4   1  kind            0 prefill, 1 decode
+    4   1  kind            0 prefill, 1 decode, 2 verify (a speculative window, issue #20: step = its id)
     5   1  dtype           0 f32, 1 f16, 2 bf16
     6   1  flags           bit 0: the tail samples after this frame; bit 1: token ids follow the payload
     7   1  n_dims          dims of one position's hidden state (1..4)
@@ -58,6 +58,7 @@ from schemas.frame import (
     FrameKind,
     HopStamp,
     SampledToken,
+    SampledWindow,
     WireDType,
 )
 from schemas.session import MAX_TOP_LOGPROBS, LogprobCandidate, TokenLogprobs
@@ -66,6 +67,9 @@ _FIXED = struct.Struct("<4sBBBB16sIIIBBBB")
 _STAMP = struct.Struct("<III")
 _TOKEN = struct.Struct("<4sBBBB16sIII")
 _LOGPROB_HEAD = struct.Struct("<fB")
+_WINDOW = struct.Struct("<4s16sIBBxx")
+_LENGTH = struct.Struct("<I")
+WINDOW_MAGIC = b"SRW1"
 _TOP = [struct.Struct("<" + "If" * n) for n in range(MAX_TOP_LOGPROBS + 1)]
 _FINISHES = {code: reason for reason, code in FINISH_CODES.items()}
 _DIMS = [struct.Struct(f"<{n}I") for n in range(MAX_DIMS + 1)]
@@ -219,6 +223,40 @@ def encode_token(token: SampledToken) -> bytes:
     if lp is None:
         return b"".join((head, stamps, text))
     return b"".join((head, stamps, text, _pack_logprobs(lp)))
+
+
+def encode_window(window: SampledWindow) -> bytes:
+    """The tail's verdict on a verify window (issue #20): a small header, then each emitted token as a token frame
+    behind its u32 length (``docs/protocol.md``, "Verify windows")."""
+    parts = [_WINDOW.pack(WINDOW_MAGIC, window.session_id, window.window, window.accepted, len(window.tokens))]
+    for token in window.tokens:
+        frame = encode_token(token)
+        parts += (_LENGTH.pack(len(frame)), frame)
+    return b"".join(parts)
+
+
+def decode_window(data: bytes) -> SampledWindow:
+    if len(data) < _WINDOW.size:
+        raise FrameDecodeError(f"window frame is {len(data)} bytes, shorter than its {_WINDOW.size}-byte header")
+    magic, sid, window, accepted, n = _WINDOW.unpack_from(data, 0)
+    if magic != WINDOW_MAGIC:
+        raise FrameDecodeError(f"bad magic {magic!r}, expected {WINDOW_MAGIC!r}")
+    if n < 1 or accepted >= max(n, 1) + 32:
+        raise FrameDecodeError(f"a window frame of {n} tokens with {accepted} accepted drafts")
+    at, tokens = _WINDOW.size, []
+    for _ in range(n):
+        if at + 4 > len(data):
+            raise FrameDecodeError("window frame cut short")
+        (size,) = _LENGTH.unpack_from(data, at)
+        at += 4
+        token = decode_token(data[at:at + size])
+        if token.session_id != sid:
+            raise FrameDecodeError("a window frame's token names another session")
+        tokens.append(token)
+        at += size
+    if at != len(data):
+        raise FrameDecodeError(f"{len(data) - at} bytes after the window frame's last token")
+    return SampledWindow(session_id=sid, window=window, accepted=accepted, tokens=tuple(tokens))
 
 
 def _pack_logprobs(lp: TokenLogprobs) -> bytes:

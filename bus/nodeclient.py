@@ -23,6 +23,8 @@ from schemas.snapshot import SnapshotList
 
 FRAME_CONTENT_TYPE = "application/x-swarmroute-frame"
 TOKEN_CONTENT_TYPE = "application/x-swarmroute-token"
+WINDOW_CONTENT_TYPE = "application/x-swarmroute-window"
+"""A verify window's verdict (``bus.frame.encode_window``, issue #20)."""
 SNAPSHOT_CONTENT_TYPE = "application/x-swarmroute-snapshot"
 """A snapshot segment (``bus.snapshot``)."""
 """A token frame (``bus.frame.encode_token``); the tokens endpoint also takes a JSON ``TokenEvent``."""
@@ -103,12 +105,13 @@ class NodeClient:
         return SessionOpened.model_validate(r.json())
 
     async def close_session(self, node: str, endpoint: str, session_id: str, *, timeout: float = 2.0,
-                            session_token: str | None = None, cancel: bool = False, keep: bool = False,
+                            session_token: str | None = None, cancel: bool = False, keep: int = 0,
                             keys: Sequence[str] = ()) -> bool:
         """Free the session on a node; with ``cancel`` a head ends it as cancelled (it publishes the end). ``keep``:
-        it completed, the node may keep its KV for reuse; ``keys``: prefix keys naming what that KV holds (issue
-        #18), also for a session the node freed already. False if the node could not be reached."""
-        params = [p for p, on in (("cancel=1", cancel), ("keep=1", keep)) if on]
+        it completed, the node may keep its first ``keep`` positions for reuse (the confirmed ones: a speculative
+        session's last window may have left more); ``keys``: prefix keys naming what that KV holds (issue #18),
+        also for a session the node freed already. False if the node could not be reached."""
+        params = [p for p, on in (("cancel=1", cancel), (f"keep={keep}", keep > 0)) if on]
         if keys:
             params.append("keys=" + ",".join(keys))
         query = "?" + "&".join(params) if params else ""
@@ -131,6 +134,12 @@ class NodeClient:
         """POST a sampled token (a token frame) to the session's head; written at once like ``send_frame``."""
         return self._hot_start(node, endpoint, f"/v1/sessions/{session_id}/tokens", token_frame, TOKEN_CONTENT_TYPE,
                                timeout, session_token)
+
+    def send_window(self, node: str, endpoint: str, session_id: str, window_frame: bytes, *,
+                    timeout: float | None = None, session_token: str | None = None) -> Coroutine[Any, Any, None]:
+        """POST a verify window's verdict to the session's head; written at once like ``send_token``."""
+        return self._hot_start(node, endpoint, f"/v1/sessions/{session_id}/tokens", window_frame,
+                               WINDOW_CONTENT_TYPE, timeout, session_token)
 
     async def report_failure(self, node: str, endpoint: str, session_id: str, reason: FailureReason, *,
                              timeout: float = 2.0, session_token: str | None = None) -> None:

@@ -56,6 +56,7 @@ from schemas.session import (
     SessionEnd,
     SessionOpen,
     SessionPhase,
+    Speculation,
     TokenEvent,
 )
 from schemas.settings import Settings
@@ -449,13 +450,15 @@ class SessionManager:
                                      f"{len(tokens) + max_tokens} exceeds the context of {n_ctx} tokens")
         session.prompt_tokens, session.max_tokens = tokens, max_tokens
         session.n, session.seen, session.fan_out = route_n, [0] * route_n, request.n // route_n
-        repair = self._repairs and route_n == 1
+        speculate = self._speculation(sampling, route_n, len(route.hops))
+        # A speculative session's KV goes back and forth between windows: it does not snapshot (issue #20).
+        repair = self._repairs and route_n == 1 and speculate is None
         # Each hop gets only its own grants: for the session, and for its standby (the snapshots it sends there).
         opens = [SessionOpen(session_id=session.id, route=capability.strip(route, keep_standby=i), hop_index=i,
                              prompt_tokens=tokens, max_tokens=max_tokens, sampling=sampling, stop=request.stop,
                              ignore_eos=request.ignore_eos, prefill_chunk=self.settings.prefill_chunk,
                              capability=route.hops[i].capability, n=route_n, repair=repair,
-                             snapshot_every=self.settings.snapshot_every if repair else 0)
+                             snapshot_every=self.settings.snapshot_every if repair else 0, speculate=speculate)
                  for i in range(len(route.hops))]
         downstream = [self.nodes.open_session(route.hops[i].node_id, route.hops[i].endpoint, opens[i])
                       for i in range(1, len(route.hops))]
@@ -463,6 +466,16 @@ class SessionManager:
         if opened:  # prefix reuse: the head reuses no more than every hop after it holds (issue #18)
             opens[0].reuse_limit = min(o.reused for o in opened)
         await _passthrough(self.nodes.open_session(head.node_id, head.endpoint, opens[0]))
+
+    def _speculation(self, sampling: SamplingParams, n: int, hops: int) -> Speculation | None:
+        """Verify windows for a session whose next token is a function of the logits alone (one choice, no grammar,
+        no penalties, no logprobs) on a route of several hops, when the swarm is set to speculate (issue #20)."""
+        s = self.settings
+        plain = (sampling.constraint is None and sampling.logprobs is None and sampling.repeat_penalty == 1.0
+                 and sampling.presence_penalty == 0.0 and sampling.frequency_penalty == 0.0)
+        if s.speculation == "off" or n != 1 or hops < 2 or not plain or s.speculative_max_k == 0:
+            return None
+        return Speculation(source=s.speculation, max_k=s.speculative_max_k, windows=s.speculative_windows)
 
     async def publish_telemetry(self, session: LiveSession, phase: SessionPhase, *, seq: int | None = None,
                                 failure: FailureReason | None = None) -> None:

@@ -43,6 +43,8 @@ class WireDType(enum.IntEnum):
 class FrameKind(enum.IntEnum):
     PREFILL = 0
     DECODE = 1
+    VERIFY = 2
+    """A speculative window (issue #20): the last sampled token and the head's drafts, ``step`` the window's id."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -126,3 +128,17 @@ class SampledToken:
     """Ids and logprobs only (``bytes`` unset): the head resolves the bytes."""
     epoch: int = 0
     """The route's repair count when the tail sampled it (issue #18): the head drops tokens of an older epoch."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SampledWindow:
+    """The tail's verdict on a verify window (issue #20): the tokens it emits (the accepted drafts, then its own),
+    on their way to the head in one message (``bus.frame.encode_window``)."""
+
+    session_id: bytes  # 16 raw bytes (uuid)
+    window: int
+    """The window's id (its frame's ``step``)."""
+    accepted: int
+    """How many of its drafts were accepted."""
+    tokens: tuple[SampledToken, ...]
+    """In order; the last may carry the finish reason (then fewer than ``accepted + 1`` may follow)."""

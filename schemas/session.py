@@ -136,9 +136,20 @@ class SessionOpen(WireModel):
                        description="the route's repair count: token frames of an older epoch are stale")
     resume: Resume | None = Field(default=None, exclude_if=_none,
                                   description="this hop replaces a lost one: what it rebuilds first")
+    speculate: Speculation | None = Field(default=None, exclude_if=_none,
+                                          description="issue #20: the head decodes in verify windows")
     reuse_limit: int | None = Field(default=None, ge=0, exclude_if=_none,
                                     description="head: the most prompt positions its downstream hops can reuse "
                                                 "(the least any of them reported when it opened)")
+
+
+class Speculation(WireModel):
+    """A session decoded in verify windows (issue #20): every hop computes windows in their order and cuts its KV
+    back where a window starts below it (rejected drafts); the tail judges each window."""
+
+    source: str = Field(description="ngram | model: where the head's drafts come from")
+    max_k: int = Field(ge=0, le=32)
+    windows: int = Field(ge=1, le=8)
 
 
 class SessionOpened(WireModel):

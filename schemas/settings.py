@@ -178,3 +178,20 @@ class Settings(BaseSettings):
 
     prefix_cache_sessions: int = Field(default=4, ge=0)
     """Most finished sessions a node keeps for reuse (llama.cpp: sequences beyond ``max_sessions``)."""
+
+    # ---- Hide the network (issue #20): speculative decoding across the route -----------------------------------
+
+    speculation: str = Field(default="off", pattern=r"^(off|ngram|model)$")
+    """Where a route's head gets draft tokens to verify k+1 positions per ring: ``ngram`` (prompt lookup, no extra
+    model), ``model`` (``draft_model``), or ``off``. Windows compute several positions in one forward pass, which
+    rounds differently from one at a time: greedy output can then differ from plain decoding at near-ties."""
+
+    draft_model: Path | None = None
+    """A small GGUF with the served model's vocabulary, for ``speculation = model`` (the head loads it)."""
+
+    speculative_max_k: int = Field(default=8, ge=0, le=32)
+    """Most drafts in one window; the head sizes each window from the acceptance and ring time it measures."""
+
+    speculative_windows: int = Field(default=2, ge=1, le=8)
+    """Most windows in flight: the next one starts, on the assumption that the one before is accepted whole, while
+    that one is still going round the ring (when the measured acceptance makes it likely to pay)."""

@@ -49,6 +49,19 @@ class RepairView(WireModel):
     duration_ms: float | None = Field(default=None, description="from the loss being found to decode going on")
 
 
+class SpeculationView(WireModel):
+    """How the session's verify windows fare (issue #20)."""
+
+    source: str
+    windows: int = 0
+    drafts_offered: int = 0
+    drafts_accepted: int = 0
+    acceptance: float = Field(default=0.0, description="accepted / offered drafts so far")
+    mean_accepted: float = Field(default=0.0, description="drafts accepted per window")
+    in_flight: int = Field(default=0, description="windows going round the ring now")
+    next_k: int = Field(default=0, description="drafts the head will put in its next window (0: plain decoding)")
+
+
 class GenerationTelemetry(WireModel):
     """One snapshot; ``seq`` increases per session so a subscriber can order and de-duplicate."""
 
@@ -69,4 +82,5 @@ class GenerationTelemetry(WireModel):
     failure: FailureReason | None = None
     finish_reason: str | None = None
     repair: RepairView | None = Field(default=None, exclude_if=lambda v: v is None)
+    speculation: SpeculationView | None = Field(default=None, exclude_if=lambda v: v is None)
     sent_at: float = Field(default_factory=time.time)

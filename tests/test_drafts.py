@@ -40,7 +40,11 @@ async def test_a_draft_model_proposes_its_greedy_continuation() -> None:
     for i in range(7):
         token = reference.step([StepInput("r", len(prompt) + i, tokens=[greedy[-1]], sample=True)])[0].token
         greedy.append(token)
-    draft = ModelDraft(backend, session_id="draft")
+    from actors.node.engine import StepEngine
+
+    engine = StepEngine(backend)
+    await engine.start()
+    draft = ModelDraft(engine, session_id="draft")
     try:
         assert await draft.propose(prompt, 4) == greedy[:4]
         # Two drafts accepted, the third replaced by the route's own token: the model cuts back and follows.
@@ -50,8 +54,11 @@ async def test_a_draft_model_proposes_its_greedy_continuation() -> None:
         assert await draft.propose([*prompt, *greedy[:5]], 2) == greedy[5:7]
     finally:
         await draft.close()
+        await engine.stop()
 
 
 def test_a_draft_model_must_be_a_whole_model(tmp_path: Path) -> None:
+    from actors.node.engine import StepEngine
+
     with pytest.raises(ValueError, match="whole model"):
-        ModelDraft(StubBackend(StubConfig(n_layers=4, layer_end=2)), session_id="x")
+        ModelDraft(StepEngine(StubBackend(StubConfig(n_layers=4, layer_end=2))), session_id="x")

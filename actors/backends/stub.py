@@ -227,6 +227,8 @@ class StubBackend:
         s.positions_computed += x.shape[0]
         if not self.is_tail:
             return StepOutput(hidden=out.reshape((x.shape[0], *self.config.hidden_shape)))
+        if item.rows:
+            return StepOutput(rows=((out @ self._unembed) + self._mask).astype(np.float32))
         if not item.sample:
             return StepOutput()
         s.last_logits = (out[-1] @ self._unembed).astype(np.float64) + self._mask

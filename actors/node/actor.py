@@ -40,6 +40,7 @@ from starlette.routing import Route as HttpRoute
 
 from actors.backend import Backend, ForkingBackend, KvBackend
 from actors.node.admission import Admission
+from actors.node.drafts import DraftSource, ModelDraft, NgramDraft
 from actors.node.engine import StepEngine
 from actors.node.head_session import HeadSession
 from actors.node.hop_api import HopApi
@@ -120,7 +121,8 @@ class NodeConfig:
 class Node(NatsActor):
     """An async context manager (``bus.actor.NatsActor``); ``stop()`` is safe to call twice."""
 
-    def __init__(self, config: NodeConfig, backend: Backend, settings: Settings, *, nc: NATS | None = None) -> None:
+    def __init__(self, config: NodeConfig, backend: Backend, settings: Settings, *, nc: NATS | None = None,
+                 draft: Backend | None = None) -> None:
         super().__init__(settings, nc=nc, name=f"node-{config.node_id}")
         self.config = config
         self.backend = backend
@@ -154,6 +156,8 @@ class Node(NatsActor):
                            self.snapshots, model_id=config.model_id, layers=backend.layers)
         """Completed sessions' KV kept for requests that start the same way (issue #18)."""
         self.metrics.prefix_cache_sessions.set_function(lambda: float(len(self.reuse.cache)))
+        self.draft_engine = StepEngine(draft) if draft is not None else None
+        """The draft model's engine, on a head that was given one (``speculation = model``, issue #20)."""
 
     @property
     def endpoint(self) -> str:
@@ -171,8 +175,10 @@ class Node(NatsActor):
                                    wire_dtype=WireDType.parse(self.config.wire_dtype), metrics=self.metrics,
                                    poller=LoopPoller(on_polled=self.metrics.spin_seconds.inc),
                                    client_present=self._client_present, manifest_id=self.config.manifest_id,
-                                   ask_repair=self._ask_repair)
+                                   ask_repair=self._ask_repair, drafts=self._draft_source)
         await self.engine.start()
+        if self.draft_engine is not None:
+            await self.draft_engine.start()
         await self.server.start()
         self._kv = await open_registry(self.nc, self.subjects, self.settings.registry_ttl_s,
                                        replicas=self.settings.registry_replicas)
@@ -207,6 +213,9 @@ class Node(NatsActor):
             await session.close()
         await self.server.stop()
         await self.engine.stop()
+        if self.draft_engine is not None:
+            await self.draft_engine.stop()
+            self.draft_engine.backend.close()
         await self._client.aclose()
 
     # ---- NATS --------------------------------------------------------------------------------------------------
@@ -247,6 +256,14 @@ class Node(NatsActor):
         except Exception:  # noqa: BLE001 - a timeout or an outage: unknown, the next probe asks again
             return None
         return True
+
+    def _draft_source(self, session_id: str, source: str) -> DraftSource:
+        """A speculative session's drafts (issue #20): prompt lookup, or the draft model this head loaded."""
+        if source == "ngram":
+            return NgramDraft()
+        if source == "model" and self.draft_engine is not None:
+            return ModelDraft(self.draft_engine, session_id=session_id)
+        raise BadRequestError(f"node {self.config.node_id} has no {source!r} draft source", param="speculation")
 
     async def _ask_repair(self, request: RepairRequest) -> RouteReply:
         """Ask the trackers to replace a lost hop of a session this node heads (issue #18)."""
@@ -335,7 +352,7 @@ class Node(NatsActor):
             del self.sessions[session.id]
         if session.keep and session.request.n == 1 and self.reuse.enabled:
             try:
-                await self.reuse.keep(session.id, session.recovery.tokens, session.position,
+                await self.reuse.keep(session.id, session.recovery.tokens, min(session.keep, session.position),
                                       session.request.prefill_chunk, session.session_token)
             except Exception as exc:  # noqa: BLE001 - a prefix not kept costs a later prefill, nothing else
                 log.warning("session %s: KV not kept for reuse: %r", session.id[:8], exc)
@@ -506,7 +523,7 @@ class Node(NatsActor):
             if isinstance(session, HeadSession) and request.query_params.get("cancel") == "1":
                 await session.cancel("its client went away")
             else:
-                session.keep = request.query_params.get("keep") == "1"
+                session.keep = _positions(request.query_params.get("keep"), session.position)
                 await session.close()
         keys = [k for k in request.query_params.get("keys", "").split(",") if k]
         kept = self.reuse.cache.get(sid)
@@ -585,3 +602,10 @@ class Node(NatsActor):
         if bound is None:
             raise SessionNotFoundError(f"node {self.config.node_id} holds no snapshots of session {session_id}")
         Admission.check_session_token(bound, request.headers.get(HEADER_SESSION_TOKEN))
+
+
+def _positions(keep: str | None, held: int) -> int:
+    """``keep`` of a DELETE: ``1`` (before issue #20) or how many positions are confirmed; 0 when absent."""
+    if not keep or not keep.isdigit():
+        return 0
+    return held if keep == "1" else min(int(keep), held)

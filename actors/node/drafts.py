@@ -86,11 +86,13 @@ class ModelDraft:
 
     name = "model"
 
-    def __init__(self, backend: Backend, *, session_id: str) -> None:
+    def __init__(self, engine: StepEngine, *, session_id: str) -> None:
+        """``engine``: the draft model's, shared by the node's sessions (started by whoever made it)."""
+        backend = engine.backend
         if not isinstance(backend, KvBackend) or not (backend.is_head and backend.is_tail):
             raise ValueError("a draft model must be a whole model whose KV can be cut back")
-        self._backend = backend
-        self._engine = StepEngine(backend)
+        self._backend: Backend = backend
+        self._engine = engine
         self._session_id = session_id
         self._fed: list[int] = []
         self._opened = False
@@ -99,7 +101,6 @@ class ModelDraft:
         if k <= 0:
             return []
         if not self._opened:
-            await self._engine.start()
             await self._engine.call(lambda: self._backend.open_session(
                 self._session_id, prompt_tokens=list(history[:1]), sampling=SamplingParams(temperature=0.0)))
             self._opened = True
@@ -132,8 +133,7 @@ class ModelDraft:
     async def close(self) -> None:
         if self._opened:
             with contextlib.suppress(Exception):
-                await self._engine.call(self._backend.close_session, self._session_id)
-        await self._engine.stop()
+                await self._engine.close_session(self._session_id)
 
 
 def _common(a: Sequence[int], b: Sequence[int]) -> int:

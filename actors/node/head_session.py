@@ -28,10 +28,11 @@ from actors.node.engine import StepChain, StepTiming
 from actors.node.repair import Quiesced, RepairFailed, RouteRepair, phase_after
 from actors.node.runtime import NodeRuntime
 from actors.node.session import NodeSession, SessionFailed, StepFuture, settled
+from actors.node.spec_head import SpeculativeDecode
 from actors.node.telemetry import TelemetryPublisher
 from bus.liveness import Silence, first_lost
 from schemas.errors import SwarmrouteError
-from schemas.frame import FrameKind, SampledToken
+from schemas.frame import FrameKind, SampledToken, SampledWindow
 from schemas.route import Route
 from schemas.session import (
     FailureReason,
@@ -56,7 +57,7 @@ class HeadSession(NodeSession):
     def __init__(self, rt: NodeRuntime, request: SessionOpen, *, hidden_shape: tuple[int, ...],
                  on_closed: Callable[[NodeSession], Awaitable[None]]) -> None:
         super().__init__(rt, request, hidden_shape=hidden_shape, on_closed=on_closed)
-        self._events: asyncio.Queue[TokenEvent | SampledToken | FailureReason] = asyncio.Queue()
+        self._events: asyncio.Queue[TokenEvent | SampledToken | SampledWindow | FailureReason] = asyncio.Queue()
         self._driver: asyncio.Task[None] | None = None
         self._watcher: asyncio.Task[None] | None = None
         """Asks every ``client_probe_s`` whether the session's client still listens (``_watch_client``)."""
@@ -95,6 +96,13 @@ class HeadSession(NodeSession):
         """Head: a downstream node reported a failure."""
         self._events.put_nowait(reason)
 
+    def on_window(self, window: SampledWindow) -> None:
+        """Head: the tail's verdict on a verify window (issue #20), for the speculative loop."""
+        self._spinner.arrived()
+        self.touch()
+        if not self._repairing and all(t.epoch >= self.recovery.epoch for t in window.tokens):
+            self._events.put_nowait(window)
+
     def on_token(self, event: TokenEvent | SampledToken) -> None:
         """Head: the tail posted a sampled token. The next step is queued at once, ahead of the driver task waking
         up to publish the token: that wake-up is off the per-token path."""
@@ -104,7 +112,8 @@ class HeadSession(NodeSession):
         if self._repairing or (isinstance(event, SampledToken) and event.epoch < self.recovery.epoch):
             return  # sampled on the route as it was before the repair: the repaired route samples it again
         choice = self.choices.get(event.choice if isinstance(event, SampledToken) else event.index)
-        if self.request.n > 1:  # decoded in rounds (``_decode_rounds``): nothing starts for one choice alone
+        if self.request.n > 1 or self.request.speculate is not None:
+            # Decoded in rounds (``_decode_rounds``) or in verify windows (``spec_head``): the driver starts steps.
             self._events.put_nowait(event)
             return
         choice.arrivals[event.seq] = arrived
@@ -174,6 +183,15 @@ class HeadSession(NodeSession):
     async def _decode(self) -> None:
         if self.request.n > 1:
             await self._decode_rounds()
+            return
+        spec = self.request.speculate
+        if spec is not None and not self.is_tail:
+            decoder = SpeculativeDecode(self, self.rt.drafts(self.id, spec.source), max_k=spec.max_k,
+                                        windows=spec.windows)
+            try:
+                await decoder.run()
+            finally:
+                await decoder.source.close()
             return
         if self.is_tail:
             await self._decode_local()
@@ -348,6 +366,17 @@ class HeadSession(NodeSession):
     async def _next_event(self) -> TokenEvent:
         """The next token from the tail, or ``SessionFailed``: a hop's report, a hop found dead while the route is
         silent (``bus.liveness``: at once), or silence past the token timeout."""
+        item = await self._next_message()
+        if isinstance(item, FailureReason):
+            raise SessionFailed(item)
+        if isinstance(item, SampledWindow):
+            raise SessionFailed(FailureReason(node_id=self.route.tail.node_id, phase=self.phase, kind="protocol",
+                                              message="a verify window's verdict for a session without windows"))
+        return self._event_of(item) if isinstance(item, SampledToken) else item
+
+    async def _next_message(self) -> TokenEvent | SampledToken | SampledWindow | FailureReason:
+        """What the route sends next (a token, a window's verdict, a hop's failure report), or ``SessionFailed`` for
+        a hop found dead while the route is silent or silence past the token timeout."""
         limit = self._token_timeout()
         silence = Silence(self.rt.settings.liveness_probe_s)
         while True:
@@ -364,11 +393,9 @@ class HeadSession(NodeSession):
                     if arrived is not None:
                         item = arrived
                         break
-        if isinstance(item, FailureReason):
-            raise SessionFailed(item)
-        return self._event_of(item) if isinstance(item, SampledToken) else item
+        return item
 
-    async def _probe_downstream(self) -> TokenEvent | SampledToken | FailureReason | None:
+    async def _probe_downstream(self) -> TokenEvent | SampledToken | SampledWindow | FailureReason | None:
         """Fail at once if a downstream hop is dead or lost the session, unless word (a failure report, a token)
         arrives within the grace that messages already on their way need: that word is returned."""
         lost = await first_lost(self.rt.client, self.route.hops[1:], self.id, session_token=self.session_token)
@@ -389,7 +416,7 @@ class HeadSession(NodeSession):
         return FailureReason(node_id=None, phase=self.phase, kind="timeout",
                              message=f"no token from the route for {waited:g}s although every hop answers")
 
-    async def _complete(self, event: TokenEvent) -> None:
+    async def _complete(self, event: TokenEvent, *, keep_positions: int | None = None) -> None:
         assert event.finish_reason is not None
         end = self._ended(SessionPhase.COMPLETE, self.choices.completion_tokens(),
                           finish_reason=self.choices.first.finish_reason or event.finish_reason)
@@ -399,9 +426,10 @@ class HeadSession(NodeSession):
         # at once must find the slots free, or a swarm within its capacity refuses it (tests/test_load.py).
         if self.outbox is not None:
             await self.outbox.drain(DRAIN_S)
-        self.keep = True  # its KV may serve a request that continues it (issue #18)
+        # Its KV may serve a request that continues it (issue #18); speculative positions never confirmed stay out.
+        self.keep = self.position if keep_positions is None else keep_positions
         await self.close()
-        await self._release_route(keep=True)
+        await self._release_route(keep=self.keep)
         await self.rt.publish(self.rt.subjects.tokens(self.id), end)
 
     async def _watch_client(self) -> None:
@@ -447,7 +475,7 @@ class HeadSession(NodeSession):
         return SessionEnd(session_id=self.id, phase=phase, finish_reason=finish_reason, failure=failure,
                           prompt_tokens=len(self.request.prompt_tokens), completion_tokens=completion_tokens)
 
-    async def _release_route(self, *, keep: bool = False) -> None:
+    async def _release_route(self, *, keep: int = 0) -> None:
         """Head, at the end: free the session on every other hop (``keep``: it completed, and they may keep its KV
         for reuse). The gateway does the same, but it may be gone, and then the tail (and any middle hop) would hold
         its KV until the idle TTL. Idempotent on the nodes."""
@@ -504,7 +532,7 @@ class HeadSession(NodeSession):
         kept: list[TokenEvent | SampledToken] = []
         while not self._events.empty():
             item = self._events.get_nowait()
-            if not isinstance(item, FailureReason):
+            if isinstance(item, TokenEvent | SampledToken):
                 kept.append(item)
         if choice.prefetched is not None:
             seq, step, forwarded = choice.prefetched

@@ -11,11 +11,14 @@ session's owner), or on NATS if the head cannot be reached.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable
 
 from actors.backend import Hidden, KvBackend, StepInput, StepOutput
 from actors.node.choices import Choice
 from actors.node.session import NodeSession, SessionFailed, StepFuture, settled
+from actors.node.speculation import Target, verify
+from actors.node.windows import WindowOrder
 from bus import frame as frames
 from schemas.errors import (
     BackendError,
@@ -25,7 +28,7 @@ from schemas.errors import (
     SessionNotFoundError,
     SwarmrouteError,
 )
-from schemas.frame import FrameHeader, FrameKind, HopStamp
+from schemas.frame import FrameHeader, FrameKind, HopStamp, SampledToken, SampledWindow
 from schemas.route import HopPosition, RouteUpdate
 from schemas.session import FailureReason, SessionEnd, SessionPhase
 
@@ -33,6 +36,12 @@ from schemas.session import FailureReason, SessionEnd, SessionPhase
 class HopSession(NodeSession):
     _rounds: dict[int, list[tuple[Choice, FrameHeader, Hidden, int, asyncio.Future[int]]]] | None = None
     """n > 1: decode frames of a round (by step) waiting for the rest of their group."""
+    _expect: int | None = None
+    """Tail, speculative: the token the next good window starts with (the one it sampled last)."""
+
+    @functools.cached_property
+    def _order(self) -> WindowOrder:
+        return WindowOrder()
 
     def on_frame(self, header: FrameHeader, hidden: Hidden, nbytes: int) -> int | Awaitable[int]:
         """Validate, compute and queue the forward of one frame; returns the new KV position of its choice, or an
@@ -42,6 +51,8 @@ class HopSession(NodeSession):
             raise FrameError(f"frame position shape {list(header.position_shape)} does not match this model's "
                              f"{list(self.hidden_shape)}")
         choice = self.choices.get(header.choice)
+        if header.kind is FrameKind.VERIFY:
+            return self._window(choice, header, hidden, nbytes)
         if header.kind is FrameKind.DECODE:
             self._spinner.arrived()
             if header.group > 1:
@@ -93,7 +104,70 @@ class HopSession(NodeSession):
             answer.set_exception(SessionNotFoundError(f"session {self.id} closed on node {self.rt.node_id}"))
             raise
 
+    # ---- verify windows (issue #20) -----------------------------------------------------------------------------
+
+    def _window(self, choice: Choice, header: FrameHeader, hidden: Hidden, nbytes: int) -> int | Awaitable[int]:
+        """A verify window: taken in window order, after the one before it has run (the tail judges it then)."""
+        if self.request.speculate is None or header.tokens is None or len(header.tokens) != header.n_positions:
+            raise FrameError("a verify window needs a speculative session and one token id per position")
+        order = self._order
+        if order.seen(header.step):
+            return choice.position  # sent twice: taken already
+        if order.next == header.step and choice.frame_step is None:
+            return self._window_now(choice, header, hidden, nbytes)
+        return self._window_later(choice, header, hidden, nbytes)
+
+    async def _window_later(self, choice: Choice, header: FrameHeader, hidden: Hidden, nbytes: int) -> int:
+        await self._order.turn(header.step)
+        while choice.frame_step is not None:
+            await asyncio.wait([choice.frame_step])
+        ran = self._window_now(choice, header, hidden, nbytes)
+        return ran if isinstance(ran, int) else await ran
+
+    def _window_now(self, choice: Choice, header: FrameHeader, hidden: Hidden, nbytes: int) -> int | Awaitable[int]:
+        assert header.tokens is not None
+        try:
+            generation = choice.generation
+            if self.is_tail and (header.start_position != choice.position or (generation and generation.done)
+                                 or (self._expect is not None and header.tokens[0] != self._expect)):
+                return choice.position  # built on drafts the tail rejected (or past the end): dropped unread
+            if header.start_position < choice.position:  # the window before it was not accepted whole
+                self.rt.engine.call_soon(self._kv().truncate, self.id, header.start_position)
+                choice.position = header.start_position
+                self.recovery.truncate(header.start_position)
+            return self._run_frame(choice, header, hidden, nbytes)
+        finally:
+            self._order.taken(header.step)
+
+    def _judge(self, choice: Choice, header: FrameHeader, out: StepOutput, stamps: tuple[HopStamp, ...]) -> None:
+        """Tail: accept the window's drafts the model agrees with (``speculation.verify``), emit them and its own
+        next token, cut the rejected positions out of the KV, and send the verdict to the head in one message."""
+        assert header.tokens is not None and out.rows is not None
+        sampling = self.request.sampling
+        target = Target(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                        min_p=sampling.min_p)
+        verdict = verify(out.rows, header.tokens[1:], target, start=header.start_position, seed=sampling.seed)
+        emitted: list[SampledToken] = []
+        for token in verdict.tokens:
+            emitted.append(self._sampled_token(choice, token, stamps))
+            if emitted[-1].finish_reason is not None:
+                self.phase = SessionPhase.COMPLETE
+                break
+        keep = header.start_position + verdict.accepted + 1
+        if keep < choice.position:
+            self.rt.engine.call_soon(self._kv().truncate, self.id, keep)
+            choice.position = keep
+            self.recovery.truncate(keep)
+        self._expect = verdict.tokens[-1]
+        data = frames.encode_window(SampledWindow(self.raw_id, header.step, verdict.accepted, tuple(emitted)))
+        head, timeout = self.route.head, self.rt.settings.hop_timeout_s
+        assert self.outbox is not None
+        self.outbox.send(lambda: self.rt.client.send_window(head.node_id, head.endpoint, self.id, data,
+                                                            timeout=timeout, session_token=self.session_token),
+                         causal=True)
+
     def _stopping(self) -> None:
+        self._order.close()
         for waiting in (self._rounds or {}).values():  # a round that never filled: its frames are answered
             for *_, answer in waiting:
                 if not answer.done():
@@ -127,12 +201,13 @@ class HopSession(NodeSession):
         self.bytes_received += nbytes
         asyncio.get_running_loop().call_soon(self.rt.metrics.frame_bytes.inc, nbytes)
         self.positions_received += header.n_positions
-        if header.kind is FrameKind.DECODE:
+        if header.kind is not FrameKind.PREFILL:
             self.phase = SessionPhase.DECODE
         # n > 1: the last prefill chunk (the one the tail samples after) forks the prompt's KV into every choice.
         forks = self.choices.fork_ids() if header.kind is FrameKind.PREFILL and header.sample else ()
+        window = header.kind is FrameKind.VERIFY and self.is_tail  # the tail judges it from every row's logits
         return StepInput(choice.backend_id, header.start_position, hidden=hidden,
-                         sample=header.sample and self.is_tail, forks=forks)
+                         sample=header.sample and self.is_tail and not window, rows=window, forks=forks)
 
     async def _frame_awaited(self, choice: Choice, header: FrameHeader, item: StepInput, step: StepFuture) -> int:
         try:
@@ -150,7 +225,9 @@ class HopSession(NodeSession):
             raise BackendError(failed.reason.message) from None
         forks = self._fork(choice.position) if item.forks else []
         stamps = (*header.stamps, self._stamp(timing))
-        if self.is_tail:
+        if self.is_tail and header.kind is FrameKind.VERIFY:
+            self._judge(choice, header, out, stamps)
+        elif self.is_tail:
             if header.sample and self.recovery.forwards(header.start_position):
                 self._send_token(choice, out, stamps)
                 for fork, first in zip(forks, out.forks, strict=True):

@@ -26,6 +26,8 @@ Series (all names prefixed ``swarmroute_``)::
     node_repairs_total{outcome}               head: route repairs, repaired | failed (issue #18)
     node_prefix_reused_positions_total        prompt positions taken from kept KV instead of computed
     node_prefix_cache_sessions                finished sessions whose KV is kept for reuse
+    node_spec_windows_total                   head: verify windows sent (issue #20)
+    node_spec_drafts_total{outcome}           head: drafts the tail judged, accepted | rejected
     artifact_bytes_fetched_total{model}       artifact bytes downloaded by this process
     artifact_bytes_served_total{model}        artifact bytes uploaded to peers by this process
 """
@@ -98,6 +100,10 @@ class NodeMetrics:
         self.repairs = Counter("swarmroute_node_repairs", "Head: route repairs by outcome", ["outcome"], registry=r)
         self.prefix_reused = Counter("swarmroute_node_prefix_reused_positions", "Prompt positions taken from kept "
                                      "KV instead of computed", registry=r)
+        self.spec_windows = Counter("swarmroute_node_spec_windows", "Head: verify windows sent (issue #20)",
+                                    registry=r)
+        self.spec_drafts = Counter("swarmroute_node_spec_drafts", "Head: draft tokens the tail judged, by outcome",
+                                   ["outcome"], registry=r)
         self.prefix_cache_sessions = Gauge("swarmroute_node_prefix_cache_sessions", "Finished sessions whose KV "
                                            "is kept for reuse", registry=r)
 

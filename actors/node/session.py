@@ -27,9 +27,9 @@ from actors.node.runtime import NodeRuntime
 from actors.node.spin import ArrivalSpinner
 from bus import frame as frames
 from schemas.errors import BadRequestError, FrameError, HopError, SwarmrouteError
-from schemas.frame import FrameHeader, FrameKind, HopStamp, SampledToken
+from schemas.frame import FrameHeader, FrameKind, HopStamp, SampledToken, SampledWindow
 from schemas.route import Hop, ReplayRequest, Route
-from schemas.session import FailureReason, SessionOpen, SessionPhase, TokenEvent
+from schemas.session import FailureReason, SessionOpen, SessionPhase, TokenEvent, TokenLogprobs
 
 StepFuture = asyncio.Future[tuple[StepOutput, StepTiming]]
 
@@ -62,8 +62,8 @@ class NodeSession:
         self.positions_received = 0
         self.session_token: str | None = None
         """Bound at open when the node checks capabilities; sent on every request to this session's other hops."""
-        self.keep = False
-        """It completed: its KV is kept for prefix reuse when it closes (issue #18)."""
+        self.keep = 0
+        """It completed: the first ``keep`` positions of its KV are kept for prefix reuse when it closes."""
         self.reused = 0
         """Prompt positions it took from kept KV at open (it then prefills from there)."""
         self._on_closed = on_closed
@@ -175,6 +175,9 @@ class NodeSession:
     def on_failure_report(self, reason: FailureReason) -> None:
         raise BadRequestError("failures are reported to the session's head")
 
+    def on_window(self, window: SampledWindow) -> None:
+        raise BadRequestError("verify windows' verdicts go to the session's head")
+
     # ---- computing ---------------------------------------------------------------------------------------------
 
     async def _compute(self, choice: Choice, item: StepInput,
@@ -222,12 +225,16 @@ class NodeSession:
     def _sampled(self, choice: Choice, out: StepOutput, stamps: tuple[HopStamp, ...]) -> SampledToken:
         """The tail's record of one sampled token: its text and, if it ends the choice's generation, why; its
         logprobs when the session asked for them."""
+        assert out.token is not None
+        return self._sampled_token(choice, out.token, stamps, out.logprobs)
+
+    def _sampled_token(self, choice: Choice, token: int, stamps: tuple[HopStamp, ...],
+                       logprobs: TokenLogprobs | None = None) -> SampledToken:
         generation = choice.generation
-        token = out.token
-        assert generation is not None and token is not None
+        assert generation is not None
         text, finish = generation.accept(token)
         return SampledToken(session_id=self.raw_id, seq=generation.count - 1, token=token, text=text,
-                            finish_reason=finish, stamps=stamps, choice=choice.index, logprobs=out.logprobs,
+                            finish_reason=finish, stamps=stamps, choice=choice.index, logprobs=logprobs,
                             epoch=self.recovery.epoch)
 
     # ---- sending on --------------------------------------------------------------------------------------------

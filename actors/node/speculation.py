@@ -19,6 +19,7 @@ window gives the same tokens wherever and however often it is verified.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
@@ -60,8 +61,9 @@ class Target:
             mask = np.zeros(p.shape, dtype=bool)
             mask[order[:cut]] = True
             keep &= mask
-        p = np.where(keep, p, 0.0)
-        return p / p.sum()
+        kept: Probs = np.where(keep, p, 0.0)
+        normalized: Probs = kept / kept.sum()
+        return normalized
 
 
 def draws(seed: int | None, position: int) -> np.random.Generator:
@@ -172,6 +174,45 @@ class WindowSizer:
     @property
     def mean_accepted(self) -> float:
         return self.drafts_accepted / self.windows if self.windows else 0.0
+
+
+@dataclasses.dataclass
+class CostModel:
+    """What a window's forward passes cost the route, ``base_ms + n * position_ms`` for ``n`` positions, fitted by
+    least squares over the last ``history`` windows. While every window measured had the same length, one more
+    position is taken to cost ``prior`` of a whole pass (small batches cost little more than one row on a CPU)."""
+
+    history: int = 32
+    prior: float = 0.1
+    _points: collections.deque[tuple[int, float]] = dataclasses.field(default_factory=collections.deque)
+
+    def observe(self, positions: int, compute_ms: float) -> None:
+        self._points.append((positions, compute_ms))
+        while len(self._points) > self.history:
+            self._points.popleft()
+
+    def _fit(self) -> tuple[float, float] | None:
+        if not self._points:
+            return None
+        xs = [float(n) for n, _ in self._points]
+        ys = [ms for _, ms in self._points]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        var = sum((x - mx) ** 2 for x in xs)
+        if var == 0:
+            slope = self.prior * my / max(1.0, 1 + self.prior * (mx - 1))
+        else:
+            slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var)
+        return max(0.0, my - slope * mx), slope
+
+    @property
+    def base_ms(self) -> float | None:
+        fit = self._fit()
+        return None if fit is None else fit[0] + fit[1]  # a window's first position is part of its base
+
+    @property
+    def position_ms(self) -> float | None:
+        fit = self._fit()
+        return None if fit is None else fit[1]
 
 
 def expected_tokens(acceptance: float, k: int) -> float:

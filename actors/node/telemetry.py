@@ -14,7 +14,15 @@ from collections.abc import Awaitable, Callable
 from schemas.node import LayerRange
 from schemas.route import Route
 from schemas.session import FailureReason, HopTiming, SessionPhase
-from schemas.telemetry import GenerationTelemetry, HopHealth, PrefillProgress, RepairView, RouteHealth, RouteHopView
+from schemas.telemetry import (
+    GenerationTelemetry,
+    HopHealth,
+    PrefillProgress,
+    RepairView,
+    RouteHealth,
+    RouteHopView,
+    SpeculationView,
+)
 
 Publish = Callable[[GenerationTelemetry], Awaitable[None]]
 
@@ -54,6 +62,7 @@ class TelemetryPublisher:
         self.prefill = PrefillProgress()
         self.generated = 0
         self.ttft_ms: float | None = None
+        self.speculation: SpeculationView | None = None
         self.repair: RepairView | None = None
         """The latest route repair (issue #18), shown from then on."""
 
@@ -72,7 +81,7 @@ class TelemetryPublisher:
             route=hops, route_health=self._health(hops), prefill=self.prefill.model_copy(),
             generated_tokens=self.generated, tokens_per_s=round(rate, 3), ttft_ms=self.ttft_ms,
             elapsed_ms=round((now - self._started) * 1e3, 3), failure=failure, finish_reason=finish_reason,
-            hop_overhead_ms=self._overhead.mean, repair=self.repair)
+            hop_overhead_ms=self._overhead.mean, repair=self.repair, speculation=self.speculation)
         self._seq += 1
         return snap
 
@@ -145,6 +154,11 @@ class TelemetryPublisher:
         self.repair = view
         self.phase = phase
         await self._send(True)
+
+    async def speculating(self, view: SpeculationView) -> None:
+        """How the verify windows fare (issue #20): shown from then on, sent with the next snapshot due."""
+        self.speculation = view
+        await self._send(False)
 
     async def complete(self, finish_reason: str) -> None:
         self.phase = SessionPhase.COMPLETE

@@ -157,7 +157,7 @@ class LlamaCppBackend:
         # The tail needs one logits row per sampling session; a non-tail hop needs every row (its hidden states).
         # Sizing the output to that keeps a vocab-wide logits buffer per batch row (0.5 GB here) out of memory.
         # llama.cpp reserves at least one output row per sequence (the scratch one included).
-        p.n_outputs_max = c.n_seq_max if self.is_tail else c.n_batch
+        p.n_outputs_max = c.n_seq_max + c.max_sessions * c.max_draft if self.is_tail else c.n_batch
         p.no_perf = True
         if self._capture is not None:
             self._capture.install(p)
@@ -481,6 +481,8 @@ class LlamaCppBackend:
             raise CapacityError(f"this step forks {len(forks)} sessions; {len(self._free_seqs)} sequences are free")
         if any(f in self._sessions for f in forks) or len(set(forks)) != len(forks):
             raise BadRequestError(f"fork ids must be new and distinct, got {forks}")
+        if any(item.rows for item in batch) and not self.is_tail:
+            raise BadRequestError("only the tail returns logits rows")
         if self.is_tail and any(item.forks and not item.sample for item in batch):
             raise BadRequestError("on the tail, a step that forks must sample (the forks sample from its logits)")
         return sessions
@@ -490,7 +492,7 @@ class LlamaCppBackend:
         spans = []
         for item, session in zip(batch, sessions, strict=True):
             # Non-tail hops hand on every row's hidden state; the tail needs logits only where it samples.
-            output = "all" if not self.is_tail else ("last" if item.sample else "none")
+            output = "all" if not self.is_tail or item.rows else ("last" if item.sample else "none")
             hidden = None if item.hidden is None else np.asarray(item.hidden, dtype=np.float32)
             spans.append(self._batch.add(session.seq_id, item.start_position, tokens=item.tokens, hidden=hidden,
                                          output=output))
@@ -512,15 +514,28 @@ class LlamaCppBackend:
             hidden: Hidden = self._capture.take()
             return [StepOutput(hidden=hidden[lo:hi]) for lo, hi in spans]
         outputs = []
-        for item, session, (_lo, hi) in zip(batch, sessions, spans, strict=True):
+        for item, session, (lo, hi) in zip(batch, sessions, spans, strict=True):
             token, logprobs = None, None
             session.sampled_row = -1
+            if item.rows:
+                outputs.append(StepOutput(rows=self._rows(lo, hi)))
+                continue
             if item.sample:
                 assert session.sampler is not None
                 token, logprobs = session.sampler.sample(self._ctx, hi - 1)
                 session.sampled_row, session.sampled_in = hi - 1, self._decodes
             outputs.append(StepOutput(token=token, logprobs=logprobs))
         return outputs
+
+    def _rows(self, lo: int, hi: int) -> np.ndarray[Any, np.dtype[np.float32]]:
+        """A copy of the logits of batch rows ``[lo, hi)`` (a verify window's every position)."""
+        out = np.empty((hi - lo, self._n_vocab), dtype=np.float32)
+        for i, row in enumerate(range(lo, hi)):
+            ptr = llama_cpp.llama_get_logits_ith(self._ctx, row)
+            if not ptr:
+                raise BackendError(f"no logits for batch row {row}")
+            out[i] = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+        return out
 
     def last_logits(self, session_id: str) -> np.ndarray[Any, np.dtype[np.float32]]:
         """The logits the session's last sample was drawn from (a copy; valid until the next step). Tail only:

@@ -52,6 +52,10 @@ class LlamaCppConfig:
     native_dir: Path | None = None
     """Where the layer-capture callback is compiled and cached; default ``<SWARMROUTE_HOME>/native``."""
 
+    max_draft: int = 8
+    """Tail: the most drafts of one verify window (issue #20); the context keeps that many more logits rows per
+    session (one vocabulary-wide row each)."""
+
     allow_amx: bool = False
     """Let ggml put weights in its AMX buffer type. Off: on some AMX CPUs the first matrix multiply there crashes
     the process (``actors/backends/llamacpp/cpu_buffers.py``); the CPU_REPACK path stays on either way."""
