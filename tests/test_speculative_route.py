@@ -54,3 +54,48 @@ async def test_a_seeded_sampled_stream_with_speculation_is_reproducible(nats_ser
     again, telemetry = await complete(swarm, prompt, 60, temperature=0.9, seed=5)
     assert first == again and len(first) == 60
     assert telemetry["speculation"]["windows"] > 0
+
+
+async def test_torch_routes_speculate_with_zero_flips(nats_server: Any, tmp_path: Any, swarms: Swarms) -> None:
+    """The reference backend computes each position exactly whatever the window's shape: zero flips. The drafts
+    come from the same tiny model loaded whole on the head (a draft model that is always right when greedy), so
+    every window carries drafts."""
+    from actors.backends.torch.backend import load_torch
+    from actors.node import Node, NodeConfig
+    from actors.tracker import Tracker
+    from gateway.app import Gateway
+    from tests.support.torch_route import build_route
+
+    prompt = "one two three four one two three four one two three"
+    plain = await swarms.start(spec_settings(nats_server.url, tmp_path / "p", namespace="tplain"),
+                               build_route("tiny-llama", (0, 3, 6)), model_id="tiny-llama")
+    expected, _ = await _complete_model(plain, "tiny-llama", prompt, 40)
+    settings = spec_settings(nats_server.url, tmp_path / "s", namespace="tspec", speculation="model",
+                             speculative_windows=2, speculative_max_k=4)
+    head, tail = build_route("tiny-llama", (0, 3, 6))
+    await swarms.actor(Tracker(settings))
+    await swarms.actor(Node(NodeConfig(node_id="h", model_id="tiny-llama"), head, settings,
+                            draft=load_torch(model="tiny-llama")))
+    await swarms.actor(Node(NodeConfig(node_id="t", model_id="tiny-llama"), tail, settings))
+    gateway = await swarms.actor(Gateway(settings, port=0))
+    client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+    await _wait_routable(client)
+    reply = await client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=40, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    view = (reply.model_extra or {})["swarmroute"]["speculation"]
+    assert reply.choices[0].text == expected
+    assert view["source"] == "model" and view["drafts_offered"] > 0 and view["acceptance"] == 1.0, view
+
+
+async def _wait_routable(client: openai.AsyncOpenAI) -> None:
+    from tests.support.waiting import eventually
+
+    await eventually(lambda: client.completions.create(model="tiny-llama", prompt="x", max_tokens=1),
+                     ignoring=(openai.APIStatusError,), what="the speculative route serving")
+
+
+async def _complete_model(swarm: Swarm, model: str, prompt: str, max_tokens: int) -> tuple[str, dict[str, Any]]:
+    client = openai.AsyncOpenAI(base_url=swarm.base_url, api_key="unused", max_retries=0)
+    reply = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    return reply.choices[0].text, (reply.model_extra or {})["swarmroute"]

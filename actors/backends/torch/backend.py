@@ -266,6 +266,9 @@ class TorchBackend:
         if not self.is_tail:
             out: Hidden = hidden[0].to(torch.float32).numpy()
             return StepOutput(hidden=out)
+        if item.rows:  # a verify window (issue #20): every position's logits, for the node to judge
+            rows = np.stack([self.shard.logits(hidden[0, i]).numpy() for i in range(item.n_positions)])
+            return StepOutput(rows=rows.astype(np.float32))
         if not item.sample:
             return StepOutput()
         s.last_logits = self.shard.logits(hidden[0, -1])
