@@ -4,6 +4,7 @@ shows the expected form (``--nodes 3`` is not read as one node of 3 bytes)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 from collections.abc import Callable
 
 from artifacts.layer_split import NodeSpec, parse_nodes, parse_tokens
@@ -12,7 +13,7 @@ from schemas.node import LayerRange
 from schemas.session import CONTEXT_CAP
 
 __all__ = ["at_least", "context", "fraction", "hidden_shape", "layer_range", "layers_or_all", "node_count_sizes",
-           "node_size", "non_negative", "peer", "port", "positive", "size", "tokens"]
+           "node_size", "non_negative", "peer", "piece_size", "port", "positive", "power_of_two", "size", "tokens"]
 
 
 def _number(kind: type[int] | type[float], text: str, what: str) -> int | float:
@@ -68,6 +69,34 @@ def hidden_shape(text: str) -> tuple[int, ...]:
     if not dims or any(d < 1 for d in dims):
         raise argparse.ArgumentTypeError(f"{text!r} is not a hidden shape like 64 or 4x64")
     return dims
+
+
+def power_of_two(minimum: int = 1) -> Callable[[str], int]:
+    """A power of two of at least ``minimum`` bytes: a plain number of bytes (``262144``) or a size with its unit
+    (``256KiB``, ``1MiB``)."""
+    floor = f"{minimum} bytes" if minimum < 1024 else f"{minimum >> 10} KiB"
+    form = f"a power of two of at least {floor}, e.g. {max(minimum, 1 << 16)} or 1MiB"
+
+    def parse(text: str) -> int:
+        value = None
+        if text.strip().isdigit():
+            value = int(text)
+        elif "x" not in text.lower():  # NxSIZE is a node list, not one size
+            with contextlib.suppress(argparse.ArgumentTypeError):
+                value = _sizes(text)[0].memory_bytes
+        if value is None:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a size: give {form}")
+        if value < minimum or value & (value - 1):
+            bytes_ = "" if text.strip().isdigit() else f" ({value} bytes)"
+            raise argparse.ArgumentTypeError(f"{text}{bytes_} is not {form}")
+        return value
+
+    parse.__name__ = "power of two"  # argparse names the type in its messages
+    return parse
+
+
+piece_size = power_of_two(16 << 10)
+"""A torrent piece size: what ``artifacts.manifest.build_manifest`` accepts (a power of two >= 16 KiB)."""
 
 
 def node_size(text: str) -> list[NodeSpec]:

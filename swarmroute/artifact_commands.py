@@ -247,7 +247,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     build = commands.add_parser("build", help="write the manifest of a GGUF and add it to the store")
     build.add_argument("model", help=f"path of a GGUF file, or '{BUNDLED}' for the bundled Gemma 3 270M")
     build.add_argument("--out", help="also write the manifest JSON here")
-    build.add_argument("--piece-size", type=argtypes.positive, default=None, help="torrent piece size (power of two)")
+    build.add_argument("--piece-size", type=argtypes.piece_size, default=None,
+                       help="torrent piece size: a power of two >= 16 KiB, in bytes or with a unit (256KiB, 1MiB)")
     build.add_argument("--link", action="store_true", help="hard-link the file into the store instead of copying")
     build.add_argument("--no-import", action="store_true", help="only build the manifest, leave the store alone")
     build.set_defaults(func=guarded(_cmd_build))
