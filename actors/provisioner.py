@@ -41,7 +41,16 @@ from schemas.artifact import FetchProgress
 from schemas.assignment import AssignmentReply, AssignmentRequest, RangeLease
 from schemas.errors import NotFoundError, SwarmrouteError
 from schemas.manifest import ModelManifest
-from schemas.node import NODE_FETCHING, BackendInfo, Capacity, FetchSummary, LayerRange, NodeAdvertisement
+from schemas.node import (
+    NODE_FETCHING,
+    AllLayers,
+    BackendInfo,
+    Capacity,
+    FetchSummary,
+    LayerRange,
+    NodeAdvertisement,
+    resolve_layers,
+)
 from schemas.session import CONTEXT_CAP
 from schemas.settings import Settings
 
@@ -71,8 +80,9 @@ class ProvisionConfig:
     manifest_id: str | None = None
     """Accept only this manifest (pinning); without it, the first manifest whose content hash checks out."""
 
-    layers: tuple[int, int] | None = None
-    """An explicit range: no assignment is asked for (a lease is still taken, so assignments see it)."""
+    layers: tuple[int, int] | AllLayers | None = None
+    """An explicit range, or ``ALL_LAYERS`` for the whole model (known once the manifest is): no assignment is asked
+    for (a lease is still taken, so assignments see it). ``None``: the tracker assigns one."""
 
     max_sessions: int = 4
     """KV slots the node will serve (the assignment sizes the cache share by them)."""
@@ -160,7 +170,7 @@ class Provisioner:
         manifest = self.manifest = await self.learn_manifest()
         await self.sync.hold(manifest)  # answer manifest requests and announce ourselves (we seed what we hold)
         reply = await self.take_range(manifest)
-        start, end = self.layers = self._range(reply)
+        start, end = self.layers = self._range(manifest, reply)
         self._remember(manifest, start, end)
         self._presence = asyncio.create_task(self._presence_loop(), name="fetching-presence")
         self.phase = "fetching"
@@ -196,7 +206,7 @@ class Provisioner:
         """The explicit range under a lease of its own, or the tracker's assignment (asked until one answers)."""
         assert self.leases is not None
         if self.config.layers is not None:
-            a, b = self.config.layers
+            a, b = resolve_layers(self.config.layers, manifest.n_layers)
             if not 0 <= a < b <= manifest.n_layers:
                 raise ProvisionError(f"layers [{a}, {b}) are not within the {manifest.n_layers} layers of model "
                                      f"{manifest.model_id[:12]}")
@@ -242,10 +252,10 @@ class Provisioner:
                                   timeout_s=max(0.5, min(self.settings.heartbeat_s, self.settings.registry_ttl_s / 4)))
         self.keeper.start()
 
-    def _range(self, reply: AssignmentReply | None) -> tuple[int, int]:
+    def _range(self, manifest: ModelManifest, reply: AssignmentReply | None) -> tuple[int, int]:
         if reply is None:  # an explicit range
             assert self.config.layers is not None
-            return self.config.layers
+            return resolve_layers(self.config.layers, manifest.n_layers)
         assert reply.layers is not None
         return reply.layers.start, reply.layers.end
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from artifacts.layer_split import NodeSpec, parse_nodes, parse_tokens
 from schemas.errors import BadRequestError
-from schemas.node import LayerRange
+from schemas.node import ALL_LAYERS, AllLayers, LayerRange
 from schemas.session import CONTEXT_CAP
 
 __all__ = ["at_least", "context", "fraction", "hidden_shape", "layer_range", "layers_or_all", "node_count_sizes",
@@ -150,9 +150,10 @@ def context(text: str) -> int:
     return value
 
 
-def layers_or_all(text: str) -> tuple[int, int] | None:
-    """``START:END``, or ``all`` for the whole model."""
-    return None if text.strip().lower() == "all" else layer_range(text)
+def layers_or_all(text: str) -> tuple[int, int] | AllLayers:
+    """``START:END``, or ``all`` for the whole model: ``ALL_LAYERS``, not ``None`` (the option's absence, which lets
+    a node joining from the swarm ask the tracker for a range)."""
+    return ALL_LAYERS if text.strip().lower() == "all" else layer_range(text)
 
 
 def peer(text: str) -> tuple[str, int]:

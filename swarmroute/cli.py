@@ -222,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     _common(node)
     _backend_options(node)
     node.add_argument("--layers", type=argtypes.layers_or_all, default=None,
-                      help="START:END layer range (default: all)")
+                      help="START:END layer range, or all (default: all; joining from the swarm, the tracker "
+                           "assigns a range unless --layers is given)")
     node.add_argument("--node-id")
     node.add_argument("--host", default=None)
     node.add_argument("--port", type=argtypes.port, default=0)

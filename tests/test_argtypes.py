@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from schemas.node import ALL_LAYERS
 from swarmroute import argtypes
 from swarmroute.cli import build_parser, main
 
@@ -99,7 +100,10 @@ def test_good_values_parse_to_what_the_commands_use() -> None:
         3, 32768, 0, (4, 64), 0.25, 2)
     node = build_parser().parse_args(["node", "--layers", "0:9"])
     assert node.layers == (0, 9)
-    assert build_parser().parse_args(["node", "--layers", "all"]).layers is None
+    # ``all`` is the whole model, not the option's absence (which makes a node from the swarm ask the tracker)
+    assert build_parser().parse_args(["node", "--layers", "all"]).layers == ALL_LAYERS
+    assert build_parser().parse_args(["node", "--layers", " ALL "]).layers == ALL_LAYERS
+    assert build_parser().parse_args(["node"]).layers is None
     plan = build_parser().parse_args(["plan", "m.gguf", "--nodes", "2x24GB", "--node", "512MiB"])
     assert [n.memory_bytes for group in plan.nodes for n in group] == [24 * 2**30] * 2
     assert plan.node[0][0].memory_bytes == 512 * 2**20
