@@ -24,7 +24,7 @@ import dataclasses
 import logging
 import time
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from nats.aio.client import Client as NATS
@@ -35,7 +35,7 @@ from artifacts.fetch import FetchOptions, FetchResult, fetch_range
 from artifacts.manifest import load_manifest
 from artifacts.shard import ShardSource, write_shard
 from artifacts.store import Store
-from artifacts.torrent import TorrentSession, is_private_address
+from artifacts.torrent import TorrentSession, is_private_address, peer_address
 from artifacts.verify import RangeVerdict, StoreReport, verify_store
 from bus.codec import DecodeError, decode, encode
 from bus.subjects import Subjects
@@ -70,6 +70,9 @@ class _Held:
     static_peers: list[tuple[str, int]] = dataclasses.field(default_factory=list)
     addresses: list[tuple[str, int]] = dataclasses.field(default_factory=list)
     """Snapshot read by the fetch thread; replaced, never mutated."""
+    names: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """``HOST:PORT`` -> the node id announcing it: how a banned peer is named. Replaced, never mutated (as
+    ``addresses``)."""
 
 
 class ArtifactSync:
@@ -152,6 +155,7 @@ class ArtifactSync:
     def _refresh_addresses(self, model_id: str) -> None:
         held = self._held[model_id]
         held.addresses = list(dict.fromkeys([*held.static_peers, *((p.host, p.port) for p in held.peers.values())]))
+        held.names = {peer_address(p.host, p.port): p.node_id for p in held.peers.values()}
 
     def peers(self, model_id: str) -> list[ArtifactPeer]:
         return list(self._held[model_id].peers.values())
@@ -221,10 +225,12 @@ class ArtifactSync:
         loop = asyncio.get_running_loop()
         sink = self._progress_sink(loop, printer)
         held = self._held[manifest.model_id]
+        # A peer banned for corrupt pieces is named by the node id its announcement carries, not only its address.
+        named = dataclasses.replace(options or FetchOptions(), peer_names=lambda: held.names)
 
         def run() -> FetchResult:
             return fetch_range(self.store, manifest, start, end, session=self.session, peers=lambda: held.addresses,
-                               progress=sink, node_id=self.config.node_id, options=options)
+                               progress=sink, node_id=self.config.node_id, options=named)
 
         try:
             result = await asyncio.to_thread(run)

@@ -293,6 +293,7 @@ class Provisioner:
                 log.warning("layers [%d, %d): %s", p.start, p.end, p.message)
             last_message = p.message
             for peer in p.banned_peers[banned:]:
+                # 'node-id (HOST:PORT)' when the peer announced itself on the artifact swarm, else HOST:PORT
                 log.warning("peer %s banned: it sent pieces of model %s that failed their SHA-1", peer,
                             p.model_id[:12])
             banned = len(p.banned_peers)
