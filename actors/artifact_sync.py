@@ -61,6 +61,10 @@ class SyncConfig:
     progress_interval_s: float = 0.5
     """Minimum spacing of progress events (phase changes are always sent)."""
 
+    allow_unproven: bool = False
+    """This node's unproven-architecture override: without it a shard of an architecture the matrix has not proven
+    is neither verified (so never announced) nor rewritten by ``seed``, whoever cut it."""
+
 
 @dataclasses.dataclass
 class _Held:
@@ -249,7 +253,7 @@ class ArtifactSync:
         """Verify what the store holds (repairing shards the data can rebuild), let libtorrent hash-check the file
         so it only serves good pieces, then hold the model and announce the verified ranges."""
         manifest = self.store.load(model_id)
-        report = await asyncio.to_thread(_verify_and_repair, self.store, model_id)
+        report = await asyncio.to_thread(_verify_and_repair, self.store, model_id, self.config.allow_unproven)
         self.session.add(manifest, self.store.model_dir(model_id), [], resume=None)
         await self.hold(manifest)
         self.advertise(model_id, report.shards + report.data_ranges)
@@ -265,8 +269,8 @@ class ArtifactSync:
         self._tasks, self._subs = [], []
 
 
-def _verify_and_repair(store: Store, model_id: str) -> StoreReport:
-    report = verify_store(store, model_id)
+def _verify_and_repair(store: Store, model_id: str, allow_unproven: bool) -> StoreReport:
+    report = verify_store(store, model_id, allow_unproven=allow_unproven)
     good_data = {(v.start, v.end) for v in report.data_ranges if v.ok}
     repaired = False
     for v in report.shards:
@@ -274,11 +278,12 @@ def _verify_and_repair(store: Store, model_id: str) -> StoreReport:
             log.warning("rewriting shard [%d, %d) from verified data: %s", v.start, v.end, v.describe())
             manifest = report.manifest
             try:
-                # The shard was cut before: an unproven architecture was accepted then; a refused one is not.
+                # Whoever cut it before, an unproven architecture is rewritten only under this node's own override.
                 write_shard(ShardSource.from_manifest(manifest, store.data_path(manifest)),
-                            store.shard_path(model_id, v.start, v.end), v.start, v.end, allow_unproven=True)
+                            store.shard_path(model_id, v.start, v.end), v.start, v.end,
+                            allow_unproven=allow_unproven)
             except BadRequestError as exc:
                 log.warning("not rewriting shard [%d, %d): %s", v.start, v.end, exc.message)
                 continue
             repaired = True
-    return verify_store(store, model_id) if repaired else report
+    return verify_store(store, model_id, allow_unproven=allow_unproven) if repaired else report

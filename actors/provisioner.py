@@ -148,7 +148,7 @@ class Provisioner:
         if self._nc is None:
             self._nc = await connect_settings(self.settings, name=f"node-{self.config.node_id}")
         self.sync = ArtifactSync(self.nc, self.subjects, self.store, self.session,
-                                 SyncConfig(node_id=self.config.node_id))
+                                 SyncConfig(node_id=self.config.node_id, allow_unproven=self.config.allow_unproven))
         self.leases = await open_leases(self.nc, self.subjects, self.settings.registry_ttl_s,
                                         replicas=self.settings.registry_replicas)
         return self

@@ -217,7 +217,7 @@ def fetch_range(store: Store, manifest: ModelManifest, start: int, end: int, *, 
     job = session.add(manifest, model_dir, pieces, resume=resume)
     rep = _Reporter(job, manifest, start, end, progress, node_id, opts.peer_names)
     shard = store.shard_path(manifest.model_id, start, end)
-    verdict = verify_shard(manifest, shard, start, end)
+    verdict = verify_shard(manifest, shard, start, end, allow_unproven=opts.allow_unproven)
     if verdict.ok:
         return FetchResult(shard, job, rep.report("done", "shard already verified"), verdict)
     data = store.data_path(manifest)
@@ -236,7 +236,7 @@ def fetch_range(store: Store, manifest: ModelManifest, start: int, end: int, *, 
     job.save_resume(resume_path)
     rep.report("writing")
     write_shard(ShardSource.from_manifest(manifest, data), shard, start, end, allow_unproven=opts.allow_unproven)
-    verdict = verify_shard(manifest, shard, start, end)
+    verdict = verify_shard(manifest, shard, start, end, allow_unproven=opts.allow_unproven)
     if not verdict.ok:
         rep.report("failed", verdict.describe())
         raise ArtifactError(f"written shard does not verify: {verdict.describe()}")

@@ -109,7 +109,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         return 1
     failed = False
     for model_id in ids:
-        report = verify_store(store, model_id)
+        report = verify_store(store, model_id, allow_unproven=args.allow_unproven_architecture)
         bad_shards = [v for v in report.shards if not v.ok]
         bad_data = [p for p in report.data.tensors.values() if p is not None and p.kind != "missing"]
         failed = failed or bool(bad_shards or bad_data)
@@ -136,7 +136,7 @@ def _cmd_shard(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else store.shard_path(manifest.model_id, a, b)
     write_shard(ShardSource.from_manifest(manifest, store.data_path(manifest)), out, a, b,
                 allow_unproven=args.allow_unproven_architecture)
-    verdict = verify_shard(manifest, out, a, b)
+    verdict = verify_shard(manifest, out, a, b, allow_unproven=args.allow_unproven_architecture)
     print(verdict.describe())
     return 0 if verdict.ok else 1
 
@@ -197,7 +197,8 @@ async def _run(args: argparse.Namespace) -> int:
     except (TimeoutError, OSError) as exc:
         session.close()
         raise ArtifactError(f"cannot reach NATS at {settings.nats_url}: {type(exc).__name__}") from exc
-    sync = ArtifactSync(nc, Subjects(settings.namespace), store, session, SyncConfig(node_id=args.node_id))
+    sync = ArtifactSync(nc, Subjects(settings.namespace), store, session,
+                        SyncConfig(node_id=args.node_id, allow_unproven=args.allow_unproven_architecture))
     cancel = threading.Event()
     stop = _stop_event(cancel)
     try:
@@ -236,6 +237,12 @@ async def _command(sync: ArtifactSync, args: argparse.Namespace, stop: asyncio.E
     if args.seed_after:
         await _serve_forever(stop)
     return 0
+
+
+def add_unproven_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--allow-unproven-architecture", action="store_true",
+                   help="cut, verify and serve or seed shards of a GGUF whose architecture the shard matrix has not "
+                        "proven bit-exact (docs/models/architectures.md); refused architectures stay refused")
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -290,8 +297,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         p.add_argument("--download-limit", type=argtypes.at_least(0), default=0, help="bytes/s, 0 for unlimited")
         p.add_argument("--upload-limit", type=argtypes.at_least(0), default=0, help="bytes/s, 0 for unlimited")
         p.set_defaults(func=guarded(lambda args: asyncio.run(_run(args))))
-    for p in (shard, fetch):
-        p.add_argument("--allow-unproven-architecture", action="store_true",
-                       help="cut a GGUF whose architecture the shard matrix has not proven bit-exact")
+    for p in (shard, fetch, verify, seed):
+        add_unproven_option(p)
     for p in (build, verify, shard, fetch, seed):
         p.add_argument("--home", help="swarmroute home (default: $SWARMROUTE_HOME or ~/.cache/swarmroute)")

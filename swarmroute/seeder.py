@@ -17,7 +17,7 @@ from pathlib import Path
 
 from schemas.errors import SwarmrouteError
 from schemas.settings import Settings
-from swarmroute import argtypes
+from swarmroute import argtypes, artifact_commands
 
 BUNDLED = "bundled"
 
@@ -30,6 +30,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
                                                        "(default: the bind host)")
     p.add_argument("--listen-port", type=argtypes.port, default=0, help="torrent listen port (0: any free port)")
     p.add_argument("--upload-limit", type=argtypes.at_least(0), default=0, help="bytes/s, 0 for unlimited")
+    artifact_commands.add_unproven_option(p)  # shards in its store are verified (and repaired) under it
     return p
 
 
@@ -74,7 +75,8 @@ async def _seed(args: argparse.Namespace, settings: Settings) -> int:
             loop.add_signal_handler(sig, stop.set)
     nc = await connect_settings(settings, name=name)
     subjects = Subjects(settings.namespace)
-    sync = ArtifactSync(nc, subjects, Store(settings.home), session, SyncConfig(node_id=name))
+    sync = ArtifactSync(nc, subjects, Store(settings.home), session,
+                        SyncConfig(node_id=name, allow_unproven=args.allow_unproven_architecture))
     service = None
     try:
         report = await sync.seed(model_id)

@@ -121,7 +121,9 @@ def run_up_from_swarm(args: argparse.Namespace, settings: Settings) -> int:
     nats.start()
     specs = [ChildSpec("tracker", child_argv(args, settings, nats.url, "tracker", []), essential=True),
              ChildSpec("seeder", child_argv(args, settings, nats.url, "seeder",
-                                             [manifest.model_id, "--node-id", "seeder", "--home", str(seeder_home)]))]
+                                             [manifest.model_id, "--node-id", "seeder", "--home", str(seeder_home),
+                                              *(["--allow-unproven-architecture"]
+                                                if args.allow_unproven_architecture else [])]))]
     specs += [ChildSpec(f"node-{i + 1}", child_argv(args, settings, nats.url, "node",
                                                      _node_argv(args, manifest.model_id, alias, i, memory,
                                                                 root / f"node-{i + 1}")), env=local_node_env())

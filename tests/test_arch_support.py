@@ -16,10 +16,11 @@ from artifacts.gguf_layout import read_layout
 from artifacts.manifest import build_manifest
 from artifacts.shard import ShardSource, manifest_plan, write_shard
 from artifacts.store import Store
-from artifacts.synthetic import BUILDERS, Dims, ModelBuilder
+from artifacts.synthetic import BUILDERS, Dims
 from artifacts.synthetic.matrix import MATRIX, case
 from artifacts.verify import verify_shard
 from schemas.errors import BadRequestError
+from tests.support.gguf_factory import write_unproven_gguf
 
 
 def meta(arch: str, **values: Any) -> dict[str, Any]:
@@ -140,19 +141,8 @@ def test_write_shard_names_the_file_and_writes_the_pins(tmp_path: Path) -> None:
     assert not (tmp_path / "g.gguf").exists()
 
 
-def unproven_model(tmp_path: Path) -> Path:
-    b = ModelBuilder("olmo", "t-olmo")
-    b.u32("block_count", 2)
-    b.u32("embedding_length", 32)
-    b.tensor("token_embd.weight", 32, b.n_vocab, kind="embedding")
-    for il in range(2):
-        b.block(il, "attn_q.weight", 32, 32)
-    b.tensor("output_norm.weight", 32, kind="norm")
-    return b.write(tmp_path / "olmo.gguf")
-
-
 def test_an_unproven_architecture_is_cut_with_the_override(tmp_path: Path) -> None:
-    src = unproven_model(tmp_path)
+    src = write_unproven_gguf(tmp_path / "olmo.gguf")
     with pytest.raises(BadRequestError, match="'olmo' is not proven"):
         write_shard(src, tmp_path / "o.gguf", 1, 2)
     out = write_shard(src, tmp_path / "o.gguf", 1, 2, allow_unproven=True)
