@@ -181,7 +181,8 @@ def _backend_options(p: argparse.ArgumentParser) -> None:
                    help="concurrent sessions (KV slots) on this node")
     p.add_argument("--ctx", type=argtypes.context, default=None, help="context per session in tokens (4096, 32K)")
     p.add_argument("--threads", type=argtypes.positive, default=None,
-                   help="compute threads (default: all cores; with up, the cores divided among local nodes)")
+                   help="compute threads per node (default: every core; with up, each node gets an equal share "
+                        "of this machine's cores, at least 1, e.g. 1 each for 2 nodes on 2 cores)")
     p.add_argument("--n-layers", type=argtypes.positive, default=8, help="stub: layers of the toy model")
     p.add_argument("--hidden-shape", type=argtypes.hidden_shape, default=(64,),
                    help="stub: per-position hidden shape, e.g. 64 or 4x64")

@@ -66,15 +66,15 @@ def child_argv(args: argparse.Namespace, settings: Settings, nats_url: str, role
     return argv + extra
 
 
-def _node_extra(args: argparse.Namespace, model_id: str, index: int, layers: tuple[int, int]) -> list[str]:
+def _node_extra(args: argparse.Namespace, model_id: str, index: int, layers: tuple[int, int],
+                n_local: int) -> list[str]:
     extra = ["--backend", args.backend, "--node-id", f"node-{index + 1}", "--layers", f"{layers[0]}:{layers[1]}",
-             "--model-id", model_id, "--max-sessions", str(args.max_sessions), "--wire-dtype", args.wire_dtype]
+             "--model-id", model_id, "--max-sessions", str(args.max_sessions), "--wire-dtype", args.wire_dtype,
+             "--threads", str(args.threads or local_threads(n_local))]
     if args.model:
         extra += ["--model", args.model]
     if args.ctx:
         extra += ["--ctx", str(args.ctx)]
-    if args.threads:
-        extra += ["--threads", str(args.threads)]
     if args.allow_unproven_architecture:
         extra.append("--allow-unproven-architecture")
     if args.backend == "stub":
@@ -98,12 +98,24 @@ def wait_ready(url: str, model_id: str, supervisor: Supervisor, timeout: float) 
     raise RuntimeError(f"the swarm did not become ready within {timeout:g}s")
 
 
+def local_threads(n_local: int) -> int:
+    """Compute threads of each of ``n_local`` nodes sharing this machine: an equal share of its cores, at least one
+    (an explicit ``--threads`` wins). A single session computes on one node at a time, so every core per node looks
+    free; measured, it is not: the other actors (the idle node, gateway, tracker, NATS) wake on every token, a
+    descheduled thread stalls ggml's barriers, and a node with every core decoded no faster than one with its share
+    and with far more spread (tests/bench/bench_up.py, docs/operations.md "Cores on one machine")."""
+    try:
+        cores = len(os.sched_getaffinity(0))  # what this process may run on (a container's CPU set)
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, n_local))
+
+
 LOCAL_NODE_ENV = {"OMP_WAIT_POLICY": "passive"}
-"""Nodes sharing one machine. A single session computes on one node at a time, so each node may use every core,
-provided the idle ones leave them alone: OpenMP threads that spin after a graph (its default) take cores from the
-node that is computing (and so would an event loop polling for its next frame, which is off by default)
-(tests/bench/bench_up.py measures it). The operator's own environment wins (for OpenMP, either of its wait
-settings)."""
+"""Nodes sharing one machine: OpenMP threads sleep as soon as a graph ends instead of spinning (its default), so a
+node with several threads leaves the cores to the node that computes next (and so would an event loop polling for
+its next frame, which is off by default) (tests/bench/bench_up.py measures both). The operator's own environment
+wins (for OpenMP, either of its wait settings)."""
 
 
 def local_node_env() -> dict[str, str]:
@@ -115,7 +127,8 @@ def _specs(args: argparse.Namespace, settings: Settings, nats_url: str, model_id
            ranges: list[tuple[int, int]], host: str) -> list[ChildSpec]:
     specs = [ChildSpec("tracker", child_argv(args, settings, nats_url, "tracker", []), essential=True)]
     specs += [ChildSpec(f"node-{i + 1}", child_argv(args, settings, nats_url, "node",
-                                                     _node_extra(args, model_id, i, layers)), env=local_node_env())
+                                                     _node_extra(args, model_id, i, layers, len(ranges))),
+                       env=local_node_env())
               for i, layers in enumerate(ranges)]
     specs.append(ChildSpec("gateway", child_argv(args, settings, nats_url, "gateway",
                                                   ["--host", host, "--port", str(args.port)]), essential=True))

@@ -21,7 +21,7 @@ from bus.server import EmbeddedNats, NatsServerConfig
 from schemas.errors import BadRequestError
 from schemas.manifest import ModelManifest
 from schemas.settings import Settings
-from swarmroute.launcher import child_argv, local_node_env, slug, wait_ready
+from swarmroute.launcher import child_argv, local_node_env, local_threads, slug, wait_ready
 from swarmroute.supervisor import ChildSpec, Supervisor, run_supervised
 
 DEFAULT_CONTEXT = 4096
@@ -77,11 +77,9 @@ def memory_for(manifest: ModelManifest, n_nodes: int, *, context: int, sessions:
 def _node_argv(args: argparse.Namespace, model_id: str, alias: str, index: int, memory: int, home: Path) -> list[str]:
     extra = ["--backend", "llamacpp", "--node-id", f"node-{index + 1}", "--model-id", model_id, "--alias", alias,
              "--memory", f"{memory}B", "--max-sessions", str(args.max_sessions), "--wire-dtype", args.wire_dtype,
-             "--home", str(home)]
+             "--home", str(home), "--threads", str(args.threads or local_threads(args.nodes or 2))]
     if args.ctx:
         extra += ["--ctx", str(args.ctx)]
-    if args.threads:
-        extra += ["--threads", str(args.threads)]
     if args.allow_unproven_architecture:
         extra.append("--allow-unproven-architecture")
     return extra

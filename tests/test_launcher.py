@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from swarmroute.launcher import local_threads
 from tests.support.actors import Children, descendants, still_alive
 from tests.support.up import Up, free_port
 from tests.support.waiting import eventually_sync
@@ -147,3 +148,30 @@ def _node_1(pid: int) -> bool:
         return False
     return b"node-1" in argv and not _dead(pid)
 
+
+@pytest.mark.parametrize("explicit", [None, 3])
+def test_local_nodes_share_the_machines_cores_and_their_idle_threads_sleep(children: Children, tmp_path: Path,
+                                                                           explicit: int | None) -> None:
+    """The node processes ``up`` starts, read from /proc: each gets an equal share of the cores (``--threads``,
+    at least 1) unless the user gave ``--threads``, and OpenMP's passive wait; hop polling stays off."""
+    extra = ["--threads", str(explicit)] if explicit else []
+    unset = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "SWARMROUTE_HOP_SPIN_GRACE_S")  # a user's own choices would win
+    up = children.add(Up("--backend", "stub", "--nodes", "2", "--port", str(free_port()), "--home",
+                         str(tmp_path / "home"), *extra,
+                         env_replace={k: v for k, v in os.environ.items() if k not in unset}))
+    _ready(up)
+    share = max(1, len(os.sched_getaffinity(0)) // 2)
+    assert local_threads(2) == share and local_threads(1) == len(os.sched_getaffinity(0))
+    for name in ("node-1", "node-2"):
+        pid = up.child("node", name)
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        env = dict(line.split("=", 1) for line in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
+                   if "=" in line)
+        assert argv[argv.index("--threads") + 1] == str(explicit or share), argv
+        assert env.get("OMP_WAIT_POLICY") == "passive", env
+        assert "SWARMROUTE_HOP_SPIN_GRACE_S" not in env  # the settings default: 0, no polling between steps
+
+
+def test_the_share_of_cores_is_at_least_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert [local_threads(n) for n in (1, 2, 3, 8, 16)] == [8, 4, 2, 1, 1]
