@@ -28,6 +28,7 @@ import pytest_asyncio
 
 llama_cpp = pytest.importorskip("llama_cpp")  # a skip fails under CI=true (tests/support/ci_strict.py)
 
+from artifacts import arch_support  # noqa: E402
 from artifacts.arch_support import SUPPORT  # noqa: E402
 from artifacts.gguf_shape import shape_from_gguf  # noqa: E402
 from artifacts.shard import write_shard  # noqa: E402
@@ -171,9 +172,9 @@ def test_the_guard_refuses(c: MatrixCase, split: str, models: Path) -> None:
 
 @pytest.fixture
 def guard_lifted(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An empty architecture table (no refusals, no layer-count rules): cuts then need the unproven override."""
-    for name in list(SUPPORT):
-        monkeypatch.delitem(SUPPORT, name)
+    """An empty architecture table (no refusals, no layer-count rules): cuts then need the unproven override. A new
+    dict, not the shared one emptied: restoring deleted keys would reorder it, and the document renders its order."""
+    monkeypatch.setattr(arch_support, "SUPPORT", {})
 
 
 @pytest.mark.parametrize("name", [c.name for c in MATRIX if c.why_refused == "scale"])
