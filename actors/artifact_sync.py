@@ -25,7 +25,7 @@ import dataclasses
 import logging
 import time
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from nats.aio.client import Client as NATS
@@ -36,7 +36,7 @@ from artifacts.fetch import FetchOptions, FetchResult, fetch_range
 from artifacts.manifest import load_manifest
 from artifacts.shard import ShardSource, write_shard
 from artifacts.store import Store
-from artifacts.torrent import TorrentSession, is_private_address
+from artifacts.torrent import TorrentSession, is_private_address, peer_address
 from artifacts.verify import RangeVerdict, StoreReport, verify_store
 from bus.actor import NatsActor
 from bus.codec import DecodeError, decode, encode
@@ -64,6 +64,10 @@ class SyncConfig:
     progress_interval_s: float = 0.5
     """Minimum spacing of progress events (phase changes are always sent)."""
 
+    allow_unproven: bool = False
+    """This node's unproven-architecture override: without it a shard of an architecture the matrix has not proven
+    is neither verified (so never announced) nor rewritten by ``seed``, whoever cut it."""
+
 
 @dataclasses.dataclass
 class _Held:
@@ -73,6 +77,9 @@ class _Held:
     static_peers: list[tuple[str, int]] = dataclasses.field(default_factory=list)
     addresses: list[tuple[str, int]] = dataclasses.field(default_factory=list)
     """Snapshot read by the fetch thread; replaced, never mutated."""
+    names: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """``HOST:PORT`` -> the node id announcing it: how a banned peer is named. Replaced, never mutated (as
+    ``addresses``)."""
 
 
 class ArtifactSync(NatsActor):
@@ -160,6 +167,7 @@ class ArtifactSync(NatsActor):
     def _refresh_addresses(self, model_id: str) -> None:
         held = self._held[model_id]
         held.addresses = list(dict.fromkeys([*held.static_peers, *((p.host, p.port) for p in held.peers.values())]))
+        held.names = {peer_address(p.host, p.port): p.node_id for p in held.peers.values()}
 
     def peers(self, model_id: str) -> list[ArtifactPeer]:
         return list(self._held[model_id].peers.values())
@@ -229,10 +237,12 @@ class ArtifactSync(NatsActor):
         loop = asyncio.get_running_loop()
         sink = self._progress_sink(loop, printer)
         held = self._held[manifest.model_id]
+        # A peer banned for corrupt pieces is named by the node id its announcement carries, not only its address.
+        named = dataclasses.replace(options or FetchOptions(), peer_names=lambda: held.names)
 
         def run() -> FetchResult:
             return fetch_range(self.store, manifest, start, end, session=self.session, peers=lambda: held.addresses,
-                               progress=sink, node_id=self.config.node_id, options=options)
+                               progress=sink, node_id=self.config.node_id, options=named)
 
         try:
             result = await asyncio.to_thread(run)
@@ -251,7 +261,7 @@ class ArtifactSync(NatsActor):
         """Verify what the store holds (repairing shards the data can rebuild), let libtorrent hash-check the file
         so it only serves good pieces, then hold the model and announce the verified ranges."""
         manifest = self.store.load(model_id)
-        report = await asyncio.to_thread(_verify_and_repair, self.store, model_id)
+        report = await asyncio.to_thread(_verify_and_repair, self.store, model_id, self.config.allow_unproven)
         self.session.add(manifest, self.store.model_dir(model_id), [], resume=None)
         await self.hold(manifest)
         self.advertise(model_id, report.shards + report.data_ranges)
@@ -269,8 +279,8 @@ class ArtifactSync(NatsActor):
         self._tasks, self._subs = [], []
 
 
-def _verify_and_repair(store: Store, model_id: str) -> StoreReport:
-    report = verify_store(store, model_id)
+def _verify_and_repair(store: Store, model_id: str, allow_unproven: bool) -> StoreReport:
+    report = verify_store(store, model_id, allow_unproven=allow_unproven)
     good_data = {(v.start, v.end) for v in report.data_ranges if v.ok}
     repaired = False
     for v in report.shards:
@@ -278,11 +288,12 @@ def _verify_and_repair(store: Store, model_id: str) -> StoreReport:
             log.warning("rewriting shard [%d, %d) from verified data: %s", v.start, v.end, v.describe())
             manifest = report.manifest
             try:
-                # The shard was cut before: an unproven architecture was accepted then; a refused one is not.
+                # Whoever cut it before, an unproven architecture is rewritten only under this node's own override.
                 write_shard(ShardSource.from_manifest(manifest, store.data_path(manifest)),
-                            store.shard_path(model_id, v.start, v.end), v.start, v.end, allow_unproven=True)
+                            store.shard_path(model_id, v.start, v.end), v.start, v.end,
+                            allow_unproven=allow_unproven)
             except BadRequestError as exc:
                 log.warning("not rewriting shard [%d, %d): %s", v.start, v.end, exc.message)
                 continue
             repaired = True
-    return verify_store(store, model_id) if repaired else report
+    return verify_store(store, model_id, allow_unproven=allow_unproven) if repaired else report

@@ -40,7 +40,16 @@ from schemas.artifact import FetchProgress
 from schemas.assignment import AssignmentReply, AssignmentRequest, RangeLease
 from schemas.errors import NotFoundError, SwarmrouteError
 from schemas.manifest import ModelManifest
-from schemas.node import NODE_FETCHING, BackendInfo, Capacity, FetchSummary, LayerRange, NodeAdvertisement
+from schemas.node import (
+    NODE_FETCHING,
+    AllLayers,
+    BackendInfo,
+    Capacity,
+    FetchSummary,
+    LayerRange,
+    NodeAdvertisement,
+    resolve_layers,
+)
 from schemas.session import CONTEXT_CAP
 from schemas.settings import Settings
 
@@ -70,8 +79,9 @@ class ProvisionConfig:
     manifest_id: str | None = None
     """Accept only this manifest (pinning); without it, the first manifest whose content hash checks out."""
 
-    layers: tuple[int, int] | None = None
-    """An explicit range: no assignment is asked for (a lease is still taken, so assignments see it)."""
+    layers: tuple[int, int] | AllLayers | None = None
+    """An explicit range, or ``ALL_LAYERS`` for the whole model (known once the manifest is): no assignment is asked
+    for (a lease is still taken, so assignments see it). ``None``: the tracker assigns one."""
 
     max_sessions: int = 4
     """KV slots the node will serve (the assignment sizes the cache share by them)."""
@@ -126,8 +136,8 @@ class Provisioner(NatsActor):
         self._advertised = False
 
     async def _on_start(self) -> None:
-        self.sync = await ArtifactSync(self.settings, self.store, self.session,
-                                       SyncConfig(node_id=self.config.node_id), nc=self.nc).start()
+        config = SyncConfig(node_id=self.config.node_id, allow_unproven=self.config.allow_unproven)
+        self.sync = await ArtifactSync(self.settings, self.store, self.session, config, nc=self.nc).start()
         self.leases = await open_leases(self.nc, self.subjects, self.settings.registry_ttl_s,
                                         replicas=self.settings.registry_replicas)
 
@@ -141,7 +151,7 @@ class Provisioner(NatsActor):
         manifest = self.manifest = await self.learn_manifest()
         await self.sync.hold(manifest)  # answer manifest requests and announce ourselves (we seed what we hold)
         reply = await self.take_range(manifest)
-        start, end = self.layers = self._range(reply)
+        start, end = self.layers = self._range(manifest, reply)
         self._remember(manifest, start, end)
         self._presence = asyncio.create_task(self._presence_loop(), name="fetching-presence")
         self.phase = "fetching"
@@ -177,7 +187,7 @@ class Provisioner(NatsActor):
         """The explicit range under a lease of its own, or the tracker's assignment (asked until one answers)."""
         assert self.leases is not None
         if self.config.layers is not None:
-            a, b = self.config.layers
+            a, b = resolve_layers(self.config.layers, manifest.n_layers)
             if not 0 <= a < b <= manifest.n_layers:
                 raise ProvisionError(f"layers [{a}, {b}) are not within the {manifest.n_layers} layers of model "
                                      f"{manifest.model_id[:12]}")
@@ -223,10 +233,10 @@ class Provisioner(NatsActor):
                                   timeout_s=max(0.5, min(self.settings.heartbeat_s, self.settings.registry_ttl_s / 4)))
         self.keeper.start()
 
-    def _range(self, reply: AssignmentReply | None) -> tuple[int, int]:
+    def _range(self, manifest: ModelManifest, reply: AssignmentReply | None) -> tuple[int, int]:
         if reply is None:  # an explicit range
             assert self.config.layers is not None
-            return self.config.layers
+            return resolve_layers(self.config.layers, manifest.n_layers)
         assert reply.layers is not None
         return reply.layers.start, reply.layers.end
 
@@ -264,6 +274,7 @@ class Provisioner(NatsActor):
                 log.warning("layers [%d, %d): %s", p.start, p.end, p.message)
             last_message = p.message
             for peer in p.banned_peers[banned:]:
+                # 'node-id (HOST:PORT)' when the peer announced itself on the artifact swarm, else HOST:PORT
                 log.warning("peer %s banned: it sent pieces of model %s that failed their SHA-1", peer,
                             p.model_id[:12])
             banned = len(p.banned_peers)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from artifacts.arch_support import check_cut
@@ -41,6 +41,8 @@ from schemas.node import LayerRange
 
 PeerSource = Callable[[], Iterable[tuple[str, int]]]
 ProgressSink = Callable[[FetchProgress], None]
+PeerNames = Callable[[], Mapping[str, str]]
+"""``HOST:PORT`` -> the node id that announced that torrent address (read on the fetch thread)."""
 
 
 @dataclasses.dataclass
@@ -63,6 +65,9 @@ class FetchOptions:
     allow_unproven: bool = False
     """Cut an architecture ``artifacts.arch_support`` has not proven (the user accepts the risk)."""
 
+    peer_names: PeerNames | None = None
+    """Who is behind an address: a banned peer is then reported as ``node-id (HOST:PORT)``, not by address only."""
+
     stall_s: float = 2.0
     """Without a new piece for this long, the fetch looks for needed pieces no connected peer has and reports
     them (``FetchProgress.unseeded_layers`` and its message) while it keeps waiting for a peer that has them."""
@@ -80,8 +85,10 @@ class FetchResult:
 
 class _Reporter:
     def __init__(self, job: TorrentJob, manifest: ModelManifest, start: int, end: int, sink: ProgressSink | None,
-                 node_id: str) -> None:
-        self.job, self.sink, self.node_id = job, sink, node_id
+                 node_id: str, peer_names: PeerNames | None = None) -> None:
+        self.job, self.sink, self.node_id, self.peer_names = job, sink, node_id, peer_names
+        self._banned: dict[str, str] = {}
+        """Address -> how it is reported; fixed once named, so a peer that stops announcing keeps its name."""
         self.model_id, self.start, self.end = manifest.model_id, start, end
         self.needed = sum(hi - lo for lo, hi in needed_byte_ranges(manifest, start, end))
         size, n = manifest.torrent.piece_size, manifest.torrent.n_pieces
@@ -98,6 +105,16 @@ class _Reporter:
         self._last = counter
         return self._carried + counter
 
+    def banned(self) -> list[str]:
+        """The banned peers in ban order, each as ``node-id (HOST:PORT)`` when an announcement names the address
+        (a peer that dialled in from an ephemeral port, or a static ``--peer``, stays ``HOST:PORT``)."""
+        names = self.peer_names() if self.peer_names is not None else {}
+        for address in self.job.counters.banned:
+            if address not in self._banned or (self._banned[address] == address and address in names):
+                node = names.get(address)
+                self._banned[address] = f"{node} ({address})" if node else address
+        return [self._banned[a] for a in self.job.counters.banned]
+
     def snapshot(self, phase: FetchPhase, message: str = "") -> FetchProgress:
         st = self.job.status()
         done, wanted = self.job.wanted_done(), len(self.job.wanted)
@@ -112,7 +129,7 @@ class _Reporter:
                              rate_bps=rate, peers=int(st.num_peers),
                              hash_failures=self.job.counters.hash_failures, message=message,
                              model_id=self.model_id, start=self.start, end=self.end,
-                             banned_peers=list(self.job.counters.banned),
+                             banned_peers=self.banned(),
                              unseeded_layers=[LayerRange(start=a, end=b) for a, b in self.unseeded.layers]
                              if waiting else [],
                              unseeded_parts=list(self.unseeded.parts) if waiting else [],
@@ -198,9 +215,9 @@ def fetch_range(store: Store, manifest: ModelManifest, start: int, end: int, *, 
     resume = _trusted_resume(resume_path, [p for p, _ in store.data_files(manifest)])
     pieces = wanted_pieces(manifest, needed_byte_ranges(manifest, start, end))
     job = session.add(manifest, model_dir, pieces, resume=resume)
-    rep = _Reporter(job, manifest, start, end, progress, node_id)
+    rep = _Reporter(job, manifest, start, end, progress, node_id, opts.peer_names)
     shard = store.shard_path(manifest.model_id, start, end)
-    verdict = verify_shard(manifest, shard, start, end)
+    verdict = verify_shard(manifest, shard, start, end, allow_unproven=opts.allow_unproven)
     if verdict.ok:
         return FetchResult(shard, job, rep.report("done", "shard already verified"), verdict)
     data = store.data_path(manifest)
@@ -219,7 +236,7 @@ def fetch_range(store: Store, manifest: ModelManifest, start: int, end: int, *, 
     job.save_resume(resume_path)
     rep.report("writing")
     write_shard(ShardSource.from_manifest(manifest, data), shard, start, end, allow_unproven=opts.allow_unproven)
-    verdict = verify_shard(manifest, shard, start, end)
+    verdict = verify_shard(manifest, shard, start, end, allow_unproven=opts.allow_unproven)
     if not verdict.ok:
         rep.report("failed", verdict.describe())
         raise ArtifactError(f"written shard does not verify: {verdict.describe()}")

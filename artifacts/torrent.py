@@ -38,6 +38,11 @@ def is_private_address(host: str) -> bool:
     return any(ip in ipaddress.ip_network(net) for net in _ALLOWED_NETS)
 
 
+def peer_address(host: str, port: int) -> str:
+    """``HOST:PORT`` (``[HOST]:PORT`` for IPv6), as bans are reported and announced addresses are looked up."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 @dataclasses.dataclass
 class SwarmConfig:
     listen_host: str = "127.0.0.1"
@@ -264,8 +269,7 @@ class TorrentSession:
         if isinstance(alert, lt.hash_failed_alert):
             job.counters.hash_failures += 1
         elif isinstance(alert, lt.peer_ban_alert):
-            host, port = alert.endpoint
-            name = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            name = peer_address(*alert.endpoint)
             if name not in job.counters.banned:
                 job.counters.banned.append(name)
                 log.warning("banned torrent peer %s: it sent pieces that failed their SHA-1", name)

@@ -250,12 +250,14 @@ _WRITER_KEYS = ("general.architecture", "general.alignment")
 """Keys the GGUF writer sets itself."""
 
 
-def _metadata_problems(manifest: ModelManifest, layout: GGUFLayout, start: int, end: int) -> list[Problem]:
+def _metadata_problems(manifest: ModelManifest, layout: GGUFLayout, start: int, end: int,
+                       allow_unproven: bool) -> list[Problem]:
     """Every key the shard writer derives (layer count, per-layer arrays, sliding pattern, pins of the cut guard)
-    must be what it would write today: a shard cut by an older writer, or of an architecture now refused, is not
-    served. The tokenizer is left to the tensor and header checks."""
+    must be what it would write today: a shard cut by an older writer, of an architecture now refused, or of an
+    unproven one on a node that did not accept the risk (``allow_unproven``: the node's own override, not whoever
+    cut the shard) is not served. The tokenizer is left to the tensor and header checks."""
     try:
-        pins = check_cut(manifest_cut_request(manifest, start, end), allow_unproven=True)
+        pins = check_cut(manifest_cut_request(manifest, start, end), allow_unproven=allow_unproven)
     except BadRequestError as exc:
         return [Problem("metadata", manifest.architecture, exc.message)]
     plan = manifest_plan(manifest, start, end)
@@ -269,8 +271,11 @@ def _metadata_problems(manifest: ModelManifest, layout: GGUFLayout, start: int, 
     return problems + [Problem("metadata", k, "not written by this shard writer") for k in got if k not in expected]
 
 
-def verify_shard(manifest: ModelManifest, path: Path, start: int, end: int) -> RangeVerdict:
-    """Check a shard file: provenance metadata, tensor set and every tensor's bytes against the manifest."""
+def verify_shard(manifest: ModelManifest, path: Path, start: int, end: int, *,
+                 allow_unproven: bool = False) -> RangeVerdict:
+    """Check a shard file: provenance metadata, tensor set and every tensor's bytes against the manifest. A shard of
+    an architecture the matrix has not proven verifies only with ``allow_unproven`` (the unproven-architecture
+    override of the node that would serve or seed it)."""
     if not path.is_file():
         return RangeVerdict(start, end, "shard", (Problem("missing_file", path.name),))
     try:
@@ -282,7 +287,7 @@ def verify_shard(manifest: ModelManifest, path: Path, start: int, end: int) -> R
     problems = [Problem("metadata", k, f"{layout.value(k)!r} != {v!r}") for k, v in meta.items()
                 if layout.value(k) != v]
     if not problems:
-        problems = _metadata_problems(manifest, layout, start, end)
+        problems = _metadata_problems(manifest, layout, start, end, allow_unproven)
     plan = manifest_plan(manifest, start, end)
     expected: list[TensorEntry | SyntheticTensor] = [manifest.tensor(n) for n in plan.copied]
     expected += list(plan.synthetic)
@@ -300,22 +305,24 @@ def _shard_ranges(store: Store, model_id: str) -> list[tuple[int, int]]:
     return sorted(ranges)
 
 
-def verify_store(store: Store, model_id: str) -> StoreReport:
+def verify_store(store: Store, model_id: str, *, allow_unproven: bool = False) -> StoreReport:
     """Everything the store holds for ``model_id``: each shard file and each maximal run of complete layers in
-    the data file, with a verdict (ok, or the exact problems)."""
+    the data file, with a verdict (ok, or the exact problems). ``allow_unproven``: as ``verify_shard``."""
     manifest = store.load(model_id)
     data = check_data_file(manifest, store.data_path(manifest))
-    shards = [verify_shard(manifest, store.shard_path(model_id, a, b), a, b) for a, b in _shard_ranges(store, model_id)]
+    shards = [verify_shard(manifest, store.shard_path(model_id, a, b), a, b, allow_unproven=allow_unproven)
+              for a, b in _shard_ranges(store, model_id)]
     runs = [data_range_verdict(manifest, data, a, b) for a, b in _complete_runs(manifest, data)]
     return StoreReport(manifest, data, shards, runs)
 
 
-def require_verified_shard(store: Store, model_id: str, start: int, end: int) -> Path:
+def require_verified_shard(store: Store, model_id: str, start: int, end: int, *,
+                           allow_unproven: bool = False) -> Path:
     """The shard path for ``[start, end)`` if, and only if, it verifies; ``ArtifactError`` listing why not otherwise.
-    A node calls this before it advertises or serves the range."""
+    A node calls this before it advertises or serves the range, with its own unproven-architecture override."""
     manifest = store.load(model_id)
     path = store.shard_path(model_id, start, end)
-    verdict = verify_shard(manifest, path, start, end)
+    verdict = verify_shard(manifest, path, start, end, allow_unproven=allow_unproven)
     if not verdict.ok:
         raise ArtifactError(f"shard {verdict.describe()}")
     return path

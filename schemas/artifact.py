@@ -48,8 +48,10 @@ class FetchProgress(WireModel):
     peers: int = 0
     hash_failures: int = Field(default=0, description="pieces that failed their SHA-1 and were fetched again")
     message: str = ""
-    banned_peers: list[str] = Field(default_factory=list, description="HOST:PORT of peers banned for sending pieces "
-                                                                      "that failed their SHA-1")
+    banned_peers: list[str] = Field(default_factory=list, description="peers banned for sending pieces that failed "
+                                                                      "their SHA-1: 'node-id (HOST:PORT)' when the "
+                                                                      "swarm's announcements name the address, else "
+                                                                      "HOST:PORT")
     unseeded_layers: list[LayerRange] = Field(default_factory=list, description="layers with pieces this node still "
                                                                                 "needs that no connected peer has")
     unseeded_parts: list[str] = Field(default_factory=list, description="the same for what is not a layer: header "

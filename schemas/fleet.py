@@ -184,8 +184,8 @@ class ModelSpec(_Spec):
     """With ``sha256``: the only manifest nodes accept (pinning, docs/artifacts.md "What is trusted")."""
 
     allow_unproven_architecture: bool = False
-    """Let nodes cut shards of an architecture the shard matrix has not proven bit-exact
-    (docs/models/architectures.md); refused architectures stay refused."""
+    """Let nodes cut, verify and serve, and seeders verify and seed, shards of an architecture the shard matrix has
+    not proven bit-exact (docs/models/architectures.md); refused architectures stay refused."""
 
     @field_validator("hidden_shape")
     @classmethod

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Final, Literal
 
 from pydantic import Field, model_validator
 
@@ -36,6 +37,17 @@ class LayerRange(WireModel):
         if int(end) <= int(start):
             raise ValueError(f"layer range {text!r} is empty: END must be greater than START")
         return cls(start=int(start), end=int(end))
+
+
+AllLayers = Literal["all"]
+ALL_LAYERS: Final[AllLayers] = "all"
+"""``--layers all``: every layer of the model, whatever their count. Kept apart from no range at all (``None``, for
+which a node joining from the swarm asks the tracker) until the layer count is known, then ``(0, n_layers)``."""
+
+
+def resolve_layers(layers: tuple[int, int] | AllLayers, n_layers: int) -> tuple[int, int]:
+    """An explicit range as ``(start, end)`` of a model of ``n_layers`` layers."""
+    return (0, n_layers) if layers == ALL_LAYERS else layers
 
 
 class BackendInfo(WireModel):

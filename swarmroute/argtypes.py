@@ -4,15 +4,16 @@ shows the expected form (``--nodes 3`` is not read as one node of 3 bytes)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 from collections.abc import Callable
 
 from artifacts.layer_split import NodeSpec, parse_nodes, parse_tokens
 from schemas.errors import BadRequestError
-from schemas.node import LayerRange
+from schemas.node import ALL_LAYERS, AllLayers, LayerRange
 from schemas.session import CONTEXT_CAP
 
 __all__ = ["at_least", "context", "fraction", "hidden_shape", "layer_range", "layers_or_all", "node_count_sizes",
-           "node_size", "non_negative", "peer", "port", "positive", "size", "tokens"]
+           "node_size", "non_negative", "peer", "piece_size", "port", "positive", "power_of_two", "size", "tokens"]
 
 
 def _number(kind: type[int] | type[float], text: str, what: str) -> int | float:
@@ -70,6 +71,34 @@ def hidden_shape(text: str) -> tuple[int, ...]:
     return dims
 
 
+def power_of_two(minimum: int = 1) -> Callable[[str], int]:
+    """A power of two of at least ``minimum`` bytes: a plain number of bytes (``262144``) or a size with its unit
+    (``256KiB``, ``1MiB``)."""
+    floor = f"{minimum} bytes" if minimum < 1024 else f"{minimum >> 10} KiB"
+    form = f"a power of two of at least {floor}, e.g. {max(minimum, 1 << 16)} or 1MiB"
+
+    def parse(text: str) -> int:
+        value = None
+        if text.strip().isdigit():
+            value = int(text)
+        elif "x" not in text.lower():  # NxSIZE is a node list, not one size
+            with contextlib.suppress(argparse.ArgumentTypeError):
+                value = _sizes(text)[0].memory_bytes
+        if value is None:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a size: give {form}")
+        if value < minimum or value & (value - 1):
+            bytes_ = "" if text.strip().isdigit() else f" ({value} bytes)"
+            raise argparse.ArgumentTypeError(f"{text}{bytes_} is not {form}")
+        return value
+
+    parse.__name__ = "power of two"  # argparse names the type in its messages
+    return parse
+
+
+piece_size = power_of_two(16 << 10)
+"""A torrent piece size: what ``artifacts.manifest.build_manifest`` accepts (a power of two >= 16 KiB)."""
+
+
 def node_size(text: str) -> list[NodeSpec]:
     """One node's memory with its unit: ``24GB``, ``80GiB``, ``512MiB`` (a bare number is refused)."""
     if text.strip().isdigit():
@@ -121,9 +150,10 @@ def context(text: str) -> int:
     return value
 
 
-def layers_or_all(text: str) -> tuple[int, int] | None:
-    """``START:END``, or ``all`` for the whole model."""
-    return None if text.strip().lower() == "all" else layer_range(text)
+def layers_or_all(text: str) -> tuple[int, int] | AllLayers:
+    """``START:END``, or ``all`` for the whole model: ``ALL_LAYERS``, not ``None`` (the option's absence, which lets
+    a node joining from the swarm ask the tracker for a range)."""
+    return ALL_LAYERS if text.strip().lower() == "all" else layer_range(text)
 
 
 def peer(text: str) -> tuple[str, int]:

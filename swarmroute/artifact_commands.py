@@ -109,7 +109,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         return 1
     failed = False
     for model_id in ids:
-        report = verify_store(store, model_id)
+        report = verify_store(store, model_id, allow_unproven=args.allow_unproven_architecture)
         bad_shards = [v for v in report.shards if not v.ok]
         bad_data = [p for p in report.data.tensors.values() if p is not None and p.kind != "missing"]
         failed = failed or bool(bad_shards or bad_data)
@@ -136,7 +136,7 @@ def _cmd_shard(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else store.shard_path(manifest.model_id, a, b)
     write_shard(ShardSource.from_manifest(manifest, store.data_path(manifest)), out, a, b,
                 allow_unproven=args.allow_unproven_architecture)
-    verdict = verify_shard(manifest, out, a, b)
+    verdict = verify_shard(manifest, out, a, b, allow_unproven=args.allow_unproven_architecture)
     print(verdict.describe())
     return 0 if verdict.ok else 1
 
@@ -175,7 +175,8 @@ async def _run(args: argparse.Namespace) -> int:
     settings = _settings(args)
     session = TorrentSession(SwarmConfig(listen_host=args.listen_host, listen_port=args.listen_port,
                                          download_limit=args.download_limit, upload_limit=args.upload_limit))
-    sync = ArtifactSync(settings, _store(args), session, SyncConfig(node_id=args.node_id))
+    sync = ArtifactSync(settings, _store(args), session,
+                        SyncConfig(node_id=args.node_id, allow_unproven=args.allow_unproven_architecture))
     try:
         # the connection retries forever by design (survives NATS restarts): bound only the first attempt
         await asyncio.wait_for(sync.start(), args.connect_timeout)
@@ -221,6 +222,12 @@ async def _command(sync: ArtifactSync, args: argparse.Namespace, stop: asyncio.E
     return 0
 
 
+def add_unproven_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--allow-unproven-architecture", action="store_true",
+                   help="cut, verify and serve or seed shards of a GGUF whose architecture the shard matrix has not "
+                        "proven bit-exact (docs/models/architectures.md); refused architectures stay refused")
+
+
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``artifact build|verify|shard|fetch|seed`` to the top-level ``subparsers``; each command sets
     ``func(args) -> int``."""
@@ -230,7 +237,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     build = commands.add_parser("build", help="write the manifest of a GGUF and add it to the store")
     build.add_argument("model", help=f"path of a GGUF file, or '{BUNDLED}' for the bundled Gemma 3 270M")
     build.add_argument("--out", help="also write the manifest JSON here")
-    build.add_argument("--piece-size", type=argtypes.positive, default=None, help="torrent piece size (power of two)")
+    build.add_argument("--piece-size", type=argtypes.piece_size, default=None,
+                       help="torrent piece size: a power of two >= 16 KiB, in bytes or with a unit (256KiB, 1MiB)")
     build.add_argument("--link", action="store_true", help="hard-link the file into the store instead of copying")
     build.add_argument("--no-import", action="store_true", help="only build the manifest, leave the store alone")
     build.set_defaults(func=guarded(_cmd_build))
@@ -272,8 +280,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         p.add_argument("--download-limit", type=argtypes.at_least(0), default=0, help="bytes/s, 0 for unlimited")
         p.add_argument("--upload-limit", type=argtypes.at_least(0), default=0, help="bytes/s, 0 for unlimited")
         p.set_defaults(func=guarded(lambda args: asyncio.run(_run(args))))
-    for p in (shard, fetch):
-        p.add_argument("--allow-unproven-architecture", action="store_true",
-                       help="cut a GGUF whose architecture the shard matrix has not proven bit-exact")
+    for p in (shard, fetch, verify, seed):
+        add_unproven_option(p)
     for p in (build, verify, shard, fetch, seed):
         p.add_argument("--home", help="swarmroute home (default: $SWARMROUTE_HOME or ~/.cache/swarmroute)")

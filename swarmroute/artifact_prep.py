@@ -73,7 +73,8 @@ def prepare(home: Path, source: Path | None, *, model_id: str | None, start: int
     if not shard.exists():
         log.info("writing shard [%d, %d) of %s", a, b, manifest.model_id[:12])
         write_shard(ShardSource.from_manifest(manifest, data), shard, a, b, allow_unproven=allow_unproven)
-    return PreparedArtifact(require_verified_shard(store, manifest.model_id, a, b), manifest, a, b)
+    return PreparedArtifact(require_verified_shard(store, manifest.model_id, a, b, allow_unproven=allow_unproven),
+                            manifest, a, b)
 
 
 __all__ = ["PreparedArtifact", "build_manifest", "import_model", "prepare"]

@@ -11,6 +11,7 @@ from typing import Any
 from actors.backend import Backend
 from actors.backends import load_backend
 from actors.selfcheck import prove_in_child
+from schemas.node import ALL_LAYERS
 from schemas.settings import Settings
 
 
@@ -36,7 +37,8 @@ class Identity:
 
 
 def build_backend(args: argparse.Namespace, settings: Settings) -> tuple[Backend, Identity]:
-    start, end = getattr(args, "layers", None) or (None, None)
+    layers = getattr(args, "layers", None)
+    start, end = (None, None) if layers in (None, ALL_LAYERS) else layers  # None for start/end: the whole model
     kind = args.backend
     options: dict[str, Any] = {}
     if kind == "stub":

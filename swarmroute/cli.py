@@ -154,7 +154,8 @@ def _backend_options(p: argparse.ArgumentParser) -> None:
                    help="concurrent sessions (KV slots) on this node")
     p.add_argument("--ctx", type=argtypes.context, default=None, help="context per session in tokens (4096, 32K)")
     p.add_argument("--threads", type=argtypes.positive, default=None,
-                   help="compute threads (default: all cores; with up, the cores divided among local nodes)")
+                   help="compute threads per node (default: every core; with up, each node gets an equal share "
+                        "of this machine's cores, at least 1, e.g. 1 each for 2 nodes on 2 cores)")
     p.add_argument("--n-layers", type=argtypes.positive, default=8, help="stub: layers of the toy model")
     p.add_argument("--hidden-shape", type=argtypes.hidden_shape, default=(64,),
                    help="stub: per-position hidden shape, e.g. 64 or 4x64")
@@ -195,7 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     _common(node)
     _backend_options(node)
     node.add_argument("--layers", type=argtypes.layers_or_all, default=None,
-                      help="START:END layer range (default: all)")
+                      help="START:END layer range, or all (default: all; joining from the swarm, the tracker "
+                           "assigns a range unless --layers is given)")
     node.add_argument("--node-id")
     node.add_argument("--host", default=None)
     node.add_argument("--port", type=argtypes.port, default=0)

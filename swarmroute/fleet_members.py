@@ -143,7 +143,11 @@ def _seeder_argv(fleet: Fleet, seeder: SeederSpec) -> list[str]:
         source = str(path) if path is not None else "bundled"
     host, port = parse_listen(seeder.listen)
     argv = [source, "--node-id", seeder.name, "--listen-host", host, "--listen-port", str(port)]
-    return argv + (["--upload-limit", str(seeder.upload_limit)] if seeder.upload_limit else [])
+    if seeder.upload_limit:
+        argv += ["--upload-limit", str(seeder.upload_limit)]
+    if model.allow_unproven_architecture:  # the shards it verifies (and repairs) are of an unproven architecture
+        argv.append("--allow-unproven-architecture")
+    return argv
 
 
 def member_argv(fleet: Fleet, role: MemberRole, name: str,

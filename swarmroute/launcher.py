@@ -72,12 +72,24 @@ def wait_ready(url: str, model_id: str, supervisor: Supervisor, timeout: float) 
     raise RuntimeError(f"the swarm did not become ready within {timeout:g}s")
 
 
+def local_threads(n_local: int) -> int:
+    """Compute threads of each of ``n_local`` nodes sharing this machine: an equal share of its cores, at least one
+    (an explicit ``--threads`` wins). A single session computes on one node at a time, so every core per node looks
+    free; measured, it is not: the other actors (the idle node, gateway, tracker, NATS) wake on every token, a
+    descheduled thread stalls ggml's barriers, and a node with every core decoded no faster than one with its share
+    and with far more spread (tests/bench/bench_up.py, docs/operations.md "Cores on one machine")."""
+    try:
+        cores = len(os.sched_getaffinity(0))  # what this process may run on (a container's CPU set)
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, n_local))
+
+
 LOCAL_NODE_ENV = {"OMP_WAIT_POLICY": "passive"}
-"""Nodes sharing one machine. A single session computes on one node at a time, so each node may use every core,
-provided the idle ones leave them alone: OpenMP threads that spin after a graph (its default) take cores from the
-node that is computing (and so would an event loop polling for its next frame, which is off by default)
-(tests/bench/bench_up.py measures it). The operator's own environment wins (for OpenMP, either of its wait
-settings)."""
+"""Nodes sharing one machine: OpenMP threads sleep as soon as a graph ends instead of spinning (its default), so a
+node with several threads leaves the cores to the node that computes next (and so would an event loop polling for
+its next frame, which is off by default) (tests/bench/bench_up.py measures both). The operator's own environment
+wins (for OpenMP, either of its wait settings)."""
 
 
 def local_node_env() -> dict[str, str]:
@@ -102,9 +114,11 @@ def up_model(args: argparse.Namespace, model_id: str, n_layers: int) -> ModelSpe
 def up_fleet(args: argparse.Namespace, settings: Settings, model: ModelSpec, *, nodes: int, gateway: str,
              memory: str | None = None, seeders: Sequence[SeederSpec] = ()) -> Fleet:
     """The fleet ``up`` runs: one tracker, ``node-1``..``node-N`` as ``up``'s options describe them (listening on
-    the bind host, any free port; ``memory`` each, to be assigned their layers), one gateway listening on
-    ``gateway``, and ``seeders``; in this process's namespace."""
-    node_specs = [NodeSpec(name=f"node-{i + 1}", max_sessions=args.max_sessions, ctx=args.ctx, threads=args.threads,
+    the bind host, any free port; ``memory`` each, to be assigned their layers; ``--threads`` each, else an equal
+    share of this machine's cores, ``local_threads``), one gateway listening on ``gateway``, and ``seeders``; in
+    this process's namespace."""
+    threads = args.threads or local_threads(nodes)
+    node_specs = [NodeSpec(name=f"node-{i + 1}", max_sessions=args.max_sessions, ctx=args.ctx, threads=threads,
                            wire_dtype=args.wire_dtype, listen=listen(settings.bind_host, 0), memory=memory)
                   for i in range(nodes)]
     return Fleet(name="up", namespace=settings.namespace, models={"model": model},

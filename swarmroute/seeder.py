@@ -15,7 +15,7 @@ from pathlib import Path
 
 from schemas.errors import SwarmrouteError
 from schemas.settings import Settings
-from swarmroute import argtypes
+from swarmroute import argtypes, artifact_commands
 from swarmroute.foreground import stop_event
 
 BUNDLED = "bundled"
@@ -29,6 +29,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
                                                        "(default: the bind host)")
     p.add_argument("--listen-port", type=argtypes.port, default=0, help="torrent listen port (0: any free port)")
     p.add_argument("--upload-limit", type=argtypes.at_least(0), default=0, help="bytes/s, 0 for unlimited")
+    artifact_commands.add_unproven_option(p)  # shards in its store are verified (and repaired) under it
     return p
 
 
@@ -65,7 +66,8 @@ async def _seed(args: argparse.Namespace, settings: Settings) -> int:
     session = TorrentSession(SwarmConfig(listen_host=args.listen_host or settings.bind_host,
                                          listen_port=args.listen_port, upload_limit=args.upload_limit))
     stop = stop_event()
-    sync = ArtifactSync(settings, Store(settings.home), session, SyncConfig(node_id=name), name=name)
+    sync = ArtifactSync(settings, Store(settings.home), session,
+                        SyncConfig(node_id=name, allow_unproven=args.allow_unproven_architecture), name=name)
     try:
         await sync.start()
         report = await sync.seed(model_id)

@@ -10,16 +10,18 @@ from typing import Any
 
 import pytest
 
+from artifacts import arch_support
 from artifacts.arch_support import KNOWN_HAZARDS, SUPPORT, CutRequest, check_cut, proven_architectures
 from artifacts.fetch import fetch_range
 from artifacts.gguf_layout import read_layout
 from artifacts.manifest import build_manifest
 from artifacts.shard import ShardSource, manifest_plan, write_shard
 from artifacts.store import Store
-from artifacts.synthetic import BUILDERS, Dims, ModelBuilder
+from artifacts.synthetic import BUILDERS, Dims
 from artifacts.synthetic.matrix import MATRIX, case
 from artifacts.verify import verify_shard
 from schemas.errors import BadRequestError
+from tests.support.gguf_factory import write_unproven_gguf
 
 
 def meta(arch: str, **values: Any) -> dict[str, Any]:
@@ -140,19 +142,8 @@ def test_write_shard_names_the_file_and_writes_the_pins(tmp_path: Path) -> None:
     assert not (tmp_path / "g.gguf").exists()
 
 
-def unproven_model(tmp_path: Path) -> Path:
-    b = ModelBuilder("olmo", "t-olmo")
-    b.u32("block_count", 2)
-    b.u32("embedding_length", 32)
-    b.tensor("token_embd.weight", 32, b.n_vocab, kind="embedding")
-    for il in range(2):
-        b.block(il, "attn_q.weight", 32, 32)
-    b.tensor("output_norm.weight", 32, kind="norm")
-    return b.write(tmp_path / "olmo.gguf")
-
-
 def test_an_unproven_architecture_is_cut_with_the_override(tmp_path: Path) -> None:
-    src = unproven_model(tmp_path)
+    src = write_unproven_gguf(tmp_path / "olmo.gguf")
     with pytest.raises(BadRequestError, match="'olmo' is not proven"):
         write_shard(src, tmp_path / "o.gguf", 1, 2)
     out = write_shard(src, tmp_path / "o.gguf", 1, 2, allow_unproven=True)
@@ -182,8 +173,11 @@ def test_a_shard_cut_without_todays_rules_does_not_verify(tmp_path: Path, monkey
 
     assert verify_shard(manifests[lite], cut(lite, 0, 14), 0, 14).ok
     with monkeypatch.context() as m:
-        m.setitem(SUPPORT, "deepseek2", dataclasses.replace(SUPPORT["deepseek2"], rules=()))
-        m.delitem(SUPPORT, "glm4")
+        # A copy of the table, not the shared one edited: restoring a deleted key would reorder the table, whose
+        # order docs/models/architectures.md follows.
+        table = {k: v for k, v in SUPPORT.items() if k != "glm4"}
+        table["deepseek2"] = dataclasses.replace(SUPPORT["deepseek2"], rules=())
+        m.setattr(arch_support, "SUPPORT", table)
         stale, refused = cut(lite, 0, 14), cut(glm, 2, 4)
     problems = verify_shard(manifests[lite], stale, 0, 14).problems
     assert [(p.kind, p.what) for p in problems] == [("metadata", "deepseek2.attention.q_lora_rank")]

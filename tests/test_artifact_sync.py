@@ -83,9 +83,9 @@ class Swarm:
     def fetch(self, name: str, home: Path, *args: str) -> Proc:
         return self.artifact(name, "fetch", "--home", str(home), "--quiet", *args)
 
-    async def corrupt_peer(self, manifest: Path, directory: Path) -> int:
-        proc = self.children.add(Proc([sys.executable, str(CORRUPT_PEER), str(manifest), str(directory)], self.env,
-                                      self.tmp / "corrupt.log"))
+    async def corrupt_peer(self, manifest: Path, directory: Path, *args: str) -> int:
+        proc = self.children.add(Proc([sys.executable, str(CORRUPT_PEER), str(manifest), str(directory), *args],
+                                      self.env, self.tmp / "corrupt.log"))
         port = (await proc.json(60))["port"]
         assert isinstance(port, int)
         return port
@@ -251,3 +251,33 @@ async def test_corrupt_peer_is_survived(swarm: Swarm, nats_server: EmbeddedNats,
     result = FetchProgress.model_validate(await leech.json(120))
     assert result.phase == "done" and result.hash_failures >= 1 and result.model_extra is not None
     assert verify_shard(manifest, Path(result.model_extra["shard"]), 6, 12).ok
+    assert result.banned_peers == [f"127.0.0.1:{bad_port}"]  # a static --peer announced nothing: its address only
+
+
+@pytest.mark.slow
+async def test_a_corrupt_peer_that_announced_itself_is_named_by_its_node_id(
+        swarm: Swarm, nats_server: EmbeddedNats, swarms: Swarms, gemma_copy: Path, tmp_path: Path) -> None:
+    """The liar joins the artifact swarm like a seeder (announcements, peer queries, the manifest): the fetcher
+    finds it over NATS, bans it, and names it in its progress as ``node-id (HOST:PORT)``."""
+    manifest = seed_store(tmp_path / "h0", gemma_copy)
+    mid = manifest.model_id
+    manifest_file = save_manifest(manifest, tmp_path / "manifest.json")
+    bad_dir = tmp_path / "bad"
+    bad_dir.mkdir()
+    shutil.copyfile(gemma_copy, bad_dir / manifest.torrent.file_name)
+    flip_in_tensors(bad_dir / manifest.torrent.file_name, manifest,
+                    [n for il in range(6, 12) for n in manifest.groups.layers[il]])
+    bad_port = await swarm.corrupt_peer(manifest_file, bad_dir, "--nats", nats_server.url, "--node-id", "liar")
+    watch = await Watch().start(nats_server.url, mid)
+    swarms.on_teardown(watch.close)
+    await eventually(lambda: any(p.node_id == "liar" for p in watch.peers), timeout=30,
+                     what="the liar announcing itself")
+    leech = swarm.fetch("leech", tmp_path / "h1", "--model-id", mid, "--range", "6:12")  # no --peer: NATS only
+    named = f"liar (127.0.0.1:{bad_port})"
+    await eventually(lambda: any(p.node_id == "leech" and named in p.banned_peers for p in watch.progress),
+                     timeout=90, what=f"the leecher banning {named!r}")
+    await swarm.seed("seed0", tmp_path / "h0", mid)  # an honest seeder joins
+    result = FetchProgress.model_validate(await leech.json(120))
+    assert result.phase == "done" and result.hash_failures >= 1 and result.model_extra is not None
+    assert verify_shard(manifest, Path(result.model_extra["shard"]), 6, 12).ok
+    assert result.banned_peers == [named]

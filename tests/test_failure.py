@@ -7,14 +7,18 @@ import asyncio
 import os
 import signal
 import time
+from typing import Any
 
 import httpx
 import openai
 import pytest
 
 from actors.tracker import Tracker
+from bus import codec
+from bus.subjects import Subjects
 from gateway.app import Gateway
 from schemas.settings import Settings
+from schemas.telemetry import GenerationTelemetry
 from tests.support.swarm import Swarms, make_settings, wait_model
 from tests.support.waiting import eventually
 
@@ -74,6 +78,50 @@ async def test_node_killed_mid_decode_fails_session_and_survivor_frees_it(fast_s
     assert alive.endpoint.startswith("http://127.0.0.1:")  # where it said it serves
     await eventually(lambda: _holds_no_session(alive.endpoint),
                      what=f"the surviving node at {alive.endpoint} freeing the session")
+
+
+@pytest.mark.parametrize("victim", ["head", "tail"])
+async def test_node_killed_during_a_non_streaming_request_is_a_5xx_naming_it(fast_settings: Settings, swarms: Swarms,
+                                                                            nc: Any, victim: str) -> None:
+    """No stream to end with an error chunk: the one response the client waits for is a 5xx in the OpenAI error
+    shape, naming the node that died and the phase it died in."""
+    head = await swarms.node_process(fast_settings, "head", stub_args("0:4", 0.05))
+    tail = await swarms.node_process(fast_settings, "tail", stub_args("4:8", 0.05))
+    tracker = await swarms.actor(Tracker(fast_settings))
+    gateway = await swarms.actor(Gateway(fast_settings, port=0))
+    await wait_model(tracker, MODEL, n_nodes=2)
+    decoding = asyncio.Event()
+
+    async def on_telemetry(msg: Any) -> None:  # what the head publishes for every session, streamed or not
+        snap = codec.decode(msg.data, GenerationTelemetry)
+        if snap.phase == "decode" and snap.generated_tokens >= 3:
+            decoding.set()
+
+    await nc.subscribe(Subjects(fast_settings.namespace).telemetry_all, cb=on_telemetry)
+    await nc.flush()
+    dead = head if victim == "head" else tail
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
+        request = asyncio.create_task(http.post("/v1/completions", json={
+            "model": MODEL, "prompt": "hello", "max_tokens": 400, "temperature": 0, "ignore_eos": True}))
+        await asyncio.wait_for(decoding.wait(), 30)  # a few tokens in: the response is still being built
+        assert not request.done()
+        dead.kill()
+        response = await request
+    assert 500 <= response.status_code < 600, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    error = response.json()["error"]  # OpenAI's shape: {"error": {"message", "type", "code", ...}}
+    assert {"message", "type", "code"} <= set(error), error
+    assert isinstance(error["message"], str) and dead.node_id in error["message"], error
+    assert error["failure"]["node_id"] == dead.node_id and error["failure"]["phase"] == "decode", error
+    # and the official client raises it as an APIStatusError carrying the same error object
+    client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.APIStatusError) as refused:  # the dead node's layers: no route now
+        await client.completions.create(model=MODEL, prompt="hello", max_tokens=3)
+    assert refused.value.status_code == 503, refused.value
+    assert ("[0, 4)" if victim == "head" else "[4, 8)") in refused.value.message, refused.value.message
+    survivor = tail if victim == "head" else head
+    await eventually(lambda: _holds_no_session(survivor.endpoint),
+                     what=f"the surviving node at {survivor.endpoint} freeing the session")
 
 
 async def test_node_killed_mid_prefill_fails_in_prefill(fast_settings: Settings, swarms: Swarms) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -384,7 +385,7 @@ def test_up_runs_an_in_memory_fleet_whose_children_get_their_command_lines(tmp_p
     """``up``'s options become a fleet (launcher.up_fleet); each child's command line is its member's, which the
     CLI parses back into what ``up`` was asked for."""
     from swarmroute.cli import build_parser
-    from swarmroute.launcher import listen, up_fleet, up_model
+    from swarmroute.launcher import listen, local_threads, up_fleet, up_model
 
     parser = build_parser()
     args = parser.parse_args(["up", "--backend", "stub", "--nodes", "3", "--stub-delay", "0.01", "--ctx", "512",
@@ -405,6 +406,7 @@ def test_up_runs_an_in_memory_fleet_whose_children_get_their_command_lines(tmp_p
             f"node-{i}", "stub", "stub-model", "stub-model", 8, (4, 64))
         assert (n.stub_delay, n.ctx, n.max_sessions, n.wire_dtype, n.host, n.port) == (
             0.01, 512, 2, "bf16", "127.0.0.2", 0)
+        assert n.threads == local_threads(3)  # an equal share of this machine's cores (no --threads given)
         assert specs[f"node-{i}"].env == {"OMP_WAIT_POLICY": "passive"} and not specs[f"node-{i}"].essential
     assert (parsed["gateway"].host, parsed["gateway"].port) == ("127.0.0.1", 8123)
     assert specs["tracker"].essential and specs["gateway"].essential and not specs["gateway"].env
@@ -421,9 +423,38 @@ def test_a_seeder_seeds_from_its_store_by_the_model_id() -> None:
     doc["models"]["gemma"]["allow_unproven_architecture"] = True
     fleet = Fleet.model_validate(doc)
     assert member_argv(fleet, "seeder", "seed-1") == ["seeder", SHA, "--node-id", "seed-1", "--listen-host",
-                                                      "127.0.0.1", "--listen-port", "0"]
+                                                      "127.0.0.1", "--listen-port", "0",
+                                                      "--allow-unproven-architecture"]  # the model's override
     assert member_argv(fleet, "node", "n1")[-1] == "--allow-unproven-architecture"
     no_id = copy.deepcopy(BASE)
     no_id["seeders"] = [{"name": "seed-1", "from_store": True}]
     with pytest.raises(BadRequestError, match="seeders\\[0\\].from_store: seeds the model by its sha256"):
         parse_fleet(json.dumps(no_id))
+
+
+@pytest.mark.parametrize("explicit", [None, 5])
+def test_up_fleets_give_each_local_node_its_share_of_the_cores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              explicit: int | None) -> None:
+    """``up`` and ``up --from-swarm`` (empty nodes of a model named by its sha256, and a seeder) build their fleets
+    with ``up_fleet``: every node's command line carries ``--threads`` = cores / nodes, unless ``--threads`` was
+    given; an unproven model's override reaches its seeder as well as its nodes."""
+    from schemas.fleet import ModelSpec, SeederSpec
+    from swarmroute.cli import build_parser
+    from swarmroute.launcher import listen, up_fleet, up_model
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    parser = build_parser()
+    extra = ["--threads", str(explicit)] if explicit else []
+    settings = Settings(home=tmp_path / "home", namespace="up-test")
+    args = parser.parse_args(["up", "--backend", "stub", *extra])
+    fleets = {"up": up_fleet(args, settings, up_model(args, "stub-model", 8), nodes=2, gateway=listen("::1", 0))}
+    args = parser.parse_args(["up", "--from-swarm", "--allow-unproven-architecture", *extra])
+    swarm_model = ModelSpec(backend="llamacpp", id="alias", sha256=SHA, allow_unproven_architecture=True)
+    fleets["up --from-swarm"] = up_fleet(args, settings, swarm_model, nodes=3, gateway=listen("127.0.0.1", 0),
+                                         memory="300MiB", seeders=[SeederSpec(name="seeder", from_store=True)])
+    for command, n_nodes in (("up", 2), ("up --from-swarm", 3)):
+        fleet = fleets[command]
+        for node in fleet.nodes:
+            argv = parser.parse_args(member_argv(fleet, "node", node.name))
+            assert argv.threads == (explicit or 8 // n_nodes), (command, node.name)
+    assert member_argv(fleets["up --from-swarm"], "seeder", "seeder")[-1] == "--allow-unproven-architecture"

@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from swarmroute.launcher import local_threads
 from tests.support.actors import Children, descendants, still_alive
 from tests.support.up import Up, free_port
 from tests.support.waiting import eventually_sync
@@ -90,3 +91,87 @@ def test_a_head_dying_mid_stream_ends_the_stream_with_an_error_and_the_swarm_rec
     assert text.choices[0].finish_reason in ("length", "stop")
     assert up.proc.poll() is None, up.output
     assert up.child("node", "node-1") != head
+
+
+def test_while_a_dead_node_awaits_its_restart_a_new_request_gets_the_503_naming_its_layers(
+        children: Children, tmp_path: Path) -> None:
+    """Between a node's death and its replacement advertising, no route can form: a new request is refused at once
+    with the 503 naming the layers nobody serves (not a hang, not a 502 about the dead node), and once the
+    supervisor has restarted the node, requests are served again.
+
+    The window is held open deterministically: ``up`` itself is frozen (SIGSTOP) before node-1 is killed, so its
+    supervisor cannot restart node-1 while the request is served; the gateway, tracker and node-2 are processes of
+    their own and go on. Racing the 1 s restart back-off instead would make the test depend on the machine's load."""
+    up = children.add(Up("--backend", "stub", "--port", str(free_port()), "--home", str(tmp_path / "home")))
+    url = _ready(up)
+    assert "node-1[0,4) -> node-2[4,8)" in up.output, up.output
+    head = up.child("node", "node-1")
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+    assert client.completions.create(model="stub-model", prompt="Hello", max_tokens=4).choices[0].text
+
+    os.kill(up.proc.pid, signal.SIGSTOP)
+    try:
+        os.kill(head, signal.SIGKILL)
+        eventually_sync(lambda: _dead(head), timeout=10, interval=0.05, what=f"node-1 (pid {head}) dying")
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.completions.create(model="stub-model", prompt="Hello", max_tokens=4)
+        assert refused.value.status_code == 503, refused.value
+        assert "[0, 4)" in refused.value.message, refused.value.message
+        body = refused.value.body if isinstance(refused.value.body, dict) else {}
+        assert body.get("code") == "no_route" and "[0, 4)" in body.get("message", ""), body
+        assert not any(_node_1(pid) for pid in descendants(up.proc.pid))  # still no replacement: the window held
+    finally:
+        os.kill(up.proc.pid, signal.SIGCONT)
+
+    eventually_sync(lambda: f"node-1 (pid {head}) killed by signal 9 (SIGKILL)" in up.output, timeout=30,
+                    interval=0.2, what=lambda: f"up naming the death:\n{up.output}")
+    assert "node-1 will be restarted in" in up.output, up.output
+    text = eventually_sync(lambda: client.completions.create(model="stub-model", prompt="Hello", max_tokens=4),
+                           timeout=120, interval=0.5, ignoring=(openai.APIStatusError, openai.APIConnectionError),
+                           what=lambda: f"a request served again:\n{up.output}")
+    assert text.choices[0].text and up.proc.poll() is None, up.output
+    assert up.child("node", "node-1") != head
+
+
+def _dead(pid: int) -> bool:
+    """Exited (a zombie counts: its parent, frozen, cannot reap it, but its sockets are closed)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+def _node_1(pid: int) -> bool:
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"node-1" in argv and not _dead(pid)
+
+
+@pytest.mark.parametrize("explicit", [None, 3])
+def test_local_nodes_share_the_machines_cores_and_their_idle_threads_sleep(children: Children, tmp_path: Path,
+                                                                           explicit: int | None) -> None:
+    """The node processes ``up`` starts, read from /proc: each gets an equal share of the cores (``--threads``,
+    at least 1) unless the user gave ``--threads``, and OpenMP's passive wait; hop polling stays off."""
+    extra = ["--threads", str(explicit)] if explicit else []
+    unset = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "SWARMROUTE_HOP_SPIN_GRACE_S")  # a user's own choices would win
+    up = children.add(Up("--backend", "stub", "--nodes", "2", "--port", str(free_port()), "--home",
+                         str(tmp_path / "home"), *extra,
+                         env_replace={k: v for k, v in os.environ.items() if k not in unset}))
+    _ready(up)
+    share = max(1, len(os.sched_getaffinity(0)) // 2)
+    assert local_threads(2) == share and local_threads(1) == len(os.sched_getaffinity(0))
+    for name in ("node-1", "node-2"):
+        pid = up.child("node", name)
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        env = dict(line.split("=", 1) for line in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
+                   if "=" in line)
+        assert argv[argv.index("--threads") + 1] == str(explicit or share), argv
+        assert env.get("OMP_WAIT_POLICY") == "passive", env
+        assert "SWARMROUTE_HOP_SPIN_GRACE_S" not in env  # the settings default: 0, no polling between steps
+
+
+def test_the_share_of_cores_is_at_least_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert [local_threads(n) for n in (1, 2, 3, 8, 16)] == [8, 4, 2, 1, 1]

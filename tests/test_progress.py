@@ -42,3 +42,37 @@ def test_without_a_terminal_lines_come_on_change_and_periodically() -> None:
     printer(progress(phase="done", pieces_done=100))
     lines = out.getvalue().splitlines()
     assert len(lines) == 3 and "banned" in lines[1] and "done" in lines[2]
+
+
+class Terminal(io.StringIO):
+    """What a person's terminal is to the printer: a stream whose ``isatty()`` is True."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_on_a_terminal_the_bar_is_redrawn_in_place_and_ends_with_a_newline() -> None:
+    out = Terminal()
+    printer = ProgressPrinter(out, interval_s=3600)
+    assert printer.tty
+    printer(progress(pieces_done=25))
+    printer(progress(pieces_done=50, bytes_downloaded=100_000_000))  # within the interval: still redrawn
+    assert "\n" not in out.getvalue()  # one line, rewritten: no scrolling while the fetch runs
+    redraws = out.getvalue().split("\r\x1b[2K")  # carriage return, then erase the whole line
+    assert redraws[0] == "" and len(redraws) == 3
+    assert redraws[1] == format_progress(progress(pieces_done=25))
+    assert redraws[2] == format_progress(progress(pieces_done=50, bytes_downloaded=100_000_000))
+    printer(progress(phase="done", pieces_done=100, bytes_downloaded=200_000_000, eta_s=None))
+    final = out.getvalue().split("\r\x1b[2K")[-1]
+    assert final == format_progress(progress(phase="done", pieces_done=100, bytes_downloaded=200_000_000,
+                                             eta_s=None)) + "\n"  # the last state stays on screen
+    assert out.getvalue().count("\n") == 1
+
+
+def test_on_a_terminal_a_failed_fetch_also_ends_its_line() -> None:
+    out = Terminal()
+    printer = ProgressPrinter(out)
+    printer(progress())
+    printer(progress(phase="failed", message="no peer holds layers [6, 9)"))
+    assert out.getvalue().endswith("- no peer holds layers [6, 9)\n")
+    assert out.getvalue().count("\r\x1b[2K") == 2

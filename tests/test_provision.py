@@ -10,6 +10,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import os
+import re
 import shutil
 import sys
 from collections.abc import AsyncIterator
@@ -239,6 +240,7 @@ async def test_corrupt_seeder_is_banned_and_named_and_a_node_waits_for_an_honest
              "--host", a0, "--nats", settings.nats_url, "--node-id", "liar"], env=settings_env(settings)))
         liar_port = liar.wait_for(r'"port": (\d+)', 60).group(1)
         liar_address = f"{a0}:{liar_port}"
+        liar_name = f"liar ({liar_address})"  # the node id its announcements carry, and where it serves
         node = children.add(empty_node(settings, "n1", tmp_path / "n1", mid, "--layers", "6:12",
                                        "--threads", "1", "--host", a2, prefix=in_ns(ns2)))
 
@@ -247,22 +249,26 @@ async def test_corrupt_seeder_is_banned_and_named_and_a_node_waits_for_an_honest
 
         await eventually(waiting, timeout=120, what="n1 banning the liar, then waiting for a seeder (on NATS)")
         stalled = next(p for p in watch.of("n1") if p.banned_peers and p.unseeded_layers)
-        assert stalled.banned_peers == [liar_address] and stalled.hash_failures >= 1
+        assert stalled.banned_peers == [liar_name] and stalled.hash_failures >= 1
         assert {(r.start, r.end) for r in stalled.unseeded_layers} == {(6, 12)}
         assert "layers [6, 12)" in stalled.message
         served = model_of(tracker, mid)
         assert served is not None and [f.node_id for f in served.fetching] == ["n1"] and not served.nodes
-        node.wait_for(rf"peer {liar_address} banned", 10)  # named in its log
+        node.wait_for(rf"peer {re.escape(liar_name)} banned", 10)  # named in its log
         node.wait_for(r"waiting for a peer that has layers \[6, 12\)", 10)
 
         children.add(seeder(settings, "seeder", tmp_path / "seed", mid, host=a1, prefix=in_ns(ns1)))
         await asyncio.to_thread(node.ready, 300)
         done = watch.last("n1", "done")
         assert (done.start, done.end) == (6, 12)
-        assert done.banned_peers == [liar_address] and done.hash_failures >= 1
+        assert done.banned_peers == [liar_name] and done.hash_failures >= 1
         assert verify_shard(manifest, Store(tmp_path / "n1").shard_path(mid, 6, 12), 6, 12).ok
-        served = model_of(tracker, mid)
-        assert served is not None and served.nodes == ["n1"] and not served.fetching
+
+        def serving() -> bool:  # the tracker's registry watch follows the node's first heartbeat
+            served = model_of(tracker, mid)
+            return served is not None and served.nodes == ["n1"] and not served.fetching
+
+        await eventually(serving, timeout=30, what=lambda: f"the tracker seeing n1 serving: {model_of(tracker, mid)}")
 
 
 # ---- the command line ---------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from schemas.artifact import FetchProgress
 from schemas.manifest import ModelManifest
 from schemas.node import NodeAdvertisement
 from schemas.settings import Settings
+from swarmroute.cli import build_parser
 from tests.support.gguf_factory import write_tiny_gguf
 from tests.support.waiting import eventually
 
@@ -161,6 +162,30 @@ async def test_a_node_waits_for_layers_nobody_seeds_without_advertising_them(
         assert not got.progress.unseeded_layers
     finally:
         await provisioner.stop()
+        session.close()
+
+
+async def test_layers_all_takes_the_whole_model_without_asking_the_tracker(
+        settings: Settings, nc: Any, tmp_path: Path, model: Path, seeders: list[Seeder]) -> None:
+    """``node --model-id SHA --layers all``: no tracker runs here, so a node that asked for an assignment would wait
+    for one forever; it takes [0, n_layers) as soon as the manifest tells it n_layers, under a lease of its own."""
+    manifest = Store(tmp_path / "seed").import_gguf(model)
+    seeders.append(await Seeder(nc, settings, tmp_path / "seed", "seed").seed(manifest.model_id))
+    node_settings = settings.model_copy(update={"home": tmp_path / "node"})
+    args = build_parser().parse_args(["node", "--model-id", manifest.model_id, "--layers", "all"])
+    config = ProvisionConfig(node_id="j5", model_id=manifest.model_id, memory_bytes=2**30, layers=args.layers)
+    session = TorrentSession()
+    try:
+        async with Provisioner(config, node_settings, session) as p:
+            got = await asyncio.wait_for(p.provision(), 120)
+            assert got.assignment is None and (got.start, got.end) == (0, N_LAYERS)
+            assert p.advertisement().is_head and p.advertisement().is_tail
+            leases = await open_leases(nc, Subjects(settings.namespace), settings.registry_ttl_s)
+            held = [(v.node_id, v.start, v.end) for v, _ in (await leases.held(manifest.model_id)).values()]
+            assert held == [("j5", 0, N_LAYERS)]
+        assert verify_shard(manifest, got.shard, 0, N_LAYERS).ok
+        assert got.progress.bytes_needed >= sum(t.size for t in manifest.tensors)  # every tensor, not a range's
+    finally:
         session.close()
 
 

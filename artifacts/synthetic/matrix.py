@@ -1,7 +1,8 @@
 """The architecture matrix: which tiny model is built per architecture and where it is cut.
 
 Every proven architecture of ``artifacts.arch_support`` has a case here with a 2-way, a 3-way and an unaligned split
-(cuts chosen to fall on the boundaries the architecture's per-layer rules care about). Refused architectures have a
+(cuts chosen to fall on the boundaries the architecture's per-layer rules care about); every split of every case
+(variants too) is run as a backend chain and as a route through real nodes. Refused architectures have a
 case when a tiny model shows the reason (``why_refused``); the special cases exercise one layer-count rule each.
 """
 
@@ -77,6 +78,11 @@ MATRIX: tuple[MatrixCase, ...] = (
     # real 27B (168 != 128), so the attention scale of every shard would differ.
     MatrixCase("gemma3-62", "gemma3", Dims(n_layers=62, n_head=2, n_head_kv=1, n_nextn=0),
                refused_splits={"2-way": (0, 31, 62)}, quants=("F16",), why_refused="scale"),
+    # The one 62-layer gemma3 the guard lets through: n_embd / n_head (64 / 4) == head_dim (16), so the 27B formula
+    # the whole model gets and the head_dim formula its shards get give the same scale.
+    MatrixCase("gemma3-62-same-scale", "gemma3", Dims(n_layers=62, n_nextn=0), {"2-way": (0, 31, 62)},
+               quants=("F16",), about="62 layers (taken for the 27B) with n_embd / n_head == head_dim: the cut the "
+               "guard allows"),
     # A 'lite' deepseek2 (27 trunk layers, no q LoRA): its shards must be told q_lora_rank = 0.
     MatrixCase("deepseek2-lite", "deepseek2", Dims(n_layers=28, n_dense_lead=1, n_nextn=1, q_lora_rank=0),
                {"2-way": (0, 14, 28)}, quants=("F16",), about="'lite': 27 trunk layers, no q LoRA"),

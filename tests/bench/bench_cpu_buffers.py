@@ -110,6 +110,17 @@ def _measure(config: str, model: Path, tokens: int, portable: Path | None) -> di
     return {**json.loads(done.stdout.strip().splitlines()[-1]), "buffers": buffers}
 
 
+def cpu_model() -> str:
+    """The CPU's name as the kernel reports it (machines differ: compare only ratios measured in one run)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=128)
@@ -125,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model = Path(g.assemble(Path.home() / ".cache" / "swarmroute" / "models" / "gemma-3-270m-q4_k_m.gguf"))
     portable = _portable_site()
+    load_before = os.getloadavg()[0]
     results: dict[str, list[dict[str, object]]] = {c: [] for c in CONFIGS}
     for i in range(args.rounds):  # interleaved: this machine's speed drifts within minutes
         for config in CONFIGS:
@@ -133,18 +145,23 @@ def main(argv: list[str] | None = None) -> int:
     system = llama_cpp.llama_print_system_info().decode()
     amx = "AMX_INT8 = 1" in system
     print(f"\nCPU buffer types, Gemma 3 270M Q4_K_M, {os.cpu_count()} threads, {args.tokens} tokens, medians of "
-          f"{args.rounds} rounds; this CPU {'has' if amx else 'has no'} AMX (native build: AMX_INT8 = {int(amx)})")
-    print(f"{'configuration':<16} {'decode tok/s':>12} {'prefill tok/s':>13} {'vs guard':>9}  weights in")
+          f"{args.rounds} interleaved rounds; {time.strftime('%Y-%m-%d %H:%M')}, {cpu_model()}, which "
+          f"{'has' if amx else 'has no'} AMX (native build: AMX_INT8 = {int(amx)}); load average "
+          f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
+    print(f"{'configuration':<16} {'decode tok/s':>12} {'(min-max)':>11} {'prefill tok/s':>13} {'vs guard':>9}  "
+          "weights in")
     guard = statistics.median(float(r["decode"]) for r in results["guard"] if "decode" in r)  # type: ignore[arg-type]
     for config, runs in results.items():
         ok = [r for r in runs if "decode" in r]
         where = ", ".join(sorted({b for r in runs for b in r["buffers"]}))  # type: ignore[attr-defined]
         if not ok:
-            print(f"{config:<16} {'crash':>12} {'crash':>13} {'-':>9}  {where}  ({runs[0]['error']})")
+            print(f"{config:<16} {'crash':>12} {'':>11} {'crash':>13} {'-':>9}  {where}  ({runs[0]['error']})")
             continue
-        decode = statistics.median(float(r["decode"]) for r in ok)  # type: ignore[arg-type]
+        decodes = [float(r["decode"]) for r in ok]  # type: ignore[arg-type]
+        decode = statistics.median(decodes)
         prefill = statistics.median(float(r["prefill"]) for r in ok)  # type: ignore[arg-type]
-        print(f"{config:<16} {decode:>12.1f} {prefill:>13.0f} {decode / guard:>8.2f}x  {where}"
+        spread = f"({min(decodes):.0f}-{max(decodes):.0f})"
+        print(f"{config:<16} {decode:>12.1f} {spread:>11} {prefill:>13.0f} {decode / guard:>8.2f}x  {where}"
               + (f"  ({len(runs) - len(ok)} of {len(runs)} runs crashed)" if len(ok) < len(runs) else ""))
     return 0
 

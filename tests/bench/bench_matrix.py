@@ -6,7 +6,8 @@ Run all benchmarks with ``bash tests/bench/run``; this one alone from the reposi
 * ``build``   writing every case's GGUF (F16 and Q8_0 where the case has both) with ``artifacts.synthetic``;
 * ``whole``   loading the whole GGUF in llama.cpp and the greedy reference run (prompt + decode steps);
 * ``chains``  cutting and loading the shards of every split and running them (the backend chains of the test);
-* ``routes``  the 2- and 3-node routes through real nodes, tracker, gateway and nats-server.
+* ``routes``  every split of every case again as a route through real nodes, tracker, gateway and nats-server
+              (what ``tests/test_arch_matrix.py`` runs).
 
 Every time is wall time on this machine (shared: compare ratios from one run). Printed beside each case: the chain
 time per split relative to the whole model's run (what cutting, loading several contexts and handing hidden states
@@ -58,12 +59,10 @@ async def run_routes(cases: list[MatrixCase], root: Path) -> dict[tuple[str, str
     out: dict[tuple[str, str], float] = {}
     try:
         for c in cases:
-            if c.arch != c.name or not c.splits:
-                continue
             for quant in c.quants:
                 path = build(c, quant, root)
                 began = time.perf_counter()
-                for split in ("2-way", "3-way"):
+                for split in c.splits:
                     hops = open_chain(path, root / f"{c.name}-{quant}.shards", c.splits[split])
                     tokens = prompt_tokens(hops[0])
                     try:
@@ -95,22 +94,22 @@ def main() -> None:
                 build(c, quant, root)
                 build_s[(c.name, quant)] = time.perf_counter() - t
         total_build = time.perf_counter() - began
-        print(f"{'case':<18} {'quant':<5} {'build ms':>9} {'whole s':>8} {'chains s':>9} {'per chain/whole':>16}")
+        print(f"{'case':<22} {'quant':<5} {'build ms':>9} {'whole s':>8} {'chains s':>9} {'per chain/whole':>16}")
         run_total = 0.0
         for c in cases:
             for quant in c.quants:
                 whole_s, chains_s, n = run_case(c, quant, root)
                 run_total += whole_s + chains_s
-                print(f"{c.name:<18} {quant:<5} {build_s[(c.name, quant)] * 1e3:>9.0f} {whole_s:>8.2f} "
+                print(f"{c.name:<22} {quant:<5} {build_s[(c.name, quant)] * 1e3:>9.0f} {whole_s:>8.2f} "
                       f"{chains_s:>9.2f} {chains_s / n / whole_s:>16.2f}")
         route_total = 0.0
         if not args.no_routes:
             routes = asyncio.run(run_routes(cases, root))
             route_total = sum(routes.values())
             print()
-            print(f"{'routes (2- and 3-node)':<24} {'s':>6}")
+            print(f"{'routes (every split)':<28} {'s':>6}")
             for (name, quant), seconds in routes.items():
-                print(f"{name + ' ' + quant:<24} {seconds:>6.2f}")
+                print(f"{name + ' ' + quant:<28} {seconds:>6.2f}")
         total = total_build + run_total + route_total
         print()
         print(f"build {total_build:.1f} s, backend runs {run_total:.1f} s, routes {route_total:.1f} s: "

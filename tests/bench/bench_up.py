@@ -6,13 +6,15 @@ Run all benchmarks with ``bash tests/bench/run``; this one alone from the reposi
 Every configuration is a real ``swarmroute up`` (2 llama.cpp nodes, the bundled Gemma 3 270M Q4_K_M, the official
 client streaming greedy completions), all of them up at once with their rounds interleaved (this machine drifts by
 10-20% within minutes). The reference is llama-cpp-python in this process with every core, measured in the same
-rounds. Configurations:
+rounds (and, for scale, with one thread). Configurations:
 
-* ``default``: ``swarmroute up`` with no flags, as a user runs it;
+* ``default``: ``swarmroute up`` with no flags, as a user runs it (since issue #14 item 6: each node an equal share
+  of the cores, OpenMP threads sleep after a graph, no polling);
 * ``alpha``: what ``up`` did before issue #14: every node takes every core, OpenMP's default wait (its threads spin
   after a graph before they sleep), and the node busy-polls between decode steps;
 * ``threads 1``: one thread per node, the rest as ``alpha``;
-* ``all cores, passive``: every node takes every core, OpenMP threads sleep as soon as a graph ends, no polling;
+* ``all cores, passive``: every node takes every core, OpenMP threads sleep as soon as a graph ends, no polling (the
+  default before issue #14 item 6);
 * ``threads 1, no polling``.
 
 A 2-node route on one machine computes one node at a time (a single session goes round the ring), so whatever the
@@ -32,6 +34,7 @@ from pathlib import Path
 
 import llama_cpp
 
+from tests.bench.bench_cpu_buffers import cpu_model
 from tests.bench.bench_gguf_route import stream
 from tests.bench.bench_llamacpp import free_port, run_in_process
 from tests.support.up import Up
@@ -76,17 +79,21 @@ def main(argv: list[str] | None = None) -> int:
     llama_cpp.llama_backend_init()
     buffer_types().allow_amx(False)  # as every node loads it
     llm = llama_cpp.Llama(str(model), n_ctx=2048, n_threads=CORES, n_threads_batch=CORES, verbose=False)
+    single = llama_cpp.Llama(str(model), n_ctx=2048, n_threads=1, n_threads_batch=1, verbose=False)
     loop = asyncio.new_event_loop()
     ups: dict[str, tuple[Up, str]] = {}
-    rates: dict[str, list[float]] = {name: [] for name in ["in-process", *CONFIGS]}
+    load_before = os.getloadavg()[0]
+    rates: dict[str, list[float]] = {name: [] for name in ["in-process", "in-process, 1 thread", *CONFIGS]}
     with tempfile.TemporaryDirectory() as tmp:
         try:
             for name in CONFIGS:
                 ups[name] = _start(name, Path(tmp) / name.replace(" ", "_").replace(",", ""))
                 loop.run_until_complete(stream(ups[name][1], "gemma-3-270m", "Warm up.", 4))
             run_in_process(llm, 8)
+            run_in_process(single, 8)
             for i in range(args.rounds):
                 rates["in-process"].append(run_in_process(llm, args.tokens).decode_tps)
+                rates["in-process, 1 thread"].append(run_in_process(single, args.tokens).decode_tps)
                 for name, (_, url) in ups.items():
                     rate = loop.run_until_complete(stream(url, "gemma-3-270m", f"Run {i}. Once upon a time",
                                                           args.tokens))[1]
@@ -96,13 +103,16 @@ def main(argv: list[str] | None = None) -> int:
             for up, _ in ups.values():
                 up.stop()
             llm.close()
+            single.close()
     base = statistics.median(rates["in-process"])
     print(f"\nswarmroute up on one machine: 2 llama.cpp nodes, {CORES} cores, Gemma 3 270M Q4_K_M, {args.tokens} "
-          f"tokens, medians of {args.rounds} interleaved rounds, load average {os.getloadavg()[0]:.1f}")
-    print(f"{'configuration':<24} {'decode tok/s':>12} {'vs in-process':>14}")
+          f"tokens, medians of {args.rounds} interleaved rounds; {time.strftime('%Y-%m-%d')}, {cpu_model()}; load "
+          f"average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
+    print(f"{'configuration':<24} {'decode tok/s':>12} {'(min-max)':>11} {'vs in-process':>14}")
     for name, values in rates.items():
         median = statistics.median(values)
-        print(f"{name:<24} {median:>12.1f} {median / base:>13.2f}x")
+        spread = f"({min(values):.0f}-{max(values):.0f})"
+        print(f"{name:<24} {median:>12.1f} {spread:>11} {median / base:>13.2f}x")
     print(f"(in-process: llama-cpp-python with {CORES} threads in this process; time {time.strftime('%H:%M')})")
     return 0
 

@@ -51,9 +51,7 @@ class Results:
         for c in MATRIX:
             for quant in c.quants:
                 out += [f"chain {c.name}-{quant}-{s}" for s in c.splits if (c.name, quant, s) not in self.chains]
-                if c.splits and c.arch == c.name:
-                    out += [f"route {c.name}-{quant}-{s}" for s in ("2-way", "3-way")
-                            if (c.name, quant, s) not in self.routes]
+                out += [f"route {c.name}-{quant}-{s}" for s in c.splits if (c.name, quant, s) not in self.routes]
             if c.splits and c.arch == c.name and c.name not in self.kv:
                 out.append(f"kv {c.name}")
             out += [f"refusal {c.name}-{s}" for s in c.refused_splits if (c.name, s) not in self.refusals]
@@ -64,17 +62,17 @@ class Results:
 
 def _proven_cell(c: MatrixCase, r: Results) -> str:
     chains = [s for s in c.splits if any((c.name, q, s) in r.chains for q in c.quants)]
-    routes = sorted({s.split("-")[0] for (n, _, s) in r.routes if n == c.name})
+    routes = [s for s in c.splits if any((c.name, q, s) in r.routes for q in c.quants)]
     text = f"chains {', '.join(chains)} x {'/'.join(c.quants)}"
     if routes:
-        text += f", {'- and '.join(routes)}-node routes"
+        text += f"; routes through real nodes {', '.join(routes)}"
     return text if c.name == c.arch else f"variant `{c.name}` ({c.about}): {text}"
 
 
 def _proven_row(arch: str, support: ArchSupport, r: Results) -> str:
     cases = [c for c in MATRIX if c.arch == arch and c.splits]
     names = {c.name for c in cases}
-    runs = [v for (n, _, _), v in {**r.chains, **r.routes}.items() if n in names]
+    runs = [v for results in (r.chains, r.routes) for (n, _, _), v in results.items() if n in names]  # both
     proven = "; ".join(_proven_cell(c, r) for c in cases)
     if not all(same for _, same in runs):
         proven += " (GREEDY TOKENS DIFFER)"
@@ -87,11 +85,20 @@ def _proven_row(arch: str, support: ArchSupport, r: Results) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def _case_diffs(r: Results, name: str) -> str:
+    """What the chains and routes of one case recorded: the largest logits diff, and whether the tokens agreed."""
+    runs = [v for results in (r.chains, r.routes) for (n, _, _), v in results.items() if n == name]
+    same = "same greedy tokens" if all(s for _, s in runs) else "GREEDY TOKENS DIFFER"
+    return f"max abs diff {max(d for d, _ in runs)}, {same}"
+
+
 def _rules(r: Results) -> list[str]:
     rows = ["| architecture | setting | where llama.cpp derives it | what the shard writer does | shown by |",
             "|---|---|---|---|---|"]
-    shown = {"gemma3": "gemma3-62: without the guard a 2-way chain loads, runs and computes other logits "
-                       "(max abs diff > 0.01); the guard refuses every cut",
+    shown = {"gemma3": "gemma3-62 (n_embd / n_head != head_dim, as in the 27B): without the guard a 2-way chain "
+                       "loads, runs and computes other logits (max abs diff > 0.01); the guard refuses every cut. "
+                       "gemma3-62-same-scale (n_embd / n_head == head_dim): the guard allows it, and its 2-way "
+                       f"chain and route equal the whole model ({_case_diffs(r, 'gemma3-62-same-scale')})",
              "deepseek2": "deepseek2-lite and deepseek2-gating route bit-exactly with the pins; without them the "
                           "lite shard fails to load and the gating chain computes other logits",
              "gemma2": "gemma2 is refused as a whole (see below)"}
@@ -144,8 +151,9 @@ def render(r: Results) -> str:
         "random weights, F16 and Q8_0, no download), runs it whole in llama.cpp (llama-cpp-python 0.3.36, "
         "llama.cpp 0c1e57098) and as chains of shards, feeding a prompt longer than every sliding window and "
         "decoding greedily. Logits diff is the largest absolute difference of the tail's logits from the whole "
-        "model's over every decoded token, split, quantization and route. Routes run through real nodes, tracker, "
-        "gateway and nats-server (HTTP on loopback).",
+        "model's over every decoded token, split, quantization and route. Every split of every case (the unaligned "
+        "ones and the variants' too) also runs as a route through real nodes, tracker, gateway and nats-server "
+        "(HTTP on loopback).",
         "",
         "## Proven",
         "",
@@ -179,8 +187,9 @@ def render(r: Results) -> str:
         "## Not in the matrix",
         "",
         "Every other architecture is refused by default (the message lists the proven ones). Serve such a model "
-        "whole on one node, or cut it anyway with the unproven-architecture override (`allow_unproven=True` in "
-        "`write_shard`, `fetch_range`'s `FetchOptions`, `swarmroute.artifact_prep.prepare` and `LlamaCppConfig`). "
+        "whole on one node, or cut it anyway with the unproven-architecture override (`--allow-unproven-architecture` "
+        "on the command line; `allow_unproven=True` in `write_shard`, `fetch_range`'s `FetchOptions`, the verifier, "
+        "`SyncConfig`, `swarmroute.artifact_prep.prepare` and `LlamaCppConfig`), each node deciding for itself. "
         "Known layer-count hazards of architectures outside the matrix, named in the refusal:",
         "",
         *[f"- `{arch}`: {hazard}" for arch, hazard in sorted(KNOWN_HAZARDS.items())],

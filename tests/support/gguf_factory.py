@@ -64,3 +64,19 @@ def write_tiny_gguf(path: Path, *, n_layers: int = 4, n_embd: int = 64, n_head: 
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def write_unproven_gguf(path: Path, *, arch: str = "olmo", n_layers: int = 2, n_embd: int = 32) -> Path:
+    """A GGUF of an architecture the shard matrix has not proven (``artifacts.arch_support``): enough for the
+    manifest, the store, the shard writer and the verifier; llama.cpp is never asked to load it."""
+    from artifacts.synthetic.builder import ModelBuilder
+
+    b = ModelBuilder(arch, f"t-{arch}")
+    b.u32("block_count", n_layers)
+    b.u32("embedding_length", n_embd)
+    b.tensor("token_embd.weight", n_embd, b.n_vocab, kind="embedding")
+    for il in range(n_layers):
+        b.block(il, "attn_q.weight", n_embd, n_embd)
+    b.tensor("output_norm.weight", n_embd, kind="norm")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return b.write(path)
