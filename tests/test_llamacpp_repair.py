@@ -50,11 +50,13 @@ async def start(settings: Settings, swarms: Swarms, gemma_path: Path,
 
 
 async def stream(gateway: Gateway, *, max_tokens: int, kill: dict[str, NodeProcess] | None = None, hop: int = 0,
-                 after_tokens: int = 0, in_prefill: int = 0) -> tuple[str, list[dict[str, Any]], str]:
+                 after_tokens: int = 0, in_prefill: int = 0,
+                 frequency_penalty: float = 0.0) -> tuple[str, list[dict[str, Any]], str]:
     """The greedy text, every telemetry snapshot, and the node killed (SIGKILL) at hop ``hop`` of the route."""
     client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=300)
     chunks = await client.completions.create(
         model=MODEL, prompt=PROMPT, max_tokens=max_tokens, temperature=0, stream=True,
+        frequency_penalty=frequency_penalty,
         extra_body={"ignore_eos": True, "stream_options": {"include_telemetry": True}})
     text, snaps, seen, killed = "", [], 0, ""
     async for chunk in chunks:
@@ -114,4 +116,18 @@ async def test_a_hop_killed_in_prefill_is_rebuilt_from_the_journal(settings: Set
     text, snaps, dead = await stream(gateway, max_tokens=16, kill=nodes, hop=1, in_prefill=32)
     assert dead and text == expected
     assert_repaired(snaps, dead, 1, "journal")
+    await freed(nodes, dead)
+
+
+async def test_a_replaced_tail_samples_only_the_missing_token_so_penalties_go_on_unchanged(
+        settings: Settings, swarms: Swarms, gemma_path: Path) -> None:
+    # The journal replays the positions the client has tokens for already: the replacement tail computes them
+    # without sampling, or its penalty window would count those tokens twice and the text after the repair change.
+    nodes, gateway = await start(settings, swarms, gemma_path, [("head", "0:9"), ("tail", "9:18"), ("spare", "9:18")])
+    expected, _, _ = await stream(gateway, max_tokens=48, frequency_penalty=1.5)
+    text, snaps, dead = await stream(gateway, max_tokens=48, kill=nodes, hop=1, after_tokens=24,
+                                     frequency_penalty=1.5)
+    assert dead and text == expected
+    assert_repaired(snaps, dead, 1, "snapshot")
+    assert snaps[-1]["repair"]["replayed_positions"] > 1
     await freed(nodes, dead)

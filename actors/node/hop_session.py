@@ -206,8 +206,11 @@ class HopSession(NodeSession):
         # n > 1: the last prefill chunk (the one the tail samples after) forks the prompt's KV into every choice.
         forks = self.choices.fork_ids() if header.kind is FrameKind.PREFILL and header.sample else ()
         window = header.kind is FrameKind.VERIFY and self.is_tail  # the tail judges it from every row's logits
-        return StepInput(choice.backend_id, header.start_position, hidden=hidden,
-                         sample=header.sample and self.is_tail and not window, rows=window, forks=forks)
+        # A frame a repair replays below ``quiet_below`` has its token already: the tail computes it without
+        # sampling (no logits over the vocabulary, and the sampler's penalty window and draws stay as they are).
+        sample = header.sample and self.is_tail and not window and self.recovery.forwards(header.start_position)
+        return StepInput(choice.backend_id, header.start_position, hidden=hidden, sample=sample, rows=window,
+                         forks=forks)
 
     async def _frame_awaited(self, choice: Choice, header: FrameHeader, item: StepInput, step: StepFuture) -> int:
         try:
