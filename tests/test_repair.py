@@ -90,7 +90,9 @@ async def test_a_killed_hop_is_replaced_and_the_stream_goes_on_unchanged(repair_
 
 async def test_a_hop_killed_in_prefill_is_rebuilt_from_the_journal(repair_settings: Settings, swarms: Swarms) -> None:
     """No snapshot exists before prefill ends: the hop before the lost one replays every chunk it computed, and
-    the tokens are those of an undisturbed run."""
+    the tokens are those of an undisturbed run. (Prefix reuse off: the undisturbed run would leave the prompt's KV
+    for the second to reuse, and its prefill would be one chunk.)"""
+    repair_settings = repair_settings.model_copy(update={"prefix_cache_mb": 0.0})
     nodes = await _three_hops(repair_settings, swarms, delay=0.03)
     tracker = await swarms.actor(Tracker(repair_settings))
     gateway = await swarms.actor(Gateway(repair_settings, port=0))
@@ -174,3 +176,23 @@ async def test_a_corrupt_snapshot_is_refused_and_the_session_fails_saying_so(rep
                 await lost.server.stop()
     assert "fails its sha256" in failure.value.message and "repair impossible" in failure.value.message, \
         failure.value.message
+
+
+async def test_a_session_that_reused_a_prefix_is_repaired_from_its_seeded_snapshot(repair_settings: Settings,
+                                                                                  swarms: Swarms) -> None:
+    """The second run of a prompt reuses the first's KV on every hop (nothing recomputes it, so no journal holds
+    it): each hop hands its reused prefix to its standby first, and a hop lost right after prefill is rebuilt. The
+    prompt is long enough to have prefix keys, so the tracker sends the second run to the route that kept it."""
+    nodes = await _three_hops(repair_settings, swarms)
+    tracker = await swarms.actor(Tracker(repair_settings))
+    gateway = await swarms.actor(Gateway(repair_settings, port=0))
+    await wait_model(tracker, MODEL, n_nodes=3)
+    prompt = "q" * 300
+    expected, _ = await _stream(gateway.url + "/v1", prompt=prompt, max_tokens=24)
+    nodes["spare"] = await swarms.node_process(repair_settings, "spare", stub_args("3:6", 0.005))
+    await wait_model(tracker, MODEL, n_nodes=4)
+    text, snaps = await _stream(gateway.url + "/v1", prompt=prompt, max_tokens=24, kill=nodes, hop=1,
+                                after_tokens=2)
+    assert text == expected
+    assert snaps[-1]["prefill"].get("reused", 0) == 300, snaps[-1]["prefill"]
+    assert snaps[-1]["repair"]["source"] == "snapshot", snaps[-1]["repair"]

@@ -190,6 +190,8 @@ class HopSession(NodeSession):
             # the rest first; the worker runs the cut before the step (calls go ahead of steps).
             self.rt.engine.call_soon(self._kv().truncate, self.id, header.start_position)
             choice.position = self.reused = header.start_position
+        if self.reused and not self.frames_received and self.recovery.writer is not None:
+            self.recovery.writer.seed(header.start_position)  # the reused prefix, now that the head said how much
         if header.start_position != choice.position:
             raise FrameError(f"frame starts at position {header.start_position}; session {self.id} (choice "
                              f"{choice.index}) is at {choice.position}", code="position_mismatch")

@@ -67,6 +67,13 @@ class SnapshotWriter:
             self._queued_to = position
             self._queue.put_nowait(position)
 
+    def seed(self, position: int) -> None:
+        """The session starts from ``position`` reused positions (prefix reuse): hand them to the standby now, as
+        the chain's first segment, since no journal can rebuild what this session never computed."""
+        if position > self._queued_to:
+            self._queued_to = position
+            self._queue.put_nowait(position)
+
     def restart_from(self, position: int) -> None:
         """The session's KV was cut back to ``position`` (a repair truncated it): segments beyond are void."""
         if self._last is not None and self._last.end > position:
