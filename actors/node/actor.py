@@ -17,6 +17,10 @@ HTTP API (docs/protocol.md has the full contract)::
     GET    /v1/snapshots/{id}?layers=A:B    standby: the chain held for a session's hop (SnapshotList)
     GET    /v1/snapshots/{id}/{digest}      standby: one segment's body
     DELETE /v1/snapshots/{id}               standby: forget a session's chains
+
+Why one module of ~560 lines: the actor's lifecycle, heartbeats and every control endpoint of a session (open with
+its reuse or rebuild, status, repair updates and replays, close with keep) share its sessions, engine and admission;
+the per-token endpoints (``hop_api``), the standby's (``standby``) and the KV bookkeeping (``reuse``) live beside it.
 """
 
 from __future__ import annotations
@@ -53,17 +57,16 @@ from actors.node.runtime import NodeRuntime
 from actors.node.session import NodeSession
 from actors.node.snapshot_store import SnapshotStore
 from actors.node.spin import LoopPoller
-from actors.node.standby import fetch_chain
+from actors.node.standby import StandbyApi, fetch_chain
 from actors.registry import open_registry
 from actors.services import node_service
 from bus import codec
-from bus import snapshot as snapshot_blobs
 from bus.actor import NatsActor
 from bus.capability import HEADER_CAPABILITY, HEADER_SESSION_TOKEN, verifier_from_settings
 from bus.connection import keep_cancellation
-from bus.http_edge import EXCEPTION_HANDLERS, read_body, read_model
+from bus.http_edge import EXCEPTION_HANDLERS, read_model
 from bus.httpserver import HttpServer
-from bus.nodeclient import SNAPSHOT_CONTENT_TYPE, NodeClient
+from bus.nodeclient import NodeClient
 from bus.subjects import Subjects
 from schemas.errors import (
     BadRequestError,
@@ -72,11 +75,10 @@ from schemas.errors import (
     SessionNotFoundError,
 )
 from schemas.frame import WireDType
-from schemas.node import Capacity, LayerRange, NodeAdvertisement
+from schemas.node import Capacity, NodeAdvertisement
 from schemas.route import RepairRequest, ReplayRequest, RouteReply, RouteUpdate
 from schemas.session import CONTEXT_CAP, FailureReason, Prompt, Resume, SessionOpen, SessionOpened, TokenizeReply
 from schemas.settings import Settings
-from schemas.snapshot import SnapshotList
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -148,8 +150,8 @@ class Node(NatsActor):
         self.admission = Admission(verifier_from_settings(settings), config.node_id, skew_s=settings.capability_ttl_s)
         self.snapshots = SnapshotStore(int(settings.snapshot_budget_mb * 2**20))
         """Other nodes' snapshot chains this node holds as their standby (issue #18)."""
-        self._holder_tokens: dict[str, str] = {}
-        """Session id -> the session token its first snapshot upload was granted with (admission on)."""
+        self.standby = StandbyApi(self.snapshots, self.admission, config.node_id,
+                                  max_body_bytes=settings.max_frame_bytes)
         self.metrics.snapshots_held.set_function(lambda: float(self.snapshots.bytes_used))
         self.reuse = Reuse(self.engine, PrefixCache(max_entries=settings.prefix_cache_sessions,
                                                     max_bytes=int(settings.prefix_cache_mb * 2**20)),
@@ -469,10 +471,7 @@ class Node(NatsActor):
             HttpRoute("/v1/sessions/{sid}/failure", self._failure, methods=["POST"]),
             HttpRoute("/v1/sessions/{sid}/route", self._route_update, methods=["POST"]),
             HttpRoute("/v1/sessions/{sid}/replay", self._replay, methods=["POST"]),
-            HttpRoute("/v1/snapshots", self._put_snapshot, methods=["POST"]),
-            HttpRoute("/v1/snapshots/{sid}", self._list_snapshots, methods=["GET"]),
-            HttpRoute("/v1/snapshots/{sid}", self._drop_snapshots, methods=["DELETE"]),
-            HttpRoute("/v1/snapshots/{sid}/{digest}", self._get_snapshot, methods=["GET"]),
+            *self.standby.routes(),
         ]
         return Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS)
 
@@ -557,51 +556,6 @@ class Node(NatsActor):
         session = self._member(request)
         replay = await self._json(request, ReplayRequest)
         return JSONResponse({"positions": session.replay(replay)})
-
-    async def _put_snapshot(self, request: Request) -> Response:
-        body = await read_body(request.receive, dict(request.scope["headers"]), self.settings.max_frame_bytes)
-        segment, kv = snapshot_blobs.decode(body)
-        self._holder_check(segment.session_id, request, first=segment.index == 0)
-        self.snapshots.put(segment, kv)
-        return JSONResponse({"digest": segment.digest, "end": segment.end}, status_code=201)
-
-    async def _list_snapshots(self, request: Request) -> Response:
-        sid = request.path_params["sid"]
-        self._holder_check(sid, request)
-        try:
-            layers = LayerRange.parse(request.query_params.get("layers", ""))
-        except ValueError as exc:
-            raise BadRequestError(str(exc), param="layers") from None
-        listing = SnapshotList(segments=self.snapshots.chain(sid, layers))
-        return JSONResponse(listing.model_dump(mode="json"))
-
-    async def _get_snapshot(self, request: Request) -> Response:
-        sid = request.path_params["sid"]
-        self._holder_check(sid, request)
-        segment, kv = self.snapshots.blob(request.path_params["digest"])
-        if segment.session_id != sid:
-            raise SessionNotFoundError(f"segment {segment.digest[:16]}... is not one of session {sid}'s")
-        return Response(snapshot_blobs.encode(segment, kv), media_type=SNAPSHOT_CONTENT_TYPE)
-
-    async def _drop_snapshots(self, request: Request) -> Response:
-        sid = request.path_params["sid"]
-        self._holder_check(sid, request)
-        self._holder_tokens.pop(sid, None)
-        return JSONResponse({"dropped": self.snapshots.drop(sid)})
-
-    def _holder_check(self, session_id: str, request: Request, *, first: bool = False) -> None:
-        """With admission on, a chain is started only with the tracker's grant naming this node its standby, and
-        every later request about it must carry the session token that grant carried."""
-        if not self.admission.enabled:
-            return
-        if first:
-            grant = self.admission.admit_standby(request.headers.get(HEADER_CAPABILITY), session_id)
-            self._holder_tokens[session_id] = grant.session_token
-            return
-        bound = self._holder_tokens.get(session_id)
-        if bound is None:
-            raise SessionNotFoundError(f"node {self.config.node_id} holds no snapshots of session {session_id}")
-        Admission.check_session_token(bound, request.headers.get(HEADER_SESSION_TOKEN))
 
 
 def _positions(keep: str | None, held: int) -> int:

@@ -10,8 +10,9 @@ hop. The gateway only follows, except for what the head cannot report: its own d
 With head and tail on one node the engine chains the steps on its worker (each sampled token is the next input);
 the stop rules stay ``Generation``'s (``Generation.ends_for_certain``).
 
-Why one module of ~450 lines: one class, the session's one owner, whose prefill, three decode loops (ring, local
-chain, n > 1 rounds) and terminal phases share its event queue and phase; split, the fate would have several owners.
+Why one module of ~550 lines: one class, the session's one owner, whose prefill, four decode loops (ring, local
+chain, n > 1 rounds, verify windows: ``spec_head``) and terminal phases share its event queue and phase; split, the
+fate would have several owners (the repair it drives lives in ``repair``).
 """
 
 from __future__ import annotations
@@ -22,18 +23,17 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from actors.backend import KvBackend, StepInput, StepOutput
+from actors.backend import StepInput, StepOutput
 from actors.node.choices import Choice
 from actors.node.engine import StepChain, StepTiming
-from actors.node.repair import Quiesced, RepairFailed, RouteRepair, phase_after
+from actors.node.repair import RepairFailed, RouteRepair, phase_after
 from actors.node.runtime import NodeRuntime
-from actors.node.session import NodeSession, SessionFailed, StepFuture, settled
+from actors.node.session import NodeSession, SessionFailed, StepFuture
 from actors.node.spec_head import SpeculativeDecode
 from actors.node.telemetry import TelemetryPublisher
 from bus.liveness import Silence, first_lost
 from schemas.errors import SwarmrouteError
 from schemas.frame import FrameKind, SampledToken, SampledWindow
-from schemas.route import Route
 from schemas.session import (
     FailureReason,
     FinishReason,
@@ -518,54 +518,24 @@ class HeadSession(NodeSession):
         self.repairs += 1
         self.lost_nodes.append(reason.node_id or "")
         self.rt.metrics.repairs.labels(outcome="repaired").inc()
-        self.phase = phase_after(self._fed())
+        self.phase = phase_after(self.fed())
         await self.telemetry.repaired(self.route, view, self.phase)
         return True
 
-    def _fed(self) -> list[int]:
+    def fed(self) -> list[int]:
+        """The generated tokens this head has fed into its KV, in order."""
         return self.recovery.tokens[len(self.request.prompt_tokens):self.position]
 
-    async def quiesce(self) -> Quiesced:
-        """Settle this head's steps under way and gather the tail's tokens that came before the loss: a step
-        queued for a token but not yet sent on is undone (its token is fed again after the repair)."""
-        choice = self.choices.first
-        kept: list[TokenEvent | SampledToken] = []
+    def take_events(self) -> list[TokenEvent | SampledToken | SampledWindow | FailureReason]:
+        """Everything the route sent that the driver has not read yet (a repair looks at it, then ``put_events``)."""
+        events = []
         while not self._events.empty():
-            item = self._events.get_nowait()
-            if isinstance(item, TokenEvent | SampledToken):
-                kept.append(item)
-        if choice.prefetched is not None:
-            seq, step, forwarded = choice.prefetched
-            if not forwarded:
-                step.cancel()
-                await settled(step)
-                choice.prefetched = None
-                await self.rt.engine.call(self._kv().truncate, self.id, choice.position)
-        fed = self._fed()
-        pending = [e.token for e in kept if e.seq >= len(fed)]
-        generated = fed + pending[:1]
-        for event in kept:
+            events.append(self._events.get_nowait())
+        return events
+
+    def put_events(self, events: list[TokenEvent | SampledToken]) -> None:
+        for event in events:
             self._events.put_nowait(event)
-        prompt = len(self.request.prompt_tokens)
-        if len(generated) > len(fed):
-            sample_from = self.position  # the last token sent is in: nothing to sample again
-        elif fed:
-            sample_from = self.position - 1
-        else:
-            sample_from = (prompt - 1) // self.request.prefill_chunk * self.request.prefill_chunk
-        return Quiesced(self.position, generated, sample_from)
-
-    def adopt(self, route: Route, epoch: int) -> None:
-        """The repaired route is in place: this head sends to its (maybe new) successor and drops tokens of
-        older epochs."""
-        self.recovery.epoch = epoch
-        self._retarget(route, 0)
-
-    def _kv(self) -> KvBackend:
-        backend = self.rt.engine.backend
-        if not isinstance(backend, KvBackend):
-            raise RepairFailed(f"node {self.rt.node_id}'s {backend.info.kind} backend cannot cut its KV back")
-        return backend
 
     def _event_of(self, sampled: SampledToken) -> TokenEvent:
         """The gateway's view of a sampled token. Built on the head, after the step it feeds has been started: a

@@ -29,8 +29,11 @@ import time
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, TypeVar
 
+from actors.backend import KvBackend
+from actors.node.session import settled
 from bus import capability
 from schemas.errors import HopError, SnapshotError, SwarmrouteError
+from schemas.frame import SampledToken
 from schemas.route import HopPosition, RepairRequest, ReplayRequest, Route, RouteUpdate
 from schemas.session import (
     MAX_EPOCH,
@@ -39,6 +42,7 @@ from schemas.session import (
     RouteChanged,
     SessionOpen,
     SessionPhase,
+    TokenEvent,
 )
 from schemas.snapshot import SnapshotSegment
 from schemas.telemetry import RepairSource, RepairView
@@ -73,7 +77,7 @@ class RouteRepair:
         if head.recovery.epoch >= MAX_EPOCH:
             raise RepairFailed(f"the session was repaired {MAX_EPOCH} times already")
         await head.telemetry.repairing(self.view)
-        state = await head.quiesce()
+        state = await self._quiesce()
         route = await self._replacement()
         epoch = head.recovery.epoch + 1
         self.view.replacement = [route.hops[self.lost].node_id]
@@ -84,7 +88,8 @@ class RouteRepair:
         start = segments[-1].end if segments else 0
         await self._cut_downstream(route, epoch, cut, state.generated, state.sample_from)
         await self._open_replacement(route, epoch, segments, cut, state)
-        head.adopt(route, epoch)
+        head.recovery.epoch = epoch  # tokens of older epochs are dropped from now on
+        head._retarget(route, 0)  # the head sends to its (maybe new) successor
         replayed = await self._replay(route, epoch, start)
         source: RepairSource = "snapshot" if segments else "journal"
         self.view = self.view.model_copy(update={"source": source, "snapshot_positions": start,
@@ -98,6 +103,34 @@ class RouteRepair:
         return self.view
 
     # ---- the steps ---------------------------------------------------------------------------------------------
+
+    async def _quiesce(self) -> Quiesced:
+        """Settle the head's steps under way and gather the tail's tokens that came before the loss: a step queued
+        for a token but not yet sent on is undone (its token is fed again after the repair)."""
+        head = self.head
+        choice = head.choices.first
+        kept = [e for e in head.take_events() if isinstance(e, TokenEvent | SampledToken)]
+        if choice.prefetched is not None:
+            _, step, forwarded = choice.prefetched
+            if not forwarded:
+                step.cancel()
+                await settled(step)
+                choice.prefetched = None
+                backend = self.rt.engine.backend
+                if not isinstance(backend, KvBackend):
+                    raise RepairFailed(f"node {self.rt.node_id}'s {backend.info.kind} backend cannot cut its KV")
+                await self.rt.engine.call(backend.truncate, head.id, choice.position)
+        fed = head.fed()
+        generated = fed + [e.token for e in kept if e.seq >= len(fed)][:1]
+        head.put_events(kept)
+        prompt = len(head.request.prompt_tokens)
+        if len(generated) > len(fed):
+            sample_from = head.position  # the last token sent is in: nothing to sample again
+        elif fed:
+            sample_from = head.position - 1
+        else:
+            sample_from = (prompt - 1) // head.request.prefill_chunk * head.request.prefill_chunk
+        return Quiesced(head.position, generated, sample_from)
 
     async def _replacement(self) -> Route:
         """Ask the trackers until one names a node for the lost layers (or the repair's time is up)."""
