@@ -131,6 +131,11 @@ class Node(NatsActor):
         self.subjects = Subjects(settings.namespace)
         self.engine = StepEngine(backend)
         self.sessions: dict[str, NodeSession] = {}
+        self.admission = Admission(verifier_from_settings(settings), config.node_id, skew_s=settings.capability_ttl_s)
+        self.snapshots = SnapshotStore(int(settings.snapshot_budget_mb * 2**20))
+        """Other nodes' snapshot chains this node holds as their standby (issue #18)."""
+        self.standby = StandbyApi(self.snapshots, self.admission, config.node_id,
+                                  max_body_bytes=settings.max_frame_bytes)
         hop_api = HopApi(self._app(), self._session_for, max_frame_bytes=settings.max_frame_bytes,
                          max_body_bytes=settings.max_body_bytes)
         self.server = HttpServer(hop_api, config.host, config.port, hot=hop_api)
@@ -147,11 +152,6 @@ class Node(NatsActor):
                           kv_bytes=self.backend.kv_bytes_in_use)
         self._beat_soon = asyncio.Event()
         self._opened_total = 0
-        self.admission = Admission(verifier_from_settings(settings), config.node_id, skew_s=settings.capability_ttl_s)
-        self.snapshots = SnapshotStore(int(settings.snapshot_budget_mb * 2**20))
-        """Other nodes' snapshot chains this node holds as their standby (issue #18)."""
-        self.standby = StandbyApi(self.snapshots, self.admission, config.node_id,
-                                  max_body_bytes=settings.max_frame_bytes)
         self.metrics.snapshots_held.set_function(lambda: float(self.snapshots.bytes_used))
         self.reuse = Reuse(self.engine, PrefixCache(max_entries=settings.prefix_cache_sessions,
                                                     max_bytes=int(settings.prefix_cache_mb * 2**20)),
