@@ -102,3 +102,4 @@ async def test_every_hop_frees_the_session(routes: tuple[Swarm, Swarm]) -> None:
     await spec.freed()
     for backend in spec.backends:  # type: ignore[attr-defined]
         assert all(backend.seq_cells(s) == (-1, -1) for s in range(backend.max_sessions + 1))
+
