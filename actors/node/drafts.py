@@ -23,6 +23,7 @@ from typing import Protocol
 
 from actors.backend import Backend, KvBackend, StepInput
 from actors.node.engine import StepEngine
+from actors.node.prefix_cache import common_prefix
 from schemas.session import SamplingParams
 
 
@@ -104,7 +105,7 @@ class ModelDraft:
             await self._engine.call(lambda: self._backend.open_session(
                 self._session_id, prompt_tokens=list(history[:1]), sampling=SamplingParams(temperature=0.0)))
             self._opened = True
-        keep = _common(self._fed, history[:-1])
+        keep = common_prefix(self._fed, history[:-1])
         if keep < len(self._fed):
             kv = self._backend
             assert isinstance(kv, KvBackend)
@@ -134,14 +135,6 @@ class ModelDraft:
         if self._opened:
             with contextlib.suppress(Exception):
                 await self._engine.close_session(self._session_id)
-
-
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 async def propose_safely(source: DraftSource, history: Sequence[int], k: int) -> list[int]:
