@@ -33,6 +33,8 @@ class StepInput:
     """Incoming hidden states, on every hop but the head."""
     sample: bool = False
     """On the tail: sample a token after the last position (last prefill chunk, every decode step)."""
+    rows: bool = False
+    """On the tail: return the logits of every position (a verify window, issue #20) instead of sampling."""
     forks: tuple[str, ...] = ()
     """n > 1, on the last prefill chunk: after this step, fork the session into these new sessions (choices
     1..n-1; see ``ForkingBackend.fork_session``). Done inside the step, so nothing runs between the forward pass and
@@ -54,6 +56,8 @@ class StepOutput:
     """The sampled token (tail, when asked)."""
     logprobs: TokenLogprobs | None = None
     """The sampled token's logprobs (tail, when the session's ``SamplingParams.logprobs`` asked for them)."""
+    rows: npt.NDArray[np.float32] | None = None
+    """The logits of every position (tail, when ``StepInput.rows``): shape ``(n_positions, n_vocab)``, a copy."""
     forks: list[StepOutput] = dataclasses.field(default_factory=list)
     """One output per ``StepInput.forks`` entry, in order (the forks' first tokens on the tail)."""
 
@@ -131,4 +135,37 @@ class ForkingBackend(Backend, Protocol):
         All or nothing: ``CapacityError`` when fewer sequences are free than forks asked for, ``BadRequestError``
         for a fork id already open. Forks are ordinary sessions afterwards: stepped in batches with any others and
         closed one by one."""
+        ...
+
+
+@runtime_checkable
+class KvBackend(Backend, Protocol):
+    """A backend whose sessions' KV can leave and re-enter it (issue #18: snapshots, repair, prefix reuse; issue
+    #20: dropping rejected draft positions). Every backend of this repository is one.
+
+    Blobs are opaque to the node: only a backend of the same model and layer range reads them, and whoever
+    stores or moves them checks them by hash (``actors.node.snapshots``)."""
+
+    def export_kv(self, session_id: str, start: int, end: int) -> bytes:
+        """This node's KV of positions ``[start, end)`` of a session (``end`` at most its position)."""
+        ...
+
+    def import_kv(self, session_id: str, blobs: list[bytes], end: int) -> None:
+        """Append the positions of ``blobs`` (exports of consecutive ranges, the first starting at the session's
+        position) to an open session, which is then at ``end``. ``SnapshotError`` if a blob is not this model's
+        and range's, or does not end at ``end``."""
+        ...
+
+    def truncate(self, session_id: str, position: int) -> None:
+        """Drop the session's positions from ``position`` on (``position`` at most its position)."""
+        ...
+
+    def kv_continues(self, session_id: str) -> bool:
+        """Whether the session's KV holds everything its next position attends to: windowed layers may have let
+        older positions go, so KV imported for a prefix shorter than the exported session can lack some."""
+        ...
+
+    def replay_sampled(self, session_id: str, tokens: list[int]) -> None:
+        """Tail: start the session's sampler over as it was at open, then let it accept ``tokens`` as if it had
+        sampled them (penalty window, grammar): for a session rebuilt from a snapshot, or cut back by a repair."""
         ...

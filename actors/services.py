@@ -21,11 +21,14 @@ TRACKER_QUEUE = "tracker"
 
 async def tracker_service(nc: NATS, subjects: Subjects, *, member: str, route: Callable[[bytes], Awaitable[bytes]],
                           models: Callable[[bytes], Awaitable[bytes]],
-                          assign: Callable[[bytes], Awaitable[bytes]] | None = None) -> Service:
+                          assign: Callable[[bytes], Awaitable[bytes]] | None = None,
+                          repair: Callable[[bytes], Awaitable[bytes]] | None = None) -> Service:
     endpoints = [Endpoint("route", subjects.route_request, route, TRACKER_QUEUE),
                  Endpoint("models", subjects.models_request, models, TRACKER_QUEUE)]
     if assign is not None:
         endpoints.append(Endpoint("assign", subjects.assign_request, assign, TRACKER_QUEUE))
+    if repair is not None:
+        endpoints.append(Endpoint("repair", subjects.repair_request, repair, TRACKER_QUEUE))
     return await register(nc, namespace=subjects.namespace, role="tracker", member=member,
                           description="swarmroute tracker: picks Inference Routes from the node registry",
                           endpoints=endpoints)

@@ -25,7 +25,7 @@ from pydantic import ValidationError
 
 from schemas.capability import Capability
 from schemas.errors import CapabilityError
-from schemas.route import Route
+from schemas.route import Hop, Route
 from schemas.settings import Settings
 
 HEADER_SESSION_TOKEN = "x-swarmroute-session-token"
@@ -190,20 +190,34 @@ def verify(token: str, verifier: Verifier) -> Capability:
     return _claims(payload)
 
 
-def issue(route: Route, signer: Signer, ttl_s: float, *, now: float | None = None) -> Route:
-    """A copy of ``route`` whose every hop carries its capability; one fresh session token for the whole route."""
+def issue(route: Route, signer: Signer, ttl_s: float, *, now: float | None = None, link: str | None = None) -> Route:
+    """A copy of ``route`` whose every hop (and every hop's standby holder, issue #18) carries its capability; one
+    session token for the whole route: fresh, or ``link`` (a repaired route keeps its session's token)."""
     digest = route_digest(route)
-    link = secrets.token_urlsafe(24)
+    link = link or secrets.token_urlsafe(24)
     expires = (time.time() if now is None else now) + ttl_s
-    hops = [hop.model_copy(update={"capability": encode(Capability(
-        sid=route.session_id, node=hop.node_id, hop=i, exp=expires, route=digest, link=link), signer)})
+
+    def grant(node: str, hop: int) -> str:
+        return encode(Capability(sid=route.session_id, node=node, hop=hop, exp=expires, route=digest, link=link),
+                      signer)
+
+    hops = [hop.model_copy(update={
+        "capability": grant(hop.node_id, i),
+        "standby": None if hop.standby is None else hop.standby.model_copy(
+            update={"capability": grant(hop.standby.node_id, i)})})
         for i, hop in enumerate(route.hops)]
     return route.model_copy(update={"hops": hops})
 
 
-def strip(route: Route) -> Route:
-    """The route without capabilities: what a hop receives, so no hop learns another hop's grant."""
-    return route.model_copy(update={"hops": [h.model_copy(update={"capability": ""}) for h in route.hops]})
+def strip(route: Route, *, keep_standby: int | None = None) -> Route:
+    """The route without capabilities: what a hop receives, so no hop learns another hop's grant. ``keep_standby``:
+    hop whose standby grant stays (the hop that sends its snapshots there needs it)."""
+    def bare(i: int, h: Hop) -> Hop:
+        standby = h.standby
+        if standby is not None and i != keep_standby:
+            standby = standby.model_copy(update={"capability": ""})
+        return h.model_copy(update={"capability": "", "standby": standby})
+    return route.model_copy(update={"hops": [bare(i, h) for i, h in enumerate(route.hops)]})
 
 
 def session_token_of(route: Route) -> str | None:

@@ -3,9 +3,9 @@
 Layout (all little-endian; docs/protocol.md has the table)::
 
     0   4  magic "SRF1"
-    4   1  kind            0 prefill, 1 decode
+    4   1  kind            0 prefill, 1 decode, 2 verify (a speculative window, issue #20: step = its id)
     5   1  dtype           0 f32, 1 f16, 2 bf16
-    6   1  flags           bit 0: the tail samples after this frame
+    6   1  flags           bit 0: the tail samples after this frame; bit 1: token ids follow the payload
     7   1  n_dims          dims of one position's hidden state (1..4)
     8  16  session id      raw uuid bytes
     24  4  step            decode step (0 during prefill)
@@ -15,15 +15,17 @@ Layout (all little-endian; docs/protocol.md has the table)::
     37  1  choice          0..255 (n > 1; zero before issue #19)
     38  1  group           n > 1 decode: how many choices' frames make up this step (each hop computes them in
                            one forward pass); 0 for a lone frame (zero before issue #19)
-    39  1  reserved (zero)
-    40     n_dims x u32 dims, then n_stamps x (u32 hop, u32 compute_us, u32 queue_us), then the payload
+    39  1  epoch           the route's repair count (issue #18; zero before it)
+    40     n_dims x u32 dims, then n_stamps x (u32 hop, u32 compute_us, u32 queue_us), then the payload, then,
+           when flagged, n_positions x u32 token ids (the token each position stands for)
 
 Token frames (the tail's sampled token, to the head) share the stamps and the byte order::
 
     0   4  magic "SRT1"
     4   1  finish          0 none, 1 stop, 2 length
     5   1  n stamps
-    6   1  flags           bit 0: a logprobs section follows the text (zero in frames before issue #19)
+    6   1  flags           bit 0: a logprobs section follows the text (zero in frames before issue #19);
+                           bits 4-7: the route's epoch (issue #18; zero before it)
     7   1  choice          0..255 (n > 1; zero before issue #19)
     8  16  session id
     24  4  seq             0 for the first generated token of this choice
@@ -44,23 +46,30 @@ import numpy.typing as npt
 
 from schemas.frame import (
     FINISH_CODES,
+    FRAME_FLAG_SAMPLE,
+    FRAME_FLAG_TOKENS,
     MAGIC,
     MAX_DIMS,
     MAX_FRAME_CHOICE,
+    TOKEN_EPOCH_SHIFT,
     TOKEN_FLAG_LOGPROBS,
     TOKEN_MAGIC,
     FrameHeader,
     FrameKind,
     HopStamp,
     SampledToken,
+    SampledWindow,
     WireDType,
 )
 from schemas.session import MAX_TOP_LOGPROBS, LogprobCandidate, TokenLogprobs
 
-_FIXED = struct.Struct("<4sBBBB16sIIIBBBx")
+_FIXED = struct.Struct("<4sBBBB16sIIIBBBB")
 _STAMP = struct.Struct("<III")
 _TOKEN = struct.Struct("<4sBBBB16sIII")
 _LOGPROB_HEAD = struct.Struct("<fB")
+_WINDOW = struct.Struct("<4s16sIBBxx")
+_LENGTH = struct.Struct("<I")
+WINDOW_MAGIC = b"SRW1"
 _TOP = [struct.Struct("<" + "If" * n) for n in range(MAX_TOP_LOGPROBS + 1)]
 _FINISHES = {code: reason for reason, code in FINISH_CODES.items()}
 _DIMS = [struct.Struct(f"<{n}I") for n in range(MAX_DIMS + 1)]
@@ -127,17 +136,23 @@ def encode(header: FrameHeader, hidden: npt.NDArray[np.floating]) -> bytes:
         raise ValueError(f"a frame needs at least one position and no empty dimension, got {expected}")
     if not 0 <= header.choice <= MAX_FRAME_CHOICE:
         raise ValueError(f"choice {header.choice} outside 0..{MAX_FRAME_CHOICE}")
-    if not 0 <= header.group <= 255:
-        raise ValueError(f"group {header.group} outside 0..255")
-    flags = 1 if header.sample else 0
+    if not 0 <= header.group <= 255 or not 0 <= header.epoch <= 255:
+        raise ValueError(f"group {header.group} or epoch {header.epoch} outside 0..255")
+    flags = FRAME_FLAG_SAMPLE if header.sample else 0
+    if header.tokens is not None:
+        if len(header.tokens) != header.n_positions:
+            raise ValueError(f"{len(header.tokens)} token ids for {header.n_positions} positions")
+        flags |= FRAME_FLAG_TOKENS
     parts = [
         _FIXED.pack(MAGIC, header.kind, header.dtype, flags, len(header.position_shape), header.session_id,
                     header.step, header.start_position, header.n_positions, len(header.stamps), header.choice,
-                    header.group),
+                    header.group, header.epoch),
         _DIMS[len(header.position_shape)].pack(*header.position_shape),
     ]
     parts.append(_pack_stamps(header.stamps))
     parts.append(_to_wire(hidden, header.dtype))
+    if header.tokens is not None:
+        parts.append(struct.pack(f"<{header.n_positions}I", *header.tokens))
     return b"".join(parts)
 
 
@@ -145,7 +160,8 @@ def decode(data: bytes) -> tuple[FrameHeader, npt.NDArray[np.float32]]:
     """Parse a frame; the hidden states come back as float32 ``(n_positions, *position_shape)``."""
     if len(data) < _FIXED.size:
         raise FrameDecodeError(f"frame is {len(data)} bytes, shorter than the {_FIXED.size}-byte fixed header")
-    magic, kind, dtype, flags, n_dims, sid, step, start, n_pos, n_stamps, choice, group = _FIXED.unpack_from(data, 0)
+    magic, kind, dtype, flags, n_dims, sid, step, start, n_pos, n_stamps, choice, group, epoch = \
+        _FIXED.unpack_from(data, 0)
     if magic != MAGIC:
         raise FrameDecodeError(f"bad magic {magic!r}, expected {MAGIC!r}")
     frame_kind, wire_dtype = _KINDS.get(kind), _DTYPES.get(dtype)
@@ -157,6 +173,8 @@ def decode(data: bytes) -> tuple[FrameHeader, npt.NDArray[np.float32]]:
         raise FrameDecodeError(f"n_dims {n_dims} outside 1..{MAX_DIMS}")
     if n_pos < 1:
         raise FrameDecodeError("frame carries no positions")
+    if flags & ~(FRAME_FLAG_SAMPLE | FRAME_FLAG_TOKENS):
+        raise FrameDecodeError(f"unknown frame flags {flags:#04x} (bit 0: sample, bit 1: token ids)")
     hsize = header_size(n_dims, n_stamps)
     if len(data) < hsize:
         raise FrameDecodeError(f"frame is {len(data)} bytes, header alone needs {hsize}")
@@ -165,14 +183,23 @@ def decode(data: bytes) -> tuple[FrameHeader, npt.NDArray[np.float32]]:
         raise FrameDecodeError(f"position shape {shape} has a zero dimension")
     at = _FIXED.size + 4 * n_dims
     stamps = _unpack_stamps(data, at, n_stamps)
-    header = FrameHeader(session_id=sid, kind=frame_kind, dtype=wire_dtype, start_position=start,
-                         n_positions=n_pos, position_shape=tuple(shape), step=step, sample=bool(flags & 1),
-                         stamps=stamps, choice=choice, group=group)
     payload = memoryview(data)[hsize:]
-    if len(payload) != header.payload_bytes:
+    size = n_pos * wire_dtype.itemsize * math.prod(shape)
+    tokens = None
+    if flags & FRAME_FLAG_TOKENS:
+        if len(payload) != size + 4 * n_pos:
+            raise FrameDecodeError(
+                f"payload is {len(payload)} bytes; {n_pos} positions of {tuple(shape)} {wire_dtype.label} and "
+                f"their token ids need {size + 4 * n_pos}")
+        tokens = struct.unpack_from(f"<{n_pos}I", payload, size)
+        payload = payload[:size]
+    elif len(payload) != size:
         raise FrameDecodeError(
-            f"payload is {len(payload)} bytes; {n_pos} positions of {tuple(shape)} {wire_dtype.label} need "
-            f"{header.payload_bytes}")
+            f"payload is {len(payload)} bytes; {n_pos} positions of {tuple(shape)} {wire_dtype.label} need {size}")
+    header = FrameHeader(session_id=sid, kind=frame_kind, dtype=wire_dtype, start_position=start,
+                         n_positions=n_pos, position_shape=tuple(shape), step=step,
+                         sample=bool(flags & FRAME_FLAG_SAMPLE), stamps=stamps, choice=choice, group=group,
+                         epoch=epoch, tokens=tokens)
     hidden = _from_wire(payload, wire_dtype).reshape((n_pos, *shape))
     # A NaN or inf would poison the session's KV for good (every later position attends to it): refuse it here.
     if not np.isfinite(hidden).all():
@@ -188,12 +215,48 @@ def encode_token(token: SampledToken) -> bytes:
     stamps = _pack_stamps(token.stamps)
     text = token.text.encode()
     lp = token.logprobs
-    head = _TOKEN.pack(TOKEN_MAGIC, FINISH_CODES[token.finish_reason], len(token.stamps),
-                       0 if lp is None else TOKEN_FLAG_LOGPROBS, token.choice, token.session_id, token.seq,
-                       token.token, len(text))
+    if not 0 <= token.epoch <= 0xF:
+        raise ValueError(f"epoch {token.epoch} outside 0..15")
+    flags = (0 if lp is None else TOKEN_FLAG_LOGPROBS) | token.epoch << TOKEN_EPOCH_SHIFT
+    head = _TOKEN.pack(TOKEN_MAGIC, FINISH_CODES[token.finish_reason], len(token.stamps), flags, token.choice,
+                       token.session_id, token.seq, token.token, len(text))
     if lp is None:
         return b"".join((head, stamps, text))
     return b"".join((head, stamps, text, _pack_logprobs(lp)))
+
+
+def encode_window(window: SampledWindow) -> bytes:
+    """The tail's verdict on a verify window (issue #20): a small header, then each emitted token as a token frame
+    behind its u32 length (``docs/protocol.md``, "Verify windows")."""
+    parts = [_WINDOW.pack(WINDOW_MAGIC, window.session_id, window.window, window.accepted, len(window.tokens))]
+    for token in window.tokens:
+        frame = encode_token(token)
+        parts += (_LENGTH.pack(len(frame)), frame)
+    return b"".join(parts)
+
+
+def decode_window(data: bytes) -> SampledWindow:
+    if len(data) < _WINDOW.size:
+        raise FrameDecodeError(f"window frame is {len(data)} bytes, shorter than its {_WINDOW.size}-byte header")
+    magic, sid, window, accepted, n = _WINDOW.unpack_from(data, 0)
+    if magic != WINDOW_MAGIC:
+        raise FrameDecodeError(f"bad magic {magic!r}, expected {WINDOW_MAGIC!r}")
+    if n < 1 or accepted >= max(n, 1) + 32:
+        raise FrameDecodeError(f"a window frame of {n} tokens with {accepted} accepted drafts")
+    at, tokens = _WINDOW.size, []
+    for _ in range(n):
+        if at + 4 > len(data):
+            raise FrameDecodeError("window frame cut short")
+        (size,) = _LENGTH.unpack_from(data, at)
+        at += 4
+        token = decode_token(data[at:at + size])
+        if token.session_id != sid:
+            raise FrameDecodeError("a window frame's token names another session")
+        tokens.append(token)
+        at += size
+    if at != len(data):
+        raise FrameDecodeError(f"{len(data) - at} bytes after the window frame's last token")
+    return SampledWindow(session_id=sid, window=window, accepted=accepted, tokens=tuple(tokens))
 
 
 def _pack_logprobs(lp: TokenLogprobs) -> bytes:
@@ -215,8 +278,8 @@ def decode_token(data: bytes) -> SampledToken:
         raise FrameDecodeError(f"bad magic {magic!r}, expected {TOKEN_MAGIC!r}")
     if finish not in _FINISHES:
         raise FrameDecodeError(f"unknown finish code {finish} (expected 0 none, 1 stop or 2 length)")
-    if flags & ~TOKEN_FLAG_LOGPROBS:
-        raise FrameDecodeError(f"unknown token frame flags {flags:#04x} (bit 0: logprobs is the only one)")
+    if flags & 0x0F & ~TOKEN_FLAG_LOGPROBS:
+        raise FrameDecodeError(f"unknown token frame flags {flags:#04x} (bit 0: logprobs, bits 4-7: epoch)")
     at = _TOKEN.size + _STAMP.size * n_stamps
     end = at + n_text
     logprobs = None
@@ -234,7 +297,8 @@ def decode_token(data: bytes) -> SampledToken:
     except UnicodeDecodeError as exc:
         raise FrameDecodeError(f"token text is not UTF-8: {exc}") from None
     return SampledToken(session_id=sid, seq=seq, token=token, text=text, finish_reason=_FINISHES[finish],
-                        stamps=_unpack_stamps(data, _TOKEN.size, n_stamps), choice=choice, logprobs=logprobs)
+                        stamps=_unpack_stamps(data, _TOKEN.size, n_stamps), choice=choice, logprobs=logprobs,
+                        epoch=flags >> TOKEN_EPOCH_SHIFT)
 
 
 def _unpack_logprobs(data: bytes, at: int, token: int) -> TokenLogprobs:

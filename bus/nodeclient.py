@@ -8,7 +8,7 @@ with an error, which is what the structured session failure reports.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Literal
 
 import httpx
@@ -16,10 +16,17 @@ import httpx
 from bus.capability import HEADER_CAPABILITY, HEADER_SESSION_TOKEN
 from bus.hoplink import HttpLink, LinkError
 from schemas.errors import HopError, error_from_body
+from schemas.node import LayerRange
+from schemas.route import HopPosition, ReplayRequest, RouteUpdate
 from schemas.session import FailureReason, Prompt, SessionOpen, SessionOpened, TokenizeReply
+from schemas.snapshot import SnapshotList
 
 FRAME_CONTENT_TYPE = "application/x-swarmroute-frame"
 TOKEN_CONTENT_TYPE = "application/x-swarmroute-token"
+WINDOW_CONTENT_TYPE = "application/x-swarmroute-window"
+"""A verify window's verdict (``bus.frame.encode_window``, issue #20)."""
+SNAPSHOT_CONTENT_TYPE = "application/x-swarmroute-snapshot"
+"""A snapshot segment (``bus.snapshot``)."""
 """A token frame (``bus.frame.encode_token``); the tokens endpoint also takes a JSON ``TokenEvent``."""
 SessionState = Literal["open", "gone", "unreachable", "unknown"]
 
@@ -98,10 +105,16 @@ class NodeClient:
         return SessionOpened.model_validate(r.json())
 
     async def close_session(self, node: str, endpoint: str, session_id: str, *, timeout: float = 2.0,
-                            session_token: str | None = None, cancel: bool = False) -> bool:
-        """Free the session on a node; with ``cancel`` a head ends it as cancelled (it publishes the end). False
-        if the node could not be reached (its KV dies with it)."""
-        query = "?cancel=1" if cancel else ""
+                            session_token: str | None = None, cancel: bool = False, keep: int = 0,
+                            keys: Sequence[str] = ()) -> bool:
+        """Free the session on a node; with ``cancel`` a head ends it as cancelled (it publishes the end). ``keep``:
+        it completed, the node may keep its first ``keep`` positions for reuse (the confirmed ones: a speculative
+        session's last window may have left more); ``keys``: prefix keys naming what that KV holds (issue #18),
+        also for a session the node freed already. False if the node could not be reached."""
+        params = [p for p, on in (("cancel=1", cancel), (f"keep={keep}", keep > 0)) if on]
+        if keys:
+            params.append("keys=" + ",".join(keys))
+        query = "?" + "&".join(params) if params else ""
         try:
             await self._request(node, "DELETE", f"{endpoint}/v1/sessions/{session_id}{query}", timeout=timeout,
                                 extra=_auth(session_token))
@@ -122,6 +135,12 @@ class NodeClient:
         return self._hot_start(node, endpoint, f"/v1/sessions/{session_id}/tokens", token_frame, TOKEN_CONTENT_TYPE,
                                timeout, session_token)
 
+    def send_window(self, node: str, endpoint: str, session_id: str, window_frame: bytes, *,
+                    timeout: float | None = None, session_token: str | None = None) -> Coroutine[Any, Any, None]:
+        """POST a verify window's verdict to the session's head; written at once like ``send_token``."""
+        return self._hot_start(node, endpoint, f"/v1/sessions/{session_id}/tokens", window_frame,
+                               WINDOW_CONTENT_TYPE, timeout, session_token)
+
     async def report_failure(self, node: str, endpoint: str, session_id: str, reason: FailureReason, *,
                              timeout: float = 2.0, session_token: str | None = None) -> None:
         await self._request(node, "POST", f"{endpoint}/v1/sessions/{session_id}/failure",
@@ -141,6 +160,52 @@ class NodeClient:
                 return "unreachable"
             return "gone" if exc.peer_status == 404 else "unknown"
         return "open"
+
+    # ---- issue #18: snapshots on a standby holder, route repair -------------------------------------------------
+
+    async def put_snapshot(self, node: str, endpoint: str, body: bytes, *, capability: str = "",
+                           session_token: str | None = None, timeout: float | None = None) -> None:
+        """Hand one snapshot segment (``bus.snapshot.encode``) to its standby holder."""
+        extra = {**(_auth(session_token) or {}), **({HEADER_CAPABILITY: capability} if capability else {})}
+        await self._request(node, "POST", f"{endpoint}/v1/snapshots", content=body, content_type=SNAPSHOT_CONTENT_TYPE,
+                            timeout=timeout, extra=extra)
+
+    async def list_snapshots(self, node: str, endpoint: str, session_id: str, layers: LayerRange, *,
+                             session_token: str | None = None, timeout: float | None = None) -> SnapshotList:
+        r = await self._request(node, "GET", f"{endpoint}/v1/snapshots/{session_id}?layers={layers.start}:"
+                                             f"{layers.end}", timeout=timeout, extra=_auth(session_token))
+        return SnapshotList.model_validate(r.json())
+
+    async def get_snapshot(self, node: str, endpoint: str, session_id: str, digest: str, *,
+                           session_token: str | None = None, timeout: float | None = None) -> bytes:
+        r = await self._request(node, "GET", f"{endpoint}/v1/snapshots/{session_id}/{digest}", timeout=timeout,
+                                extra=_auth(session_token))
+        return r.content
+
+    async def drop_snapshots(self, node: str, endpoint: str, session_id: str, *, session_token: str | None = None,
+                             timeout: float = 2.0) -> None:
+        await self._request(node, "DELETE", f"{endpoint}/v1/snapshots/{session_id}", timeout=timeout,
+                            extra=_auth(session_token))
+
+    async def update_route(self, node: str, endpoint: str, update: RouteUpdate, *, session_token: str | None = None,
+                           timeout: float | None = None) -> HopPosition:
+        r = await self._request(node, "POST", f"{endpoint}/v1/sessions/{update.session_id}/route",
+                                content=update.model_dump_json().encode(), content_type="application/json",
+                                timeout=timeout, extra=_auth(session_token))
+        return HopPosition.model_validate(r.json())
+
+    async def replay(self, node: str, endpoint: str, session_id: str, request: ReplayRequest, *,
+                     session_token: str | None = None, timeout: float | None = None) -> None:
+        await self._request(node, "POST", f"{endpoint}/v1/sessions/{session_id}/replay",
+                            content=request.model_dump_json().encode(), content_type="application/json",
+                            timeout=timeout, extra=_auth(session_token))
+
+    async def session_position(self, node: str, endpoint: str, session_id: str, *, timeout: float = 2.0,
+                               session_token: str | None = None) -> int:
+        """Where a node's KV of a session ends (``GET /v1/sessions/{id}``)."""
+        r = await self._request(node, "GET", f"{endpoint}/v1/sessions/{session_id}", timeout=timeout,
+                                extra=_auth(session_token))
+        return int(r.json()["position"])
 
     async def probe(self, node: str, endpoint: str, *, timeout: float = 1.0) -> bool:
         """True if the node answers its health check in time."""

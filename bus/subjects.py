@@ -43,6 +43,12 @@ class Subjects:
         return f"{self.namespace}.tracker.assign"
 
     @property
+    def repair_request(self) -> str:
+        """Request/reply: RepairRequest -> RouteReply (a head replacing a lost hop of its route, issue #18);
+        trackers serve it in queue group ``tracker``."""
+        return f"{self.namespace}.tracker.repair"
+
+    @property
     def lease_bucket(self) -> str:
         """JetStream KV bucket of RangeLease keyed ``<model_id>.<start>-<end>.<slot>``; entries expire when their
         node stops renewing them (same TTL as the registry)."""

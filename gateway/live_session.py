@@ -44,16 +44,19 @@ from schemas.errors import (
     RouteFailedError,
     SwarmrouteError,
 )
+from schemas.prefix import conversation_keys, request_keys
 from schemas.route import Route
 from schemas.session import (
     CONTEXT_CAP,
     TOKEN_SUBJECT_MESSAGES,
     FailureReason,
     Prompt,
+    RouteChanged,
     SamplingParams,
     SessionEnd,
     SessionOpen,
     SessionPhase,
+    Speculation,
     TokenEvent,
 )
 from schemas.settings import Settings
@@ -109,11 +112,16 @@ class LiveSession:
         """Request choices per route choice: ``n`` when greedy (``gateway.fanout``: the route decodes one), else 1."""
         self._held = 0  # fanned-out copies of a token not yet yielded (they count in ``backlog``)
         self.tool_format: ToolCallFormat | None = None  # how the head asked the model to write tool calls
+        self.prompt: Prompt | None = None
+        self.reply: list[str] = []
+        """Choice 0's text so far: with the prompt, the prefix keys of what the hops keep (issue #18)."""
         self._queue: asyncio.Queue[TokenEvent | GenerationTelemetry | SessionEnd] = asyncio.Queue()
         self._subs: list[Subscription] = []
         self._nats_stats: dict[str, int] = {}
         """The gateway connection's live counters (nats.py ``Client.stats``), read for ``reconnects``."""
         self._reconnects_before = 0
+        self._epoch = 0
+        """The route's repair count as the head last announced it (``RouteChanged``)."""
         self._closed = False
         self.created = time.monotonic()
 
@@ -133,6 +141,11 @@ class LiveSession:
                     self._queue.put_nowait(codec.decode(msg.data, GenerationTelemetry))
                     return
                 message = codec.decode_tagged(msg.data, TOKEN_SUBJECT_MESSAGES)
+                if isinstance(message, RouteChanged):  # the head repaired the route: free the session there
+                    if self.route is not None and message.epoch > self._epoch:
+                        self._epoch = message.epoch
+                        self.route = _with_token(message.route, self.route)
+                    return
                 assert isinstance(message, TokenEvent | SessionEnd)
                 self._queue.put_nowait(message)
             except codec.DecodeError as exc:
@@ -250,6 +263,8 @@ class LiveSession:
             return self._lost(f"token {self.seen[index]}{which} was lost on the bus (received token {event.seq})")
         self.seen[index] += 1
         self.tokens_seen += 1
+        if index == 0:
+            self.reply.append(event.text)
         return event
 
     def _lost(self, message: str) -> SessionEnd:
@@ -301,8 +316,16 @@ class LiveSession:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
         if self.route is not None:
-            await self._m.close_on_hops(self.route, self.id, cancel=cancel)
+            keys = self._conversation_keys() if self.end is not None and self.end.phase is SessionPhase.COMPLETE \
+                else []
+            await self._m.close_on_hops(self.route, self.id, cancel=cancel, keys=keys)
         self._m.forget(self)
+
+    def _conversation_keys(self) -> list[str]:
+        """What the hops kept of this session, named so that a request continuing it is routed to them."""
+        if self.prompt is None or self.n != 1:
+            return []
+        return conversation_keys(self.prompt.messages, self.prompt.text, "".join(self.reply))
 
 
 async def _passthrough(awaitable: Awaitable[T]) -> T:
@@ -353,8 +376,10 @@ class SessionManager:
         it until its entry expires) is excluded and the session routed again, so a client gets a working route or
         the tracker's 503 naming the layers nobody serves, not a 502 for a node that is already gone."""
         exclude: list[str] = []
+        session.prompt = request.prompt
+        keys = request_keys(request.prompt.messages, request.prompt.text) if request.prompt is not None else []
         while True:
-            session.route = await self._route(request.model, session.id, exclude)
+            session.route = await self._route(request.model, session.id, exclude, keys)
             # Kept locally so a stream's first chunk shows the route before any token; the head's snapshots
             # (seq >= 1) supersede it.
             session.telemetry = self.snapshot(session, SessionPhase.ROUTING, seq=0)
@@ -369,7 +394,18 @@ class SessionManager:
                 exclude.append(dead.node)
                 await self.close_on_hops(session.route, session.id)
 
-    async def _route(self, model: str, session_id: str, exclude: list[str] | None = None) -> Route:
+    async def _route(self, model: str, session_id: str, exclude: list[str] | None = None,
+                     prefix_keys: list[str] | None = None) -> Route:
+        return await self._route_with(model, session_id, exclude, standby=self._repairs,
+                                      prefix_keys=prefix_keys or [])
+
+    @property
+    def _repairs(self) -> bool:
+        """Sessions repair (and so every hop needs a standby for its snapshots) unless switched off."""
+        return self.settings.repair
+
+    async def _route_with(self, model: str, session_id: str, exclude: list[str] | None, *, standby: bool,
+                          prefix_keys: list[str]) -> Route:
         """Ask for a route; while every route is full, ask again for up to ``route_retry_s`` before the 429.
 
         A slot freed a moment ago reaches the tracker with the node's next heartbeat, after the client that freed
@@ -379,7 +415,8 @@ class SessionManager:
         wait = 0.02
         while True:
             try:
-                return await self.tracker.route(model, session_id, exclude)
+                return await self.tracker.route(model, session_id, exclude, standby=standby,
+                                                prefix_keys=prefix_keys)
             except CapacityError:
                 if time.monotonic() + wait > deadline:
                     raise
@@ -413,16 +450,32 @@ class SessionManager:
                                      f"{len(tokens) + max_tokens} exceeds the context of {n_ctx} tokens")
         session.prompt_tokens, session.max_tokens = tokens, max_tokens
         session.n, session.seen, session.fan_out = route_n, [0] * route_n, request.n // route_n
-        shared = capability.strip(route)  # each hop gets only its own grant
-        opens = [SessionOpen(session_id=session.id, route=shared, hop_index=i, prompt_tokens=tokens,
-                             max_tokens=max_tokens, sampling=sampling, stop=request.stop,
+        speculate = self._speculation(sampling, route_n, len(route.hops))
+        # A speculative session's KV goes back and forth between windows: it does not snapshot (issue #20).
+        repair = self._repairs and route_n == 1 and speculate is None
+        # Each hop gets only its own grants: for the session, and for its standby (the snapshots it sends there).
+        opens = [SessionOpen(session_id=session.id, route=capability.strip(route, keep_standby=i), hop_index=i,
+                             prompt_tokens=tokens, max_tokens=max_tokens, sampling=sampling, stop=request.stop,
                              ignore_eos=request.ignore_eos, prefill_chunk=self.settings.prefill_chunk,
-                             capability=route.hops[i].capability, n=route_n)
+                             capability=route.hops[i].capability, n=route_n, repair=repair,
+                             snapshot_every=self.settings.snapshot_every if repair else 0, speculate=speculate)
                  for i in range(len(route.hops))]
         downstream = [self.nodes.open_session(route.hops[i].node_id, route.hops[i].endpoint, opens[i])
                       for i in range(1, len(route.hops))]
-        await _passthrough(asyncio.gather(*downstream))
+        opened = await _passthrough(asyncio.gather(*downstream))
+        if opened:  # prefix reuse: the head reuses no more than every hop after it holds (issue #18)
+            opens[0].reuse_limit = min(o.reused for o in opened)
         await _passthrough(self.nodes.open_session(head.node_id, head.endpoint, opens[0]))
+
+    def _speculation(self, sampling: SamplingParams, n: int, hops: int) -> Speculation | None:
+        """Verify windows for a session whose next token is a function of the logits alone (one choice, no grammar,
+        no penalties, no logprobs) on a route of several hops, when the swarm is set to speculate (issue #20)."""
+        s = self.settings
+        plain = (sampling.constraint is None and sampling.logprobs is None and sampling.repeat_penalty == 1.0
+                 and sampling.presence_penalty == 0.0 and sampling.frequency_penalty == 0.0)
+        if s.speculation == "off" or n != 1 or hops < 2 or not plain or s.speculative_max_k == 0:
+            return None
+        return Speculation(source=s.speculation, max_k=s.speculative_max_k, windows=s.speculative_windows)
 
     async def publish_telemetry(self, session: LiveSession, phase: SessionPhase, *, seq: int | None = None,
                                 failure: FailureReason | None = None) -> None:
@@ -462,11 +515,12 @@ class SessionManager:
         token = capability.session_token_of(route)
         return await first_lost(self.nodes, route.hops[:1], session_id, session_token=token)
 
-    async def close_on_hops(self, route: Route, session_id: str, *, cancel: bool = False) -> None:
+    async def close_on_hops(self, route: Route, session_id: str, *, cancel: bool = False,
+                            keys: list[str] | None = None) -> None:
         """Free the session on every hop (idempotent there); ``cancel`` asks the head to end it as cancelled."""
         token = capability.session_token_of(route)
         await asyncio.gather(*(self.nodes.close_session(h.node_id, h.endpoint, session_id, session_token=token,
-                                                        cancel=cancel and i == 0)
+                                                        cancel=cancel and i == 0, keys=keys or ())
                                for i, h in enumerate(route.hops)))
 
     def forget(self, session: LiveSession) -> None:
@@ -480,3 +534,10 @@ class SessionManager:
         self.finished[session_id] = snap
         while len(self.finished) > self.finished_limit:
             self.finished.pop(next(iter(self.finished)))
+
+
+def _with_token(route: Route, before: Route) -> Route:
+    """A repaired route as the head announced it (capabilities stripped), with the session token this gateway
+    frees the session with (the same for every epoch) kept on its head."""
+    head = route.hops[0].model_copy(update={"capability": before.hops[0].capability})
+    return route.model_copy(update={"hops": [head, *route.hops[1:]]})

@@ -29,8 +29,10 @@ class TrackerClient:
         keep_cancellation()  # a client gone while routing: its request must not go on to open a session
         return bytes(msg.data)
 
-    async def route(self, model: str, session_id: str, exclude: list[str] | None = None) -> Route:
-        request = RouteRequest(model=model, session_id=session_id, exclude=exclude or [])
+    async def route(self, model: str, session_id: str, exclude: list[str] | None = None, *,
+                    standby: bool = False, prefix_keys: list[str] | None = None) -> Route:
+        request = RouteRequest(model=model, session_id=session_id, exclude=exclude or [], standby=standby,
+                               prefix_keys=prefix_keys or [])
         reply = codec.decode(await self._request(self._subjects.route_request, codec.encode(request)), RouteReply)
         if reply.route is not None:
             return reply.route

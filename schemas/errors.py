@@ -7,7 +7,8 @@ used by the gateway's and the node's HTTP edge, ``bus.http_edge``) and ``error_f
     SwarmrouteError (500, server_error)
     ├── BadRequestError (400, invalid_request_error)
     │   ├── ContextLengthError       prompt + max_tokens exceed the context
-    │   └── FrameError               activation frame with wrong size, dtype, position or session
+    │   ├── FrameError               activation frame with wrong size, dtype, position or session
+    │   └── SnapshotError            a KV snapshot that fails its hash or belongs to another model, range or session
     ├── AuthenticationError (401)
     │   └── CapabilityError          session capability missing, forged or expired (node API)
     ├── PermissionDeniedError (403)  a valid capability, but not for this node, hop, session or route
@@ -76,6 +77,12 @@ class ContextLengthError(BadRequestError):
 
 class FrameError(BadRequestError):
     code = "invalid_frame"
+
+
+class SnapshotError(BadRequestError):
+    """A KV snapshot segment that fails its hash, or belongs to another model, layer range, session or position."""
+
+    code = "invalid_snapshot"
 
 
 class AuthenticationError(SwarmrouteError):

@@ -43,6 +43,8 @@ class WireDType(enum.IntEnum):
 class FrameKind(enum.IntEnum):
     PREFILL = 0
     DECODE = 1
+    VERIFY = 2
+    """A speculative window (issue #20): the last sampled token and the head's drafts, ``step`` the window's id."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -76,6 +78,11 @@ class FrameHeader:
     group: int = 0
     """n > 1 decode: how many choices' frames make up this step; a hop computes them together, in one forward pass
     (0: a lone frame, computed as it comes)."""
+    epoch: int = 0
+    """The route's repair count (issue #18) when the frame was sent: a hop refuses frames of an older epoch."""
+    tokens: tuple[int, ...] | None = None
+    """The token id each position stands for, when sent (decode frames: every hop then knows which tokens its KV
+    holds, for snapshots' prefix hashes and prefix reuse)."""
 
     @property
     def payload_bytes(self) -> int:
@@ -90,6 +97,15 @@ FINISH_CODES: dict[FinishReason | None, int] = {None: 0, "stop": 1, "length": 2}
 
 TOKEN_FLAG_LOGPROBS = 1
 """Token frame flag: a logprobs section follows the text."""
+
+TOKEN_EPOCH_SHIFT = 4
+"""Token frame flags, bits 4-7: the route's epoch (issue #18; at most ``schemas.session.MAX_EPOCH``)."""
+
+FRAME_FLAG_SAMPLE = 1
+"""Activation frame flag: the tail samples after this frame."""
+
+FRAME_FLAG_TOKENS = 2
+"""Activation frame flag: one u32 token id per position follows the payload."""
 
 MAX_FRAME_CHOICE = 255
 """Activation and token frames carry their choice index (n > 1) in one byte."""
@@ -110,3 +126,19 @@ class SampledToken:
     """The choice this token belongs to (n > 1); ``seq`` counts that choice's tokens."""
     logprobs: TokenLogprobs | None = None
     """Ids and logprobs only (``bytes`` unset): the head resolves the bytes."""
+    epoch: int = 0
+    """The route's repair count when the tail sampled it (issue #18): the head drops tokens of an older epoch."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SampledWindow:
+    """The tail's verdict on a verify window (issue #20): the tokens it emits (the accepted drafts, then its own),
+    on their way to the head in one message (``bus.frame.encode_window``)."""
+
+    session_id: bytes  # 16 raw bytes (uuid)
+    window: int
+    """The window's id (its frame's ``step``)."""
+    accepted: int
+    """How many of its drafts were accepted."""
+    tokens: tuple[SampledToken, ...]
+    """In order; the last may carry the finish reason (then fewer than ``accepted + 1`` may follow)."""

@@ -77,6 +77,12 @@ class Capacity(WireModel):
     kv_bytes_in_use: int = 0
     sessions_opened: int = Field(default=0, ge=0, description="sessions opened since the node started: tells a "
                                                                   "tracker which of the routes it handed out arrived")
+    snapshot_free_bytes: int = Field(default=0, ge=0, exclude_if=lambda v: v == 0,
+                                     description="room for other nodes' snapshots: the tracker may name this node "
+                                                 "a standby holder (issue #18)")
+    prefix_keys: list[str] = Field(default_factory=list, exclude_if=lambda v: not v,
+                                   description="prefix keys of the finished sessions whose KV this node keeps "
+                                               "(schemas.prefix), most recent first: routes prefer them")
 
     @property
     def free_sessions(self) -> int:

@@ -6,6 +6,7 @@ from pydantic import Field
 
 from schemas.base import WireModel
 from schemas.node import BackendInfo, FetchSummary, LayerRange
+from schemas.snapshot import StandbyRef
 
 
 class RouteRequest(WireModel):
@@ -14,6 +15,11 @@ class RouteRequest(WireModel):
     model: str = Field(min_length=1)
     session_id: str = Field(min_length=1, max_length=64)
     exclude: list[str] = Field(default_factory=list)
+    standby: bool = Field(default=False, exclude_if=lambda v: not v,
+                          description="name a standby holder for every hop's snapshots (issue #18)")
+    prefix_keys: list[str] = Field(default_factory=list, exclude_if=lambda v: not v, max_length=64,
+                                   description="hashes of the request's prefixes, longest last "
+                                               "(schemas.prefix): prefer nodes that kept the longest")
 
 
 class Hop(WireModel):
@@ -24,6 +30,8 @@ class Hop(WireModel):
     layers: LayerRange
     capability: str = Field(default="", description="signed session grant for this hop (bus.capability); empty "
                                                      "when the swarm runs without a secret")
+    standby: StandbyRef | None = Field(default=None, exclude_if=lambda v: v is None,
+                                       description="where this hop sends its snapshots (issue #18)")
 
 
 class Route(WireModel):
@@ -87,3 +95,46 @@ class ServedModel(WireModel):
 
 class ModelsReply(WireModel):
     models: list[ServedModel] = Field(default_factory=list)
+
+
+class RepairRequest(WireModel):
+    """A head asks the tracker to replace hop ``lost`` of its route (issue #18): the reply's route is ``route``
+    with that hop replaced by nodes serving exactly its layers, capabilities issued with the session's own
+    ``session_token`` (so the hops that stay keep admitting the session)."""
+
+    route: Route
+    lost: int = Field(ge=1, description="the hop to replace (never the head, which asks)")
+    exclude: list[str] = Field(default_factory=list, description="nodes never to use (the lost one at least)")
+    session_token: str | None = None
+
+
+class RouteUpdate(WireModel):
+    """The head tells a hop that stays on a repaired route where the session goes on (issue #18)."""
+
+    session_id: str
+    epoch: int = Field(ge=1)
+    route: Route
+    hop_index: int = Field(ge=0)
+    capability: str = Field(default="", description="this hop's grant for the new route")
+    truncate_to: int | None = Field(default=None, ge=0, description="drop the KV positions from here on first")
+    generated: list[int] | None = Field(default=None, description="tail: the tokens sampled so far (its sampler "
+                                                                  "and stop rules start over from them)")
+    quiet_below: int | None = Field(default=None, ge=0, description="tail: frames starting before this are "
+                                                                    "computed, not sampled (their tokens are known)")
+
+
+class HopPosition(WireModel):
+    """A hop's answer to a ``RouteUpdate``: where its KV ends once its in-flight steps are done."""
+
+    session_id: str
+    node_id: str
+    position: int = Field(ge=0)
+    journal_start: int | None = Field(default=None, description="the first position its journal can replay "
+                                                                "(None: it keeps no journal)")
+
+
+class ReplayRequest(WireModel):
+    """The head asks the hop before a replacement to resend what it computed from ``start`` on (its journal)."""
+
+    epoch: int = Field(ge=1)
+    start: int = Field(ge=0)

@@ -12,7 +12,11 @@ from pydantic import Field, field_validator
 from schemas.base import WireModel, WirePart
 from schemas.constraint import OutputConstraint
 from schemas.route import Route
+from schemas.snapshot import StandbyRef
 from schemas.tools import ToolCallFormat, ToolSet
+
+MAX_EPOCH = 15
+"""A token frame carries its route's epoch in four bits: a session survives at most 15 repairs."""
 
 CONTEXT_CAP = 131_072
 """The product's hard context cap (128K tokens), whatever a backend could do."""
@@ -41,11 +45,13 @@ def _empty(v: object) -> bool:
 
 
 class SessionPhase(enum.StrEnum):
-    """routing -> prefill -> decode -> complete | failed | cancelled. The last three are terminal."""
+    """routing -> prefill -> decode -> complete | failed | cancelled. The last three are terminal; ``repairing``
+    (issue #18) may come between prefill or decode and where the session goes on."""
 
     ROUTING = "routing"
     PREFILL = "prefill"
     DECODE = "decode"
+    REPAIRING = "repairing"
     COMPLETE = "complete"
     FAILED = "failed"
     CANCELLED = "cancelled"
@@ -120,12 +126,54 @@ class SessionOpen(WireModel):
                                                      "sent with capabilities stripped)")
     n: int = Field(default=1, ge=1, le=MAX_CHOICES, exclude_if=_one,
                    description="choices: every hop forks the prompt's KV into n sequences after prefill")
+    # Issue #18 fields, off the wire when unused (an older node reads a plain open as before).
+    snapshot_every: int = Field(default=0, ge=0, exclude_if=_zero,
+                                description="snapshot the KV at the end of prefill and every this many decoded "
+                                            "positions to the hop's standby (0: never)")
+    repair: bool = Field(default=False, exclude_if=lambda v: not v,
+                         description="the head repairs the route when a hop is lost (every hop keeps a journal)")
+    epoch: int = Field(default=0, ge=0, le=MAX_EPOCH, exclude_if=_zero,
+                       description="the route's repair count: token frames of an older epoch are stale")
+    resume: Resume | None = Field(default=None, exclude_if=_none,
+                                  description="this hop replaces a lost one: what it rebuilds first")
+    speculate: Speculation | None = Field(default=None, exclude_if=_none,
+                                          description="issue #20: the head decodes in verify windows")
+    reuse_limit: int | None = Field(default=None, ge=0, exclude_if=_none,
+                                    description="head: the most prompt positions its downstream hops can reuse "
+                                                "(the least any of them reported when it opened)")
+
+
+class Speculation(WireModel):
+    """A session decoded in verify windows (issue #20): every hop computes windows in their order and cuts its KV
+    back where a window starts below it (rejected drafts); the tail judges each window."""
+
+    source: str = Field(description="ngram | model: where the head's drafts come from")
+    max_k: int = Field(ge=0, le=32)
+    windows: int = Field(ge=1, le=8)
 
 
 class SessionOpened(WireModel):
     session_id: str
     node_id: str
     prompt_tokens: int
+    reused: int = Field(default=0, ge=0, exclude_if=_zero,
+                        description="prompt positions this hop took from a kept session's KV (prefix reuse)")
+
+
+class Resume(WireModel):
+    """What a hop opened to replace a lost one rebuilds before it computes anything new (issue #18)."""
+
+    standby: StandbyRef | None = None
+    """The node holding the lost hop's snapshot chain (None: nothing to import, the journal replays from 0)."""
+    segments: list[str] = Field(default_factory=list, description="digests of the chain's segments to import, "
+                                                                    "in order")
+    start: int = Field(default=0, ge=0, description="the position the imported segments end at")
+    quiet_below: int = Field(ge=0, description="frames starting before this are computed and kept, not forwarded "
+                                               "(the next hop holds those positions already) or, on the tail, "
+                                               "sampled (their tokens are known)")
+    target: int = Field(ge=1, description="the position the upstream hop's journal replay ends at")
+    generated: list[int] = Field(default_factory=list, description="tail: the tokens sampled so far, replayed "
+                                                                     "into its sampler and stop rules")
 
 
 FinishReason = Literal["stop", "length"]
@@ -228,7 +276,19 @@ class SessionEnd(WireModel):
     choices: list[ChoiceEnd] = Field(default_factory=list, exclude_if=_empty)
 
 
-TokenEvent.model_rebuild()
+class RouteChanged(WireModel):
+    """Published on the token subject when the head repaired the route (issue #18): from ``epoch`` on the session
+    runs on ``route`` (capabilities stripped), so whoever frees the session frees it on the new hops."""
 
-TOKEN_SUBJECT_MESSAGES: dict[str, type[TokenEvent] | type[SessionEnd]] = {"token": TokenEvent, "end": SessionEnd}
+    type: Literal["route"] = "route"
+    session_id: str
+    epoch: int = Field(ge=1, le=MAX_EPOCH)
+    route: Route
+
+
+TokenEvent.model_rebuild()
+SessionOpen.model_rebuild()
+
+TOKEN_SUBJECT_MESSAGES: dict[str, type[TokenEvent] | type[SessionEnd] | type[RouteChanged]] = {
+    "token": TokenEvent, "end": SessionEnd, "route": RouteChanged}
 """What ``<ns>.tokens.<session>`` carries, by ``type`` tag."""

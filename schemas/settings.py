@@ -150,3 +150,48 @@ class Settings(BaseSettings):
     route_retry_s: float = Field(default=1.0, ge=0)
     """How long the gateway keeps asking for a route while every route is full before it answers 429: a slot
     freed a moment ago reaches the tracker only with the node's next heartbeat."""
+
+    # ---- Prefix Snapshots (issue #18): repair after a node loss, and KV reuse across requests ----------------
+
+    repair: bool = True
+    """Repair a session that loses a route node (its head must survive): a replacement from the tracker rebuilds
+    the lost KV from the latest snapshot and the upstream hop's journal, and decode goes on. False keeps alpha's
+    fail-stop: the session fails, naming the node."""
+
+    snapshot_every: int = Field(default=64, ge=0)
+    """Every hop of a session snapshots its KV at the end of prefill and every this many decoded positions to its
+    standby holder; 0 turns snapshots off (repair then replays the upstream hop's journal, or fails)."""
+
+    snapshot_budget_mb: float = Field(default=256.0, ge=0)
+    """Memory a node gives to holding other nodes' snapshots (it is their standby); 0 holds none."""
+
+    repair_timeout_s: float = Field(default=30.0, gt=0)
+    """Longest a head waits for a replacement to appear (e.g. a supervisor restarting the lost node) and for the
+    repair to finish, before the session fails."""
+
+    max_repairs: int = Field(default=3, ge=0)
+    """Node losses one session may survive."""
+
+    prefix_cache_mb: float = Field(default=256.0, ge=0)
+    """KV memory a node keeps for finished sessions so that a later request starting with the same tokens (the
+    next turn of a chat, a shared system prompt) prefills only what is new; 0 turns prefix reuse off."""
+
+    prefix_cache_sessions: int = Field(default=4, ge=0)
+    """Most finished sessions a node keeps for reuse (llama.cpp: sequences beyond ``max_sessions``)."""
+
+    # ---- Hide the network (issue #20): speculative decoding across the route -----------------------------------
+
+    speculation: str = Field(default="off", pattern=r"^(off|ngram|model)$")
+    """Where a route's head gets draft tokens to verify k+1 positions per ring: ``ngram`` (prompt lookup, no extra
+    model), ``model`` (``draft_model``), or ``off``. Windows compute several positions in one forward pass, which
+    rounds differently from one at a time: greedy output can then differ from plain decoding at near-ties."""
+
+    draft_model: Path | None = None
+    """A small GGUF with the served model's vocabulary, for ``speculation = model`` (the head loads it)."""
+
+    speculative_max_k: int = Field(default=8, ge=0, le=32)
+    """Most drafts in one window; the head sizes each window from the acceptance and ring time it measures."""
+
+    speculative_windows: int = Field(default=2, ge=1, le=8)
+    """Most windows in flight: the next one starts, on the assumption that the one before is accepted whole, while
+    that one is still going round the ring (when the measured acceptance makes it likely to pay)."""

@@ -26,6 +26,40 @@ class RouteHopView(WireModel):
 class PrefillProgress(WireModel):
     done: int = 0
     total: int = 0
+    reused: int = Field(default=0, ge=0, exclude_if=lambda v: v == 0,
+                        description="prompt positions taken from kept KV instead of computed (prefix reuse)")
+
+
+RepairSource = Literal["snapshot", "journal", "prefill"]
+"""Where a repaired hop's KV came from: a snapshot plus the upstream journal, the journal alone (no snapshot yet),
+or the whole prompt and output computed again."""
+
+
+class RepairView(WireModel):
+    """The session's latest route repair (issue #18)."""
+
+    lost_node: str
+    layers: LayerRange
+    replacement: list[str] = Field(default_factory=list, description="the node(s) that took the layers over; "
+                                                                       "empty while the head still looks for one")
+    source: RepairSource | None = None
+    snapshot_positions: int = 0
+    replayed_positions: int = 0
+    repairs: int = Field(default=1, ge=1, description="repairs of this session so far")
+    duration_ms: float | None = Field(default=None, description="from the loss being found to decode going on")
+
+
+class SpeculationView(WireModel):
+    """How the session's verify windows fare (issue #20)."""
+
+    source: str
+    windows: int = 0
+    drafts_offered: int = 0
+    drafts_accepted: int = 0
+    acceptance: float = Field(default=0.0, description="accepted / offered drafts so far")
+    mean_accepted: float = Field(default=0.0, description="drafts accepted per window")
+    in_flight: int = Field(default=0, description="windows going round the ring now")
+    next_k: int = Field(default=0, description="drafts the head will put in its next window (0: plain decoding)")
 
 
 class GenerationTelemetry(WireModel):
@@ -47,4 +81,6 @@ class GenerationTelemetry(WireModel):
     elapsed_ms: float = 0.0
     failure: FailureReason | None = None
     finish_reason: str | None = None
+    repair: RepairView | None = Field(default=None, exclude_if=lambda v: v is None)
+    speculation: SpeculationView | None = Field(default=None, exclude_if=lambda v: v is None)
     sent_at: float = Field(default_factory=time.time)

@@ -203,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--port", type=argtypes.port, default=0)
     node.add_argument("--advertise-url", help="URL peers use to reach this node, if not the listen address")
     node.add_argument("--alias", action="append", help="another name clients may request the model by (repeatable)")
+    node.add_argument("--draft-model", type=Path, default=None,
+                      help="head: a small GGUF with the model's vocabulary to draft tokens for speculative sessions "
+                           "(with SWARMROUTE_SPECULATION=model on the gateway)")
     swarm = node.add_argument_group("joining from the swarm (--model-id SHA256, no --model)")
     swarm.add_argument("--memory", type=argtypes.size, default=None,
                        help="memory to give the model, weights + KV (e.g. 24GB, 512MiB): the tracker sizes the "

@@ -92,7 +92,26 @@ def make_node(args: argparse.Namespace, settings: Settings, backend: Backend, id
     return Node(NodeConfig(node_id=name, model_id=identity.model_id, host=args.host or settings.bind_host,
                            port=args.port, advertise_url=args.advertise_url, wire_dtype=args.wire_dtype,
                            manifest_id=identity.manifest_id, verified=identity.verified,
-                           aliases=(*identity.aliases, *(args.alias or ()))), backend, settings, nc=nc)
+                           aliases=(*identity.aliases, *(args.alias or ()))), backend, settings, nc=nc,
+                draft=draft_backend(args, settings, backend))
+
+
+def draft_backend(args: argparse.Namespace, settings: Settings, backend: Backend) -> Backend | None:
+    """The draft model a head runs for speculative sessions (``--draft-model`` or ``SWARMROUTE_DRAFT_MODEL``, issue
+    #20): a whole GGUF with the served model's vocabulary, on as many threads as the node."""
+    path = getattr(args, "draft_model", None) or settings.draft_model
+    if path is None or not backend.is_head:
+        return None
+    from actors.backends import load_backend
+
+    draft = load_backend("llamacpp", model_path=path, max_sessions=backend.max_sessions, n_ctx=min(
+        backend.info.context_length, 4096), threads=backend.info.threads or 1, allow_amx=settings.llama_amx,
+                         native_dir=settings.home / "native")
+    if draft.info.n_vocab != backend.info.n_vocab:
+        draft.close()
+        raise SystemExit(f"swarmroute node: the draft model {path} has {draft.info.n_vocab} tokens, the served "
+                         f"model {backend.info.n_vocab}: a draft model needs the same vocabulary")
+    return draft
 
 
 async def start_node(node: Node) -> None:

@@ -68,8 +68,9 @@ class Fleet:
 
 @pytest.fixture
 def chaos_settings(nats_server: EmbeddedNats, tmp_path: Path) -> Settings:
+    # Fail-stop, as alpha: these measure how a failure stays contained; tests/test_repair.py covers repair.
     return make_settings(nats_server.url, tmp_path / "home", token_timeout_s=3.0, first_token_timeout_s=5.0,
-                         hop_timeout_s=2.0, prefill_chunk=4)
+                         hop_timeout_s=2.0, prefill_chunk=4, repair=False)
 
 
 @pytest.fixture

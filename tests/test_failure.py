@@ -54,8 +54,9 @@ async def _stream_until_failure(base_url: str, kill: object, *, after_tokens: in
 
 @pytest.fixture
 def fast_settings(nats_server: object, tmp_path: object) -> Settings:
+    # repair off: alpha's fail-stop, unchanged (tests/test_repair.py has the sessions that survive)
     return make_settings(nats_server.url, tmp_path / "home", token_timeout_s=3.0,  # type: ignore[attr-defined,operator]
-                         first_token_timeout_s=3.0, hop_timeout_s=2.0, prefill_chunk=4)
+                         first_token_timeout_s=3.0, hop_timeout_s=2.0, prefill_chunk=4, repair=False)
 
 
 @pytest.mark.parametrize("victim", ["tail", "head"])
@@ -195,7 +196,7 @@ def patient_settings(nats_server: object, tmp_path: object) -> Settings:
     and the registry keeps a dead node's entry for the whole test."""
     return make_settings(nats_server.url, tmp_path / "home", token_timeout_s=60.0,  # type: ignore[attr-defined,operator]
                          first_token_timeout_s=60.0, hop_timeout_s=30.0, prefill_chunk=4, liveness_probe_s=0.3,
-                         registry_ttl_s=60.0, heartbeat_s=0.5)
+                         registry_ttl_s=60.0, heartbeat_s=0.5, repair=False)
 
 
 @pytest.mark.parametrize("phase", ["prefill", "decode"])

@@ -108,7 +108,8 @@ async def test_multi_stream_hidden_shape_travels_through_the_route(settings: Set
     assert headers and all(h.position_shape == shape for h in headers)
     decode = [b for b in proxy.request_bodies()
               if b[:4] == b"SRF1" and frames.decode(b)[0].kind is FrameKind.DECODE]
-    assert decode and all(len(b) - frames.header_size(2, len(frames.decode(b)[0].stamps)) == 4 * 32 * 4
+    # One position of (4, 32) float32 values, and the one token id it stands for.
+    assert decode and all(len(b) - frames.header_size(2, len(frames.decode(b)[0].stamps)) == 4 * 32 * 4 + 4
                           for b in decode)
 
 

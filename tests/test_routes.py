@@ -184,3 +184,50 @@ def test_other_models_nodes_do_not_help() -> None:
     adverts = [node("a", 0, 9), node("x", 9, 18, model="other")]
     with pytest.raises(NoRouteError, match=r"\[9, 18\)"):
         select_route(adverts, MODEL, "s")
+
+
+# ---- issue #18: prefix keys, standby holders, replacements ------------------------------------------------------
+
+def holding(advert: NodeAdvertisement, *keys: str, snapshot_room: int = 0) -> NodeAdvertisement:
+    capacity = advert.capacity.model_copy(update={"prefix_keys": list(keys), "snapshot_free_bytes": snapshot_room})
+    return advert.model_copy(update={"capacity": capacity})
+
+
+def test_a_route_whose_nodes_kept_the_longest_prefix_comes_first() -> None:
+    adverts = [holding(node("h1", 0, 9), "k1", "k2"), holding(node("t1", 9, 18), "k1", "k2"),
+               holding(node("h2", 0, 9, active=0), "k1"), holding(node("t2", 9, 18), "k1"),
+               node("h3", 0, 9), node("t3", 9, 18)]
+    for seed in range(20):
+        assert ids(adverts, rng=random.Random(seed), prefix_keys=["k1", "k2", "k3"]) == ["h1", "t1"]
+        assert ids(adverts, rng=random.Random(seed), prefix_keys=["k1"])[0] in ("h1", "h2")
+    # A key only half the route holds is no reason: the cheapest route as usual.
+    adverts = [holding(node("h1", 0, 9, active=3), "k9"), node("t1", 9, 18), node("h2", 0, 9)]
+    assert ids(adverts, prefix_keys=["k9"]) == ["h2", "t1"]
+
+
+def test_every_hop_gets_a_standby_off_the_route_serving_its_layers_when_there_is_one() -> None:
+    from actors.tracker.routes import with_standbys
+
+    adverts = [holding(node("h", 0, 9), snapshot_room=10), holding(node("t", 9, 18), snapshot_room=10),
+               holding(node("spare", 9, 18), snapshot_room=10), holding(node("other", 0, 18, model="x"),
+                                                                        snapshot_room=99)]
+    route = select_route(adverts[:2], MODEL, "s1")
+    standbys = [h.standby.node_id if h.standby else None for h in with_standbys(route, adverts).hops]
+    assert standbys == ["other", "spare"]  # the tail's twin; the head has none, so the roomiest node off the route
+    roomless = [node("h", 0, 9), node("t", 9, 18)]
+    assert all(h.standby is None for h in with_standbys(select_route(roomless, MODEL, "s1"), roomless).hops)
+
+
+def test_a_lost_hop_is_replaced_by_a_free_node_serving_exactly_its_layers() -> None:
+    from actors.tracker.routes import replace_hop
+
+    adverts = [node("h", 0, 6), node("m", 6, 12), node("t", 12, 18), node("m2", 6, 12, active=1),
+               node("m3", 6, 12), node("wide", 6, 18)]
+    route = select_route(adverts[:3], MODEL, "s1")
+    repaired = replace_hop(adverts, route, 1, exclude=frozenset({"m"}))
+    assert [h.node_id for h in repaired.hops] == ["h", "m3", "t"]  # the least loaded; never a wider range
+    with pytest.raises(NoRouteError, match=r"layers \[6, 12\)"):
+        replace_hop(adverts, route, 1, exclude=frozenset({"m", "m2", "m3"}))
+    full = [node("h", 0, 6), node("m", 6, 12), node("t", 12, 18), node("m2", 6, 12, active=4)]
+    with pytest.raises(NoRouteError, match="are full"):
+        replace_hop(full, route, 1, exclude=frozenset({"m"}))

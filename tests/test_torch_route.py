@@ -93,7 +93,7 @@ def torch_args(layers: str) -> list[str]:
 async def test_killing_a_torch_node_mid_decode_fails_the_session_and_the_survivor_frees_it(
         nats_server: object, tmp_path: Path, swarms: Swarms) -> None:
     settings = make_settings(nats_server.url, tmp_path / "home", token_timeout_s=3.0,  # type: ignore[attr-defined]
-                             first_token_timeout_s=20.0, hop_timeout_s=2.0, prefill_chunk=8)
+                             first_token_timeout_s=20.0, hop_timeout_s=2.0, prefill_chunk=8, repair=False)
     head = await swarms.node_process(settings, "head", torch_args("0:3"))
     tail = await swarms.node_process(settings, "tail", torch_args("3:6"))
     tracker = await swarms.actor(Tracker(settings))

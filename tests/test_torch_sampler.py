@@ -89,3 +89,33 @@ def test_penalty_window_forgets_old_tokens() -> None:
     p = SamplingParams(temperature=0.0, repeat_penalty=2.0, penalty_last_n=1)
     assert TorchSampler(p, [1, 0]).sample(logits) == 1  # token 0 is in the last-1 window: 3.0 / 2 < 2.9
     assert TorchSampler(p, [0, 1]).sample(logits) == 0  # now it fell out, and token 1 is penalized
+
+
+def test_a_sampler_started_over_and_told_the_tokens_so_far_draws_what_the_original_drew() -> None:
+    """Issue #18's ``replay_sampled``: draw ``k`` depends on the seed and ``k`` only, and penalties see the replayed
+    tokens, so a rebuilt tail continues a seeded stream unchanged."""
+    p = SamplingParams(temperature=1.5, seed=21, repeat_penalty=1.4, penalty_last_n=4)
+    prompt = [3, 4, 5]
+    steps = [logits_of(100 + i, vocab=8) for i in range(40)]
+    original = TorchSampler(p, prompt)
+    stream = [original.sample(logits) for logits in steps]
+    restarted = TorchSampler(p, prompt)
+    for token in stream[:25]:
+        restarted.accept(token)
+    assert restarted.generated == 25
+    assert [restarted.sample(logits) for logits in steps[25:]] == stream[25:]
+    # Without the replay the same sampler draws another continuation: the replay is what makes them agree.
+    fresh = TorchSampler(p, prompt)
+    assert [fresh.sample(logits) for logits in steps[25:]] != stream[25:]
+
+
+def test_choice_seeds_do_not_share_draws_shifted_by_one() -> None:
+    """Choice ``i`` of an n > 1 request streams with ``seed + i``: its draws are not choice ``i - 1``'s shifted."""
+    logits = logits_of(7, vocab=1000) / 10  # nearly flat: draws tell the generators apart
+
+    def draws(seed: int) -> list[int]:
+        sampler = TorchSampler(SamplingParams(temperature=1.0, seed=seed), [])
+        return [sampler.sample(logits) for _ in range(32)]
+
+    first, second = draws(5), draws(6)
+    assert first[1:] != second[:-1] and first != second

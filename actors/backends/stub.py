@@ -16,20 +16,23 @@ refused: a grammar over this toy vocabulary would test nothing real.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import hashlib
+import struct
 import threading
 
 import numpy as np
 import numpy.typing as npt
 
 from actors.backend import Hidden, StepInput, StepOutput
-from schemas.errors import BadRequestError, CapacityError, SessionNotFoundError
+from schemas.errors import BadRequestError, CapacityError, SessionNotFoundError, SnapshotError
 from schemas.node import BackendInfo, LayerRange
 from schemas.session import LogprobCandidate, Prompt, SamplingParams, TokenLogprobs
 
 BOS, EOS, VOCAB = 256, 257, 258
+_KV_MAGIC = b"SKV1"
+_KV_HEAD = struct.Struct("<4sIIIII")
+"""A stub KV blob: magic, layer range, position range, hidden size; then float32 sums (layer, position, dim)."""
 
 
 @dataclasses.dataclass
@@ -69,8 +72,12 @@ def _rng(model: str, *parts: object) -> np.random.Generator:
 @dataclasses.dataclass
 class _Session:
     position: int = 0
-    sums: dict[int, Hidden] = dataclasses.field(default_factory=dict)
+    sums: dict[int, list[Hidden]] = dataclasses.field(default_factory=dict)
+    """Per layer, the running sum of the layer's inputs after each position (the last is the current one): the
+    "KV" a later position reads, kept per position so that it can be exported by range and truncated."""
     rng: np.random.Generator | None = None
+    """Unseeded sessions' draws; a seeded session draws from ``(seed, position)`` alone (``StubBackend._sample``)."""
+    seed: int | None = None
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
     positions_computed: int = 0
     last_logits: npt.NDArray[np.float64] | None = None
@@ -148,8 +155,7 @@ class StubBackend:
                 raise BadRequestError(f"session {session_id} is already open on this node")
             if len(self._sessions) >= self.config.max_sessions:
                 raise CapacityError(f"stub node holds {len(self._sessions)} sessions (max {self.config.max_sessions})")
-            rng = np.random.default_rng(sampling.seed) if sampling.seed is not None else np.random.default_rng()
-            self._sessions[session_id] = _Session(rng=rng, sampling=sampling)
+            self._sessions[session_id] = _Session(rng=np.random.default_rng(), seed=sampling.seed, sampling=sampling)
 
     def fork_session(self, session_id: str, fork_ids: list[str]) -> list[StepOutput]:
         """n > 1 (``actors.backend.ForkingBackend``): each fork gets a copy of the running sums; on the tail, choice
@@ -168,8 +174,8 @@ class StubBackend:
         outputs = []
         for i, fork_id in enumerate(fork_ids, start=1):
             seed = source.sampling.seed
-            rng = np.random.default_rng(seed + i) if seed is not None else np.random.default_rng()
-            fork = _Session(position=source.position, sums=copy.deepcopy(source.sums), rng=rng,
+            fork = _Session(position=source.position, sums={il: list(v) for il, v in source.sums.items()},
+                            rng=np.random.default_rng(), seed=None if seed is None else seed + i,
                             sampling=source.sampling)
             self._sessions[fork_id] = fork
             if self.is_tail:
@@ -212,15 +218,17 @@ class StubBackend:
         for row in range(x.shape[0]):
             h = x[row]
             for il in range(self._layers.start, self._layers.end):
-                total = s.sums.get(il)
-                total = h.copy() if total is None else total + h
-                s.sums[il] = total
+                history = s.sums.setdefault(il, [])
+                total = h.copy() if not history else history[-1] + h
+                history.append(total)
                 h = np.tanh(self._weights[il] @ h + 0.5 * total / (s.position + row + 1)).astype(np.float32)
             out[row] = h
         s.position += x.shape[0]
         s.positions_computed += x.shape[0]
         if not self.is_tail:
             return StepOutput(hidden=out.reshape((x.shape[0], *self.config.hidden_shape)))
+        if item.rows:
+            return StepOutput(rows=((out @ self._unembed) + self._mask).astype(np.float32))
         if not item.sample:
             return StepOutput()
         s.last_logits = (out[-1] @ self._unembed).astype(np.float64) + self._mask
@@ -241,15 +249,18 @@ class StubBackend:
         p = s.sampling
         if p.temperature == 0.0:
             return int(np.argmax(logits))
-        assert s.rng is not None
-        logits = logits / p.temperature
-        probs = np.exp(logits - logits.max())  # exp(-inf) = 0 keeps masked tokens out
+        # A seeded draw depends on the seed and the position only, so a session rebuilt elsewhere (a repaired
+        # tail) draws exactly what the original would have.
+        rng = s.rng if s.seed is None else np.random.default_rng([s.seed & 0xFFFF_FFFF_FFFF_FFFF, s.position])
+        assert rng is not None
+        # Shifted before scaling: a tiny temperature then sends the others to -inf, never the best to +inf (NaN).
+        probs = np.exp((logits - logits.max()) / p.temperature)  # exp(-inf) = 0 keeps masked tokens out
         probs /= probs.sum()
         if p.top_k:
             cutoff = np.sort(probs)[-min(p.top_k, VOCAB)]
             probs = np.where(probs >= cutoff, probs, 0.0)
             probs /= probs.sum()
-        return int(s.rng.choice(VOCAB, p=probs))
+        return int(rng.choice(VOCAB, p=probs))
 
     def last_logits(self, session_id: str) -> npt.NDArray[np.float64]:
         """The logits the session's last sample was drawn from (tests compare logprobs against them)."""
@@ -275,6 +286,56 @@ class StubBackend:
 
     def kv_bytes_in_use(self) -> int:
         return sum(len(s.sums) * self._dim * 4 for s in self._sessions.values())
+
+    # ---- KV in and out (``actors.backend.KvBackend``) ------------------------------------------------------------
+
+    def export_kv(self, session_id: str, start: int, end: int) -> bytes:
+        with self._lock:
+            s = self._session(session_id)
+            if not 0 <= start < end <= s.position:
+                raise BadRequestError(f"session {session_id} holds [0, {s.position}); cannot export [{start}, {end})")
+            rows = np.stack([np.stack(s.sums[il][start:end]) for il in range(self._layers.start, self._layers.end)])
+            head = _KV_HEAD.pack(_KV_MAGIC, self._layers.start, self._layers.end, start, end, self._dim)
+            return head + rows.astype("<f4").tobytes()
+
+    def import_kv(self, session_id: str, blobs: list[bytes], end: int) -> None:
+        with self._lock:
+            s = self._session(session_id)
+            at, parts = s.position, []
+            for blob in blobs:
+                magic, first, last, start, stop, dim = _KV_HEAD.unpack_from(blob) if len(blob) >= _KV_HEAD.size \
+                    else (b"", 0, 0, 0, 0, 0)
+                if magic != _KV_MAGIC or (first, last, dim) != (self._layers.start, self._layers.end, self._dim):
+                    raise SnapshotError(f"not a KV blob of layers {self._layers} of this stub model")
+                if start != at or len(blob) != _KV_HEAD.size + 4 * len(self._layers) * (stop - start) * dim:
+                    raise SnapshotError(f"KV blob of positions [{start}, {stop}) does not continue at {at}")
+                parts.append(np.frombuffer(blob, "<f4", offset=_KV_HEAD.size).reshape(len(self._layers),
+                                                                                       stop - start, dim))
+                at = stop
+            if at != end:
+                raise SnapshotError(f"the KV blobs end at position {at}, not {end}")
+            for part in parts:
+                for i, il in enumerate(range(self._layers.start, self._layers.end)):
+                    s.sums.setdefault(il, []).extend(row.copy() for row in part[i])
+            s.position = end
+
+    def truncate(self, session_id: str, position: int) -> None:
+        with self._lock:
+            s = self._session(session_id)
+            if not 0 <= position <= s.position:
+                raise BadRequestError(f"session {session_id} is at {s.position}; cannot truncate to {position}")
+            for history in s.sums.values():
+                del history[position:]
+            s.position = position
+
+    def kv_continues(self, session_id: str) -> bool:
+        with self._lock:
+            s = self._session(session_id)
+            return all(len(history) == s.position for history in s.sums.values())
+
+    def replay_sampled(self, session_id: str, tokens: list[int]) -> None:
+        """Nothing to replay: the stub's draws depend only on the seed and the position (``_sample``)."""
+        self._session(session_id)
 
     @property
     def open_sessions(self) -> list[str]:

@@ -10,7 +10,17 @@ HTTP API (docs/protocol.md has the full contract)::
     POST   /v1/sessions/{id}/frames         binary activation frame (every hop but the head)
     POST   /v1/sessions/{id}/tokens         head: the tail's sampled token (token frame or TokenEvent)
     POST   /v1/sessions/{id}/failure        head: a downstream hop reports a failure (FailureReason)
+    POST   /v1/sessions/{id}/route          a repaired route: go on as its hop (RouteUpdate -> HopPosition)
+    POST   /v1/sessions/{id}/replay         resend the journal to the new successor (ReplayRequest)
     DELETE /v1/sessions/{id}                free the session (idempotent)
+    POST   /v1/snapshots                    standby: keep one snapshot segment (bus.snapshot body)
+    GET    /v1/snapshots/{id}?layers=A:B    standby: the chain held for a session's hop (SnapshotList)
+    GET    /v1/snapshots/{id}/{digest}      standby: one segment's body
+    DELETE /v1/snapshots/{id}               standby: forget a session's chains
+
+Why one module of ~560 lines: the actor's lifecycle, heartbeats and every control endpoint of a session (open with
+its reuse or rebuild, status, repair updates and replays, close with keep) share its sessions, engine and admission;
+the per-token endpoints (``hop_api``), the standby's (``standby``) and the KV bookkeeping (``reuse``) live beside it.
 """
 
 from __future__ import annotations
@@ -32,17 +42,22 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route as HttpRoute
 
-from actors.backend import Backend, ForkingBackend
+from actors.backend import Backend, ForkingBackend, KvBackend
 from actors.node.admission import Admission
+from actors.node.drafts import DraftSource, ModelDraft, NgramDraft
 from actors.node.engine import StepEngine
 from actors.node.head_session import HeadSession
 from actors.node.hop_api import HopApi
 from actors.node.hop_session import HopSession
 from actors.node.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from actors.node.metrics import NodeMetrics
+from actors.node.prefix_cache import PrefixCache
+from actors.node.reuse import Reuse
 from actors.node.runtime import NodeRuntime
 from actors.node.session import NodeSession
+from actors.node.snapshot_store import SnapshotStore
 from actors.node.spin import LoopPoller
+from actors.node.standby import StandbyApi, fetch_chain
 from actors.registry import open_registry
 from actors.services import node_service
 from bus import codec
@@ -61,7 +76,8 @@ from schemas.errors import (
 )
 from schemas.frame import WireDType
 from schemas.node import Capacity, NodeAdvertisement
-from schemas.session import CONTEXT_CAP, FailureReason, Prompt, SessionOpen, SessionOpened, TokenizeReply
+from schemas.route import RepairRequest, ReplayRequest, RouteReply, RouteUpdate
+from schemas.session import CONTEXT_CAP, FailureReason, Prompt, Resume, SessionOpen, SessionOpened, TokenizeReply
 from schemas.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -107,13 +123,19 @@ class NodeConfig:
 class Node(NatsActor):
     """An async context manager (``bus.actor.NatsActor``); ``stop()`` is safe to call twice."""
 
-    def __init__(self, config: NodeConfig, backend: Backend, settings: Settings, *, nc: NATS | None = None) -> None:
+    def __init__(self, config: NodeConfig, backend: Backend, settings: Settings, *, nc: NATS | None = None,
+                 draft: Backend | None = None) -> None:
         super().__init__(settings, nc=nc, name=f"node-{config.node_id}")
         self.config = config
         self.backend = backend
         self.subjects = Subjects(settings.namespace)
         self.engine = StepEngine(backend)
         self.sessions: dict[str, NodeSession] = {}
+        self.admission = Admission(verifier_from_settings(settings), config.node_id, skew_s=settings.capability_ttl_s)
+        self.snapshots = SnapshotStore(int(settings.snapshot_budget_mb * 2**20))
+        """Other nodes' snapshot chains this node holds as their standby (issue #18)."""
+        self.standby = StandbyApi(self.snapshots, self.admission, config.node_id,
+                                  max_body_bytes=settings.max_frame_bytes)
         hop_api = HopApi(self._app(), self._session_for, max_frame_bytes=settings.max_frame_bytes,
                          max_body_bytes=settings.max_body_bytes)
         self.server = HttpServer(hop_api, config.host, config.port, hot=hop_api)
@@ -130,7 +152,14 @@ class Node(NatsActor):
                           kv_bytes=self.backend.kv_bytes_in_use)
         self._beat_soon = asyncio.Event()
         self._opened_total = 0
-        self.admission = Admission(verifier_from_settings(settings), config.node_id, skew_s=settings.capability_ttl_s)
+        self.metrics.snapshots_held.set_function(lambda: float(self.snapshots.bytes_used))
+        self.reuse = Reuse(self.engine, PrefixCache(max_entries=settings.prefix_cache_sessions,
+                                                    max_bytes=int(settings.prefix_cache_mb * 2**20)),
+                           self.snapshots, model_id=config.model_id, layers=backend.layers)
+        """Completed sessions' KV kept for requests that start the same way (issue #18)."""
+        self.metrics.prefix_cache_sessions.set_function(lambda: float(len(self.reuse.cache)))
+        self.draft_engine = StepEngine(draft) if draft is not None else None
+        """The draft model's engine, on a head that was given one (``speculation = model``, issue #20)."""
 
     @property
     def endpoint(self) -> str:
@@ -147,8 +176,11 @@ class Node(NatsActor):
                                    publish=self._publish, subjects=self.subjects, settings=self.settings,
                                    wire_dtype=WireDType.parse(self.config.wire_dtype), metrics=self.metrics,
                                    poller=LoopPoller(on_polled=self.metrics.spin_seconds.inc),
-                                   client_present=self._client_present)
+                                   client_present=self._client_present, manifest_id=self.config.manifest_id,
+                                   ask_repair=self._ask_repair, drafts=self._draft_source)
         await self.engine.start()
+        if self.draft_engine is not None:
+            await self.draft_engine.start()
         await self.server.start()
         self._kv = await open_registry(self.nc, self.subjects, self.settings.registry_ttl_s,
                                        replicas=self.settings.registry_replicas)
@@ -183,6 +215,9 @@ class Node(NatsActor):
             await session.close()
         await self.server.stop()
         await self.engine.stop()
+        if self.draft_engine is not None:
+            await self.draft_engine.stop()
+            self.draft_engine.backend.close()
         await self._client.aclose()
 
     # ---- NATS --------------------------------------------------------------------------------------------------
@@ -196,7 +231,9 @@ class Node(NatsActor):
         capacity = Capacity(max_sessions=self.backend.max_sessions,
                             active_sessions=min(self.sequences_in_use(), self.backend.max_sessions),
                             max_context=min(info.context_length, CONTEXT_CAP),
-                            kv_bytes_in_use=self.backend.kv_bytes_in_use(), sessions_opened=self._opened_total)
+                            kv_bytes_in_use=self.backend.kv_bytes_in_use(), sessions_opened=self._opened_total,
+                            snapshot_free_bytes=max(0, self.snapshots.budget_bytes - self.snapshots.bytes_used),
+                            prefix_keys=self.reuse.cache.keys())
         return NodeAdvertisement(node_id=self.config.node_id, endpoint=self.endpoint, model_id=self.config.model_id,
                                  layers=self.backend.layers, is_head=self.backend.is_head,
                                  is_tail=self.backend.is_tail, backend=info, capacity=capacity,
@@ -221,6 +258,29 @@ class Node(NatsActor):
         except Exception:  # noqa: BLE001 - a timeout or an outage: unknown, the next probe asks again
             return None
         return True
+
+    def _draft_source(self, session_id: str, source: str) -> DraftSource:
+        """A speculative session's drafts (issue #20): prompt lookup, or the draft model this head loaded."""
+        if source == "ngram":
+            return NgramDraft()
+        if source == "model" and self.draft_engine is not None:
+            return ModelDraft(self.draft_engine, session_id=session_id)
+        raise BadRequestError(f"node {self.config.node_id} has no {source!r} draft source", param="speculation")
+
+    async def _ask_repair(self, request: RepairRequest) -> RouteReply:
+        """Ask the trackers to replace a lost hop of a session this node heads (issue #18)."""
+        try:
+            msg = await self.nc.request(self.subjects.repair_request, codec.encode(request),
+                                        timeout=self.settings.hop_timeout_s)
+            keep_cancellation()
+        except NoRespondersError:
+            return RouteReply(error="no tracker answers repair requests", status=503)
+        except Exception as exc:  # noqa: BLE001 - a timeout or an outage: the head asks again while it may
+            return RouteReply(error=f"the trackers did not answer: {type(exc).__name__}", status=503)
+        try:
+            return codec.decode(msg.data, RouteReply)
+        except codec.DecodeError as exc:
+            return RouteReply(error=f"an unreadable tracker reply: {exc}", status=502)
 
     async def advertise_at(self, url: str | None) -> None:
         """Advertise another base URL for peers (e.g. a proxy in front of this node), at once."""
@@ -292,9 +352,15 @@ class Node(NatsActor):
     async def _session_closed(self, session: NodeSession) -> None:
         if self.sessions.get(session.id) is session:
             del self.sessions[session.id]
+        if session.keep and session.request.n == 1 and self.reuse.enabled:
+            try:
+                await self.reuse.keep(session.id, session.recovery.tokens, min(session.keep, session.position),
+                                      session.request.prefill_chunk, session.session_token)
+            except Exception as exc:  # noqa: BLE001 - a prefix not kept costs a later prefill, nothing else
+                log.warning("session %s: KV not kept for reuse: %r", session.id[:8], exc)
         for backend_id in session.choices.backend_ids():  # n > 1: every choice's forked backend session too
             with contextlib.suppress(Exception):
-                await self.engine.call(self.backend.close_session, backend_id)
+                await self.engine.close_session(backend_id)
         self._beat_soon.set()
 
     async def open_session(self, request: SessionOpen) -> SessionOpened:
@@ -331,13 +397,45 @@ class Node(NatsActor):
         role = HeadSession if request.hop_index == 0 else HopSession
         session = role(self.runtime, request, hidden_shape=self.hidden_shape, on_closed=self._session_closed)
         session.session_token = grant.session_token if grant else None
+        reused = 0
+        try:
+            if request.resume is not None:
+                await self._rebuild(session, request.resume)
+            elif request.n == 1:
+                reused = await self.reuse.start(request.session_id, request.prompt_tokens, request.prefill_chunk,
+                                                request.reuse_limit)
+        except BaseException:
+            await self.engine.close_session(request.session_id)
+            raise
+        if reused:
+            session.choices.first.position = session.reused = reused
+            self.metrics.prefix_reused.inc(reused)
         self.admission.record(grant)
         self.sessions[request.session_id] = session
         self._opened_total += 1
         self.metrics.session_opened(request.hop_index, len(hops))
         session.start()
         return SessionOpened(session_id=request.session_id, node_id=self.config.node_id,
-                             prompt_tokens=len(request.prompt_tokens))
+                             prompt_tokens=len(request.prompt_tokens), reused=reused)
+
+    async def _rebuild(self, session: NodeSession, resume: Resume) -> None:
+        """A replacement for a lost hop (issue #18): import the lost hop's snapshot chain from its standby (every
+        segment checked against its digest and linked to the one before), then, on a tail, start the sampler and
+        stop rules over from the tokens generated so far. The journal replay that follows brings the KV up to
+        the route's position."""
+        if not isinstance(session, HopSession):
+            raise BadRequestError("the head is never replaced")
+        if resume.segments:
+            kv = await fetch_chain(self._client, resume, session.id, self.backend.layers, self.config.model_id,
+                                   session_token=session.session_token)
+            backend = self.backend
+            if not isinstance(backend, KvBackend):
+                raise BadRequestError(f"node {self.config.node_id}'s backend cannot import KV")
+            await self.engine.call(backend.import_kv, session.id, kv, resume.start)
+        session.choices.first.position = resume.start
+        session.recovery.tokens = [*session.request.prompt_tokens, *resume.generated]
+        if session.is_tail:
+            await session.restart_generation(resume.generated)
 
     def sequences_in_use(self) -> int:
         """Backend sequences the open sessions hold or have reserved: one per choice."""
@@ -371,6 +469,9 @@ class Node(NatsActor):
             HttpRoute("/v1/sessions/{sid}", self._close, methods=["DELETE"]),
             # POST .../frames and .../tokens, the per-token path, are served by HopApi in front of this app.
             HttpRoute("/v1/sessions/{sid}/failure", self._failure, methods=["POST"]),
+            HttpRoute("/v1/sessions/{sid}/route", self._route_update, methods=["POST"]),
+            HttpRoute("/v1/sessions/{sid}/replay", self._replay, methods=["POST"]),
+            *self.standby.routes(),
         ]
         return Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS)
 
@@ -413,13 +514,22 @@ class Node(NatsActor):
                              "positions_received": s.positions_received})
 
     async def _close(self, request: Request) -> Response:
-        session = self.sessions.get(request.path_params["sid"])
+        sid = request.path_params["sid"]
+        session = self.sessions.get(sid)
+        token = request.headers.get(HEADER_SESSION_TOKEN)
         if session is not None:
-            Admission.check_session_token(session.session_token, request.headers.get(HEADER_SESSION_TOKEN))
+            Admission.check_session_token(session.session_token, token)
             if isinstance(session, HeadSession) and request.query_params.get("cancel") == "1":
                 await session.cancel("its client went away")
             else:
+                session.keep = _positions(request.query_params.get("keep"), session.position)
                 await session.close()
+        keys = [k for k in request.query_params.get("keys", "").split(",") if k]
+        kept = self.reuse.cache.get(sid)
+        if keys and kept is not None:
+            Admission.check_session_token(kept.token, token)
+            self.reuse.cache.attach_keys(sid, keys)
+            self._beat_soon.set()  # trackers learn at once where the next turn's prefix is
         return JSONResponse({"closed": session is not None})
 
     async def _failure(self, request: Request) -> Response:
@@ -427,3 +537,29 @@ class Node(NatsActor):
         reason = await self._json(request, FailureReason)
         session.on_failure_report(reason)
         return Response(status_code=204)
+
+    # ---- repair and snapshots (issue #18) ----------------------------------------------------------------------
+
+    async def _route_update(self, request: Request) -> Response:
+        session = self._member(request)
+        update = await self._json(request, RouteUpdate)
+        if update.session_id != session.id or not isinstance(session, HopSession):
+            raise BadRequestError(f"a route update for session {update.session_id} reaches the heads of none")
+        hops = update.route.hops
+        if update.hop_index >= len(hops) or hops[update.hop_index].node_id != self.config.node_id:
+            raise BadRequestError(f"hop {update.hop_index} of the repaired route is not node {self.config.node_id}")
+        self.admission.check_update(update, session.session_token)
+        position = await session.update_route(update)
+        return JSONResponse(position.model_dump(mode="json"))
+
+    async def _replay(self, request: Request) -> Response:
+        session = self._member(request)
+        replay = await self._json(request, ReplayRequest)
+        return JSONResponse({"positions": session.replay(replay)})
+
+
+def _positions(keep: str | None, held: int) -> int:
+    """``keep`` of a DELETE: ``1`` (before issue #20) or how many positions are confirmed; 0 when absent."""
+    if not keep or not keep.isdigit():
+        return 0
+    return held if keep == "1" else min(int(keep), held)

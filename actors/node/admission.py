@@ -15,6 +15,7 @@ import time
 from bus import capability as caps
 from schemas.capability import Capability
 from schemas.errors import CapabilityError, PermissionDeniedError
+from schemas.route import RouteUpdate
 from schemas.session import SessionOpen
 
 
@@ -57,6 +58,27 @@ class Admission:
         self._forget_expired(now)
         if claims.session_id in self._used:
             raise PermissionDeniedError(f"session capability for {claims.session_id} was already used on this node")
+        return claims
+
+    def check_update(self, update: RouteUpdate, bound: str | None) -> None:
+        """A repaired route (issue #18): its grant for this hop must verify like an open's and carry the session
+        token the session was opened with, so only the tracker can redirect a session, and only its own."""
+        if self._verifier is None:
+            return
+        claims = self._verified(update.capability, now=time.time())
+        if claims.session_id != update.session_id or claims.hop != update.hop_index:
+            raise PermissionDeniedError("the route update's capability is for another session or hop")
+        if claims.route_digest != caps.route_digest(update.route):
+            raise PermissionDeniedError("the route update's capability was issued for a different route")
+        self.check_session_token(bound, claims.session_token)
+
+    def admit_standby(self, token: str | None, session_id: str) -> Capability:
+        """The tracker's grant naming this node a standby holder of ``session_id``'s snapshots; the caller binds
+        its session token to the session's chains."""
+        assert self._verifier is not None
+        claims = self._verified(token or "", now=time.time())
+        if claims.session_id != session_id:
+            raise PermissionDeniedError(f"standby capability is for session {claims.session_id}, not {session_id}")
         return claims
 
     def record(self, claims: Capability | None) -> None:

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from actors.backend import Backend, StepInput, StepOutput
-from schemas.errors import NodeStoppingError
+from schemas.errors import NodeStoppingError, SessionNotFoundError
 
 T = TypeVar("T")
 
@@ -154,6 +154,27 @@ class StepEngine:
                 c.future.set_exception(NodeStoppingError("node is stopping"))
 
     # ---- the loop's side --------------------------------------------------------------------------------------
+
+    async def close_session(self, session_id: str) -> None:
+        """Free a backend session on the worker, and drop every step of it still queued: a closed session's step
+        in a batch would fail the whole forward pass, and with it every other session riding in it."""
+        await self.call(self._close_now, session_id)
+
+    def _close_now(self, session_id: str) -> None:
+        """On the worker thread, between forward passes."""
+        self.backend.close_session(session_id)
+        with self._cond:
+            dropped = [p for p in self._steps if p.item.session_id == session_id]
+            self._steps = [p for p in self._steps if p.item.session_id != session_id]
+        for p in dropped:
+            self._to_loop(StepEngine._fail, p, SessionNotFoundError(f"session {session_id} was closed"))
+
+    def call_soon(self, fn: Callable[..., object], *args: object) -> asyncio.Future[Any]:
+        """``call`` without waiting: queued now, so it runs on the worker before any step queued after it (calls
+        go ahead of batches). The returned future says how it went."""
+        future: asyncio.Future[Any] = self._running_loop().create_future()
+        self._enqueue_call(_Call(lambda: fn(*args), future))
+        return future
 
     async def call(self, fn: Callable[..., T], *args: object) -> T:
         """Run a backend method on the worker thread, serialized with forward passes."""

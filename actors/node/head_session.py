@@ -10,8 +10,9 @@ hop. The gateway only follows, except for what the head cannot report: its own d
 With head and tail on one node the engine chains the steps on its worker (each sampled token is the next input);
 the stop rules stay ``Generation``'s (``Generation.ends_for_certain``).
 
-Why one module of ~450 lines: one class, the session's one owner, whose prefill, three decode loops (ring, local
-chain, n > 1 rounds) and terminal phases share its event queue and phase; split, the fate would have several owners.
+Why one module of ~550 lines: one class, the session's one owner, whose prefill, four decode loops (ring, local
+chain, n > 1 rounds, verify windows: ``spec_head``) and terminal phases share its event queue and phase; split, the
+fate would have several owners (the repair it drives lives in ``repair``).
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ from collections.abc import Awaitable, Callable
 from actors.backend import StepInput, StepOutput
 from actors.node.choices import Choice
 from actors.node.engine import StepChain, StepTiming
+from actors.node.repair import RepairFailed, RouteRepair, phase_after
 from actors.node.runtime import NodeRuntime
 from actors.node.session import NodeSession, SessionFailed, StepFuture
+from actors.node.spec_head import SpeculativeDecode
 from actors.node.telemetry import TelemetryPublisher
 from bus.liveness import Silence, first_lost
 from schemas.errors import SwarmrouteError
-from schemas.frame import FrameKind, SampledToken
+from schemas.frame import FrameKind, SampledToken, SampledWindow
 from schemas.session import (
     FailureReason,
     FinishReason,
@@ -54,7 +57,7 @@ class HeadSession(NodeSession):
     def __init__(self, rt: NodeRuntime, request: SessionOpen, *, hidden_shape: tuple[int, ...],
                  on_closed: Callable[[NodeSession], Awaitable[None]]) -> None:
         super().__init__(rt, request, hidden_shape=hidden_shape, on_closed=on_closed)
-        self._events: asyncio.Queue[TokenEvent | SampledToken | FailureReason] = asyncio.Queue()
+        self._events: asyncio.Queue[TokenEvent | SampledToken | SampledWindow | FailureReason] = asyncio.Queue()
         self._driver: asyncio.Task[None] | None = None
         self._watcher: asyncio.Task[None] | None = None
         """Asks every ``client_probe_s`` whether the session's client still listens (``_watch_client``)."""
@@ -62,6 +65,11 @@ class HeadSession(NodeSession):
         self.telemetry = TelemetryPublisher(
             self.route, lambda snap: self.rt.publish(self.rt.subjects.telemetry(self.id), snap),
             interval_s=self.rt.settings.telemetry_interval_s)
+        self.repairs = 0
+        self.lost_nodes: list[str] = []
+        """Nodes this session lost: never routed to again (issue #18)."""
+        self._repairing = False
+        """A repair is under way: tokens of the old route are dropped (the repaired one samples them again)."""
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
 
@@ -88,14 +96,24 @@ class HeadSession(NodeSession):
         """Head: a downstream node reported a failure."""
         self._events.put_nowait(reason)
 
+    def on_window(self, window: SampledWindow) -> None:
+        """Head: the tail's verdict on a verify window (issue #20), for the speculative loop."""
+        self._spinner.arrived()
+        self.touch()
+        if not self._repairing and all(t.epoch >= self.recovery.epoch for t in window.tokens):
+            self._events.put_nowait(window)
+
     def on_token(self, event: TokenEvent | SampledToken) -> None:
         """Head: the tail posted a sampled token. The next step is queued at once, ahead of the driver task waking
         up to publish the token: that wake-up is off the per-token path."""
         arrived = time.perf_counter()
         self._spinner.arrived(arrived)
         self.touch()
+        if self._repairing or (isinstance(event, SampledToken) and event.epoch < self.recovery.epoch):
+            return  # sampled on the route as it was before the repair: the repaired route samples it again
         choice = self.choices.get(event.choice if isinstance(event, SampledToken) else event.index)
-        if self.request.n > 1:  # decoded in rounds (``_decode_rounds``): nothing starts for one choice alone
+        if self.request.n > 1 or self.request.speculate is not None:
+            # Decoded in rounds (``_decode_rounds``) or in verify windows (``spec_head``): the driver starts steps.
             self._events.put_nowait(event)
             return
         choice.arrivals[event.seq] = arrived
@@ -106,7 +124,7 @@ class HeadSession(NodeSession):
             forwarded = step.done() and not step.cancelled() and step.exception() is None
             if forwarded:
                 # It ran inline: the frame leaves now, before the driver task even wakes (failures go its way).
-                self._advance(choice, item.n_positions, step.result()[1])
+                self._advance(choice, item, step.result()[1])
                 self._forward(choice, step.result(), event)
             choice.prefetched = (event.seq, step, forwarded)
         self._events.put_nowait(event)
@@ -117,7 +135,13 @@ class HeadSession(NodeSession):
         try:
             await self.telemetry.set_phase(SessionPhase.PREFILL)
             await self._prefill()
-            await self._decode()
+            while True:
+                try:
+                    await self._decode()
+                    return
+                except SessionFailed as failed:
+                    if not await self._repaired(failed.reason):
+                        raise
         except SessionFailed as failed:
             await self._fail(failed.reason)
         except asyncio.CancelledError:
@@ -133,7 +157,9 @@ class HeadSession(NodeSession):
     async def _prefill(self) -> None:
         tokens = self.request.prompt_tokens
         chunk = self.request.prefill_chunk
-        for start in range(0, len(tokens), chunk):
+        if self.reused:  # prefix reuse: every hop holds the first ``reused`` positions already
+            await self.telemetry.prefill_progress(self.reused, len(tokens), reused=self.reused)
+        for start in range(self.position, len(tokens), chunk):
             part = tokens[start:start + chunk]
             last = start + len(part) >= len(tokens)
             first = self.choices.first
@@ -157,6 +183,15 @@ class HeadSession(NodeSession):
     async def _decode(self) -> None:
         if self.request.n > 1:
             await self._decode_rounds()
+            return
+        spec = self.request.speculate
+        if spec is not None and not self.is_tail:
+            decoder = SpeculativeDecode(self, self.rt.drafts(self.id, spec.source), max_k=spec.max_k,
+                                        windows=spec.windows)
+            try:
+                await decoder.run()
+            finally:
+                await decoder.source.close()
             return
         if self.is_tail:
             await self._decode_local()
@@ -199,7 +234,7 @@ class HeadSession(NodeSession):
         out, timing = result
         assert out.hidden is not None
         self._queue_frame(FrameKind.DECODE, choice.position - 1, out.hidden, True, event.seq + 1,
-                          (self._stamp(timing),), choice.index, group)
+                          (self._stamp(timing),), choice.index, group, (event.token,))
         self._spinner.idle()
 
     @staticmethod
@@ -311,7 +346,8 @@ class HeadSession(NodeSession):
                 raise self._backend_failed(exc) from exc
             if result is not None:
                 out, timing = result
-                self._advance(self.choices.first, 1, timing)
+                first = self.choices.first
+                self._advance(first, StepInput(self.id, first.position, tokens=[token]), timing)
                 return out, timing
             # The chain ended although the generation goes on (its rules differ from ``Generation``'s): restart it.
             self._chain = None
@@ -330,6 +366,17 @@ class HeadSession(NodeSession):
     async def _next_event(self) -> TokenEvent:
         """The next token from the tail, or ``SessionFailed``: a hop's report, a hop found dead while the route is
         silent (``bus.liveness``: at once), or silence past the token timeout."""
+        item = await self._next_message()
+        if isinstance(item, FailureReason):
+            raise SessionFailed(item)
+        if isinstance(item, SampledWindow):
+            raise SessionFailed(FailureReason(node_id=self.route.tail.node_id, phase=self.phase, kind="protocol",
+                                              message="a verify window's verdict for a session without windows"))
+        return self._event_of(item) if isinstance(item, SampledToken) else item
+
+    async def _next_message(self) -> TokenEvent | SampledToken | SampledWindow | FailureReason:
+        """What the route sends next (a token, a window's verdict, a hop's failure report), or ``SessionFailed`` for
+        a hop found dead while the route is silent or silence past the token timeout."""
         limit = self._token_timeout()
         silence = Silence(self.rt.settings.liveness_probe_s)
         while True:
@@ -346,11 +393,9 @@ class HeadSession(NodeSession):
                     if arrived is not None:
                         item = arrived
                         break
-        if isinstance(item, FailureReason):
-            raise SessionFailed(item)
-        return self._event_of(item) if isinstance(item, SampledToken) else item
+        return item
 
-    async def _probe_downstream(self) -> TokenEvent | SampledToken | FailureReason | None:
+    async def _probe_downstream(self) -> TokenEvent | SampledToken | SampledWindow | FailureReason | None:
         """Fail at once if a downstream hop is dead or lost the session, unless word (a failure report, a token)
         arrives within the grace that messages already on their way need: that word is returned."""
         lost = await first_lost(self.rt.client, self.route.hops[1:], self.id, session_token=self.session_token)
@@ -371,7 +416,7 @@ class HeadSession(NodeSession):
         return FailureReason(node_id=None, phase=self.phase, kind="timeout",
                              message=f"no token from the route for {waited:g}s although every hop answers")
 
-    async def _complete(self, event: TokenEvent) -> None:
+    async def _complete(self, event: TokenEvent, *, keep_positions: int | None = None) -> None:
         assert event.finish_reason is not None
         end = self._ended(SessionPhase.COMPLETE, self.choices.completion_tokens(),
                           finish_reason=self.choices.first.finish_reason or event.finish_reason)
@@ -381,8 +426,10 @@ class HeadSession(NodeSession):
         # at once must find the slots free, or a swarm within its capacity refuses it (tests/test_load.py).
         if self.outbox is not None:
             await self.outbox.drain(DRAIN_S)
+        # Its KV may serve a request that continues it (issue #18); speculative positions never confirmed stay out.
+        self.keep = self.position if keep_positions is None else keep_positions
         await self.close()
-        await self._release_route()
+        await self._release_route(keep=self.keep)
         await self.rt.publish(self.rt.subjects.tokens(self.id), end)
 
     async def _watch_client(self) -> None:
@@ -428,11 +475,12 @@ class HeadSession(NodeSession):
         return SessionEnd(session_id=self.id, phase=phase, finish_reason=finish_reason, failure=failure,
                           prompt_tokens=len(self.request.prompt_tokens), completion_tokens=completion_tokens)
 
-    async def _release_route(self) -> None:
-        """Head, at the end: free the session on every other hop. The gateway does the same, but it may be gone,
-        and then the tail (and any middle hop) would hold its KV until the idle TTL. Idempotent on the nodes."""
+    async def _release_route(self, *, keep: int = 0) -> None:
+        """Head, at the end: free the session on every other hop (``keep``: it completed, and they may keep its KV
+        for reuse). The gateway does the same, but it may be gone, and then the tail (and any middle hop) would hold
+        its KV until the idle TTL. Idempotent on the nodes."""
         await asyncio.gather(*(self.rt.client.close_session(h.node_id, h.endpoint, self.id, timeout=1.0,
-                                                            session_token=self.session_token)
+                                                            session_token=self.session_token, keep=keep)
                                for h in self.route.hops[1:]), return_exceptions=True)
 
     async def _fail(self, reason: FailureReason) -> None:
@@ -442,6 +490,52 @@ class HeadSession(NodeSession):
         await self.rt.publish(self.rt.subjects.tokens(self.id), end)
         await self.close()
         await self._release_route()
+
+    # ---- repair (issue #18) ------------------------------------------------------------------------------------
+
+    async def _repaired(self, reason: FailureReason) -> bool:
+        """Route around the hop ``reason`` names, if the session repairs and that hop can be replaced; False when
+        it cannot even be tried (the caller then fails the session with ``reason``). A repair that fails raises
+        ``SessionFailed`` saying why."""
+        lost = next((i for i, h in enumerate(self.route.hops) if h.node_id == reason.node_id), 0)
+        # Only a node that is gone or silent is replaced: one that answers with an error would answer a
+        # replacement's frames the same way (its input, not the node, is the problem).
+        if (reason.kind not in ("unreachable", "timeout") or not self.request.repair or self.request.n > 1
+                or lost == 0 or self.closed
+                or self.repairs >= self.rt.settings.max_repairs or self.is_tail):
+            return False
+        log.warning("session %s lost %s (%s); repairing", self.id[:8], reason.node_id, reason.message)
+        self.phase = SessionPhase.REPAIRING
+        self._repairing = True
+        try:
+            view = await RouteRepair(self, lost, reason).run()
+        except RepairFailed as exc:
+            self.rt.metrics.repairs.labels(outcome="failed").inc()
+            raise SessionFailed(reason.model_copy(update={
+                "message": f"{reason.message}; repair impossible: {exc}"})) from None
+        finally:
+            self._repairing = False
+        self.repairs += 1
+        self.lost_nodes.append(reason.node_id or "")
+        self.rt.metrics.repairs.labels(outcome="repaired").inc()
+        self.phase = phase_after(self.fed())
+        await self.telemetry.repaired(self.route, view, self.phase)
+        return True
+
+    def fed(self) -> list[int]:
+        """The generated tokens this head has fed into its KV, in order."""
+        return self.recovery.tokens[len(self.request.prompt_tokens):self.position]
+
+    def take_events(self) -> list[TokenEvent | SampledToken | SampledWindow | FailureReason]:
+        """Everything the route sent that the driver has not read yet (a repair looks at it, then ``put_events``)."""
+        events = []
+        while not self._events.empty():
+            events.append(self._events.get_nowait())
+        return events
+
+    def put_events(self, events: list[TokenEvent | SampledToken]) -> None:
+        for event in events:
+            self._events.put_nowait(event)
 
     def _event_of(self, sampled: SampledToken) -> TokenEvent:
         """The gateway's view of a sampled token. Built on the head, after the step it feeds has been started: a

@@ -25,9 +25,9 @@ from bus import frame as frames
 from bus.capability import HEADER_SESSION_TOKEN
 from bus.hotpath import Answer
 from bus.http_edge import answer, read_body
-from bus.nodeclient import FRAME_CONTENT_TYPE, TOKEN_CONTENT_TYPE
+from bus.nodeclient import FRAME_CONTENT_TYPE, TOKEN_CONTENT_TYPE, WINDOW_CONTENT_TYPE
 from schemas.errors import BadRequestError, FrameError, SwarmrouteError, validation_message
-from schemas.frame import FrameHeader, SampledToken
+from schemas.frame import FrameHeader, SampledToken, SampledWindow
 from schemas.session import TokenEvent
 
 
@@ -39,6 +39,8 @@ class HopTarget(Protocol):
     def on_frame(self, header: FrameHeader, hidden: Hidden, nbytes: int) -> int | Awaitable[int]: ...
 
     def on_token(self, event: TokenEvent | SampledToken) -> None: ...
+
+    def on_window(self, window: SampledWindow) -> None: ...
 
 
 Lookup = Callable[[str, str | None], HopTarget]
@@ -98,6 +100,15 @@ class HopApi:
         session = self._lookup(sid, _text(headers.get(_TOKEN_HEADER)))
         content_type = _text(headers.get(b"content-type")) or "application/json"
         event: TokenEvent | SampledToken
+        if content_type == WINDOW_CONTENT_TYPE:  # a verify window's verdict (issue #20)
+            try:
+                window = frames.decode_window(body)
+            except frames.FrameDecodeError as exc:
+                raise FrameError(str(exc)) from None
+            if window.session_id != session.raw_id:
+                raise FrameError(f"window frame is for session {frames.session_str(window.session_id)}, not {sid}")
+            session.on_window(window)
+            return
         if content_type == TOKEN_CONTENT_TYPE:
             try:
                 event = frames.decode_token(body)

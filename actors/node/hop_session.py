@@ -11,20 +11,37 @@ session's owner), or on NATS if the head cannot be reached.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable
 
-from actors.backend import Hidden, StepInput, StepOutput
+from actors.backend import Hidden, KvBackend, StepInput, StepOutput
 from actors.node.choices import Choice
 from actors.node.session import NodeSession, SessionFailed, StepFuture, settled
+from actors.node.speculation import Target, verify
+from actors.node.windows import WindowOrder
 from bus import frame as frames
-from schemas.errors import BackendError, FrameError, HopError, SessionNotFoundError, SwarmrouteError
-from schemas.frame import FrameHeader, FrameKind, HopStamp
+from schemas.errors import (
+    BackendError,
+    BadRequestError,
+    FrameError,
+    HopError,
+    SessionNotFoundError,
+    SwarmrouteError,
+)
+from schemas.frame import FrameHeader, FrameKind, HopStamp, SampledToken, SampledWindow
+from schemas.route import HopPosition, RouteUpdate
 from schemas.session import FailureReason, SessionEnd, SessionPhase
 
 
 class HopSession(NodeSession):
     _rounds: dict[int, list[tuple[Choice, FrameHeader, Hidden, int, asyncio.Future[int]]]] | None = None
     """n > 1: decode frames of a round (by step) waiting for the rest of their group."""
+    _expect: int | None = None
+    """Tail, speculative: the token the next good window starts with (the one it sampled last)."""
+
+    @functools.cached_property
+    def _order(self) -> WindowOrder:
+        return WindowOrder()
 
     def on_frame(self, header: FrameHeader, hidden: Hidden, nbytes: int) -> int | Awaitable[int]:
         """Validate, compute and queue the forward of one frame; returns the new KV position of its choice, or an
@@ -34,6 +51,8 @@ class HopSession(NodeSession):
             raise FrameError(f"frame position shape {list(header.position_shape)} does not match this model's "
                              f"{list(self.hidden_shape)}")
         choice = self.choices.get(header.choice)
+        if header.kind is FrameKind.VERIFY:
+            return self._window(choice, header, hidden, nbytes)
         if header.kind is FrameKind.DECODE:
             self._spinner.arrived()
             if header.group > 1:
@@ -85,7 +104,70 @@ class HopSession(NodeSession):
             answer.set_exception(SessionNotFoundError(f"session {self.id} closed on node {self.rt.node_id}"))
             raise
 
+    # ---- verify windows (issue #20) -----------------------------------------------------------------------------
+
+    def _window(self, choice: Choice, header: FrameHeader, hidden: Hidden, nbytes: int) -> int | Awaitable[int]:
+        """A verify window: taken in window order, after the one before it has run (the tail judges it then)."""
+        if self.request.speculate is None or header.tokens is None or len(header.tokens) != header.n_positions:
+            raise FrameError("a verify window needs a speculative session and one token id per position")
+        order = self._order
+        if order.seen(header.step):
+            return choice.position  # sent twice: taken already
+        if order.next == header.step and choice.frame_step is None:
+            return self._window_now(choice, header, hidden, nbytes)
+        return self._window_later(choice, header, hidden, nbytes)
+
+    async def _window_later(self, choice: Choice, header: FrameHeader, hidden: Hidden, nbytes: int) -> int:
+        await self._order.turn(header.step)
+        while choice.frame_step is not None:
+            await asyncio.wait([choice.frame_step])
+        ran = self._window_now(choice, header, hidden, nbytes)
+        return ran if isinstance(ran, int) else await ran
+
+    def _window_now(self, choice: Choice, header: FrameHeader, hidden: Hidden, nbytes: int) -> int | Awaitable[int]:
+        assert header.tokens is not None
+        try:
+            generation = choice.generation
+            if self.is_tail and (header.start_position != choice.position or (generation and generation.done)
+                                 or (self._expect is not None and header.tokens[0] != self._expect)):
+                return choice.position  # built on drafts the tail rejected (or past the end): dropped unread
+            if header.start_position < choice.position:  # the window before it was not accepted whole
+                self.rt.engine.call_soon(self._kv().truncate, self.id, header.start_position)
+                choice.position = header.start_position
+                self.recovery.truncate(header.start_position)
+            return self._run_frame(choice, header, hidden, nbytes)
+        finally:
+            self._order.taken(header.step)
+
+    def _judge(self, choice: Choice, header: FrameHeader, out: StepOutput, stamps: tuple[HopStamp, ...]) -> None:
+        """Tail: accept the window's drafts the model agrees with (``speculation.verify``), emit them and its own
+        next token, cut the rejected positions out of the KV, and send the verdict to the head in one message."""
+        assert header.tokens is not None and out.rows is not None
+        sampling = self.request.sampling
+        target = Target(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                        min_p=sampling.min_p)
+        verdict = verify(out.rows, header.tokens[1:], target, start=header.start_position, seed=sampling.seed)
+        emitted: list[SampledToken] = []
+        for token in verdict.tokens:
+            emitted.append(self._sampled_token(choice, token, stamps))
+            if emitted[-1].finish_reason is not None:
+                self.phase = SessionPhase.COMPLETE
+                break
+        keep = header.start_position + verdict.accepted + 1
+        if keep < choice.position:
+            self.rt.engine.call_soon(self._kv().truncate, self.id, keep)
+            choice.position = keep
+            self.recovery.truncate(keep)
+        self._expect = verdict.tokens[-1]
+        data = frames.encode_window(SampledWindow(self.raw_id, header.step, verdict.accepted, tuple(emitted)))
+        head, timeout = self.route.head, self.rt.settings.hop_timeout_s
+        assert self.outbox is not None
+        self.outbox.send(lambda: self.rt.client.send_window(head.node_id, head.endpoint, self.id, data,
+                                                            timeout=timeout, session_token=self.session_token),
+                         causal=True)
+
     def _stopping(self) -> None:
+        self._order.close()
         for waiting in (self._rounds or {}).values():  # a round that never filled: its frames are answered
             for *_, answer in waiting:
                 if not answer.done():
@@ -101,6 +183,15 @@ class HopSession(NodeSession):
 
     def _frame_step_input(self, choice: Choice, header: FrameHeader, hidden: Hidden, nbytes: int) -> StepInput:
         """Check a frame against its choice and count it; the step that computes it."""
+        if self.closed:  # a frame that waited for its predecessor while the session closed
+            raise SessionNotFoundError(f"session {self.id} closed on node {self.rt.node_id}")
+        if header.start_position < choice.position and self.reused and not self.frames_received:
+            # Prefix reuse: the head reused less than this hop could (the least any hop had), so this hop drops
+            # the rest first; the worker runs the cut before the step (calls go ahead of steps).
+            self.rt.engine.call_soon(self._kv().truncate, self.id, header.start_position)
+            choice.position = self.reused = header.start_position
+        if self.reused and not self.frames_received and self.recovery.writer is not None:
+            self.recovery.writer.seed(header.start_position)  # the reused prefix, now that the head said how much
         if header.start_position != choice.position:
             raise FrameError(f"frame starts at position {header.start_position}; session {self.id} (choice "
                              f"{choice.index}) is at {choice.position}", code="position_mismatch")
@@ -112,12 +203,16 @@ class HopSession(NodeSession):
         self.bytes_received += nbytes
         asyncio.get_running_loop().call_soon(self.rt.metrics.frame_bytes.inc, nbytes)
         self.positions_received += header.n_positions
-        if header.kind is FrameKind.DECODE:
+        if header.kind is not FrameKind.PREFILL:
             self.phase = SessionPhase.DECODE
         # n > 1: the last prefill chunk (the one the tail samples after) forks the prompt's KV into every choice.
         forks = self.choices.fork_ids() if header.kind is FrameKind.PREFILL and header.sample else ()
-        return StepInput(choice.backend_id, header.start_position, hidden=hidden,
-                         sample=header.sample and self.is_tail, forks=forks)
+        window = header.kind is FrameKind.VERIFY and self.is_tail  # the tail judges it from every row's logits
+        # A frame a repair replays below ``quiet_below`` has its token already: the tail computes it without
+        # sampling (no logits over the vocabulary, and the sampler's penalty window and draws stay as they are).
+        sample = header.sample and self.is_tail and not window and self.recovery.forwards(header.start_position)
+        return StepInput(choice.backend_id, header.start_position, hidden=hidden, sample=sample, rows=window,
+                         forks=forks)
 
     async def _frame_awaited(self, choice: Choice, header: FrameHeader, item: StepInput, step: StepFuture) -> int:
         try:
@@ -129,21 +224,23 @@ class HopSession(NodeSession):
     def _frame_computed(self, choice: Choice, header: FrameHeader, item: StepInput, step: StepFuture) -> int:
         """The frame's step has run: advance, then send its forward (or the token) on."""
         try:
-            out, timing = self._step_result(choice, item, step)
+            out, timing = self._step_result(choice, item, step, header.tokens)
         except SessionFailed as failed:
             asyncio.create_task(self._report(failed.reason))
             raise BackendError(failed.reason.message) from None
         forks = self._fork(choice.position) if item.forks else []
         stamps = (*header.stamps, self._stamp(timing))
-        if self.is_tail:
-            if header.sample:
+        if self.is_tail and header.kind is FrameKind.VERIFY:
+            self._judge(choice, header, out, stamps)
+        elif self.is_tail:
+            if header.sample and self.recovery.forwards(header.start_position):
                 self._send_token(choice, out, stamps)
                 for fork, first in zip(forks, out.forks, strict=True):
                     self._send_token(fork, first, stamps)
         else:
             assert out.hidden is not None
             self._queue_frame(header.kind, header.start_position, out.hidden, header.sample, header.step, stamps,
-                              choice.index, header.group)
+                              choice.index, header.group, header.tokens)
         if header.kind is FrameKind.DECODE and self.phase is SessionPhase.DECODE:
             self._spinner.idle()
         return choice.position
@@ -161,7 +258,8 @@ class HopSession(NodeSession):
             self.phase = SessionPhase.COMPLETE
 
     async def _report(self, reason: FailureReason) -> None:
-        """Tell the head, which owns the session's fate; if the head cannot be reached, say it on NATS."""
+        """Tell the head, which owns the session's fate; if the head cannot be reached, say it on NATS. A session
+        that repairs keeps its KV when another node was lost: the head may route around it (issue #18)."""
         head = self.route.head
         try:
             await self.rt.client.report_failure(head.node_id, head.endpoint, self.id, reason,
@@ -169,4 +267,51 @@ class HopSession(NodeSession):
         except HopError:
             end = SessionEnd(session_id=self.id, phase=SessionPhase.FAILED, failure=reason)
             await self.rt.publish(self.rt.subjects.tokens(self.id), end)
+        else:
+            if self.request.repair and reason.node_id not in (None, self.rt.node_id):
+                return
         await self.close()
+
+    # ---- repair (issue #18): the head re-routes the session around a lost node -------------------------------
+
+    async def update_route(self, update: RouteUpdate) -> HopPosition:
+        """Go on as hop ``update.hop_index`` of the repaired route, once the steps under way have run: cut the KV
+        back (``truncate_to``), start the tail's sampler and stop rules over from ``generated``. Answers where the
+        KV ends then. An update of the current epoch again only answers (the head may ask twice)."""
+        if self.request.n > 1:
+            raise BadRequestError("sessions with n > 1 are not repaired")
+        choice = self.choices.first
+        while choice.frame_step is not None:
+            await asyncio.wait([choice.frame_step])
+        if update.epoch < self.recovery.epoch:
+            raise BadRequestError(f"route update of epoch {update.epoch}; session {self.id} is at epoch "
+                                  f"{self.recovery.epoch}", code="stale_epoch")
+        if update.epoch > self.recovery.epoch:
+            self.recovery.epoch = update.epoch
+            self._retarget(update.route, update.hop_index)
+            if update.truncate_to is not None and update.truncate_to < choice.position:
+                await self.rt.engine.call(self._kv().truncate, self.id, update.truncate_to)
+                choice.position = update.truncate_to
+                self.recovery.truncate(update.truncate_to)
+            if self.is_tail and update.generated is not None:
+                await self.restart_generation(update.generated)
+            self.recovery.quiet_below = update.quiet_below if self.is_tail else None
+        journal = self.recovery.journal
+        return HopPosition(session_id=self.id, node_id=self.rt.node_id, position=choice.position,
+                           journal_start=journal.start if journal is not None else None)
+
+    async def restart_generation(self, generated: list[int]) -> None:
+        """Tail: the stop rules and the sampler as if they had seen exactly ``generated`` (what the head has)."""
+        generation = self._new_generation()
+        assert generation is not None
+        for token in generated:
+            generation.accept(token)
+        self.choices.first.generation = generation
+        self.phase = SessionPhase.DECODE if generated else SessionPhase.PREFILL
+        await self.rt.engine.call(self._kv().replay_sampled, self.id, list(generated))
+
+    def _kv(self) -> KvBackend:
+        backend = self.rt.engine.backend
+        if not isinstance(backend, KvBackend):
+            raise BadRequestError(f"node {self.rt.node_id}'s {backend.info.kind} backend cannot cut or rebuild KV")
+        return backend

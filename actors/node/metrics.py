@@ -20,6 +20,14 @@ Series (all names prefixed ``swarmroute_``)::
     node_time_per_output_token_seconds        head: one decode step around the ring
     node_frame_bytes_received_total           activation bytes received from the previous hop
     node_hop_spin_seconds_total               event-loop polling around expected decode messages (actors/node/spin.py)
+    node_snapshot_bytes_total                 KV bytes of snapshot segments sent to standby holders (issue #18)
+    node_snapshot_failures_total              snapshot segments a standby did not take (the chain restarts)
+    node_snapshots_held_bytes                 bytes of other nodes' snapshots held here as their standby
+    node_repairs_total{outcome}               head: route repairs, repaired | failed (issue #18)
+    node_prefix_reused_positions_total        prompt positions taken from kept KV instead of computed
+    node_prefix_cache_sessions                finished sessions whose KV is kept for reuse
+    node_spec_windows_total                   head: verify windows sent (issue #20)
+    node_spec_drafts_total{outcome}           head: drafts the tail judged, accepted | rejected
     artifact_bytes_fetched_total{model}       artifact bytes downloaded by this process
     artifact_bytes_served_total{model}        artifact bytes uploaded to peers by this process
 """
@@ -83,6 +91,21 @@ class NodeMetrics:
         self.frame_bytes = Counter("swarmroute_node_frame_bytes_received", "Activation bytes received", registry=r)
         self.spin_seconds = Counter("swarmroute_node_hop_spin_seconds", "Event-loop polling around expected decode "
                                     "frames and tokens", registry=r)
+        self.snapshot_bytes = Counter("swarmroute_node_snapshot_bytes", "KV bytes of snapshot segments sent to "
+                                      "standby holders", registry=r)
+        self.snapshot_failures = Counter("swarmroute_node_snapshot_failures", "Snapshot segments a standby did "
+                                         "not take", registry=r)
+        self.snapshots_held = Gauge("swarmroute_node_snapshots_held_bytes", "Bytes of other nodes' snapshots held "
+                                    "here", registry=r)
+        self.repairs = Counter("swarmroute_node_repairs", "Head: route repairs by outcome", ["outcome"], registry=r)
+        self.prefix_reused = Counter("swarmroute_node_prefix_reused_positions", "Prompt positions taken from kept "
+                                     "KV instead of computed", registry=r)
+        self.spec_windows = Counter("swarmroute_node_spec_windows", "Head: verify windows sent (issue #20)",
+                                    registry=r)
+        self.spec_drafts = Counter("swarmroute_node_spec_drafts", "Head: draft tokens the tail judged, by outcome",
+                                   ["outcome"], registry=r)
+        self.prefix_cache_sessions = Gauge("swarmroute_node_prefix_cache_sessions", "Finished sessions whose KV "
+                                           "is kept for reuse", registry=r)
 
     def bind(self, *, live_sessions: Callable[[], int], max_sessions: Callable[[], int],
              kv_bytes: Callable[[], int]) -> None:

@@ -8,21 +8,36 @@ from collections.abc import Awaitable, Callable
 
 from pydantic import BaseModel
 
+from actors.node.drafts import DraftSource, NgramDraft
 from actors.node.engine import StepEngine
 from actors.node.metrics import NodeMetrics
 from actors.node.spin import LoopPoller
 from bus.nodeclient import NodeClient
 from bus.subjects import Subjects
+from schemas.errors import BadRequestError
 from schemas.frame import WireDType
+from schemas.route import RepairRequest, RouteReply
 from schemas.settings import Settings
 
 PublishModel = Callable[[str, BaseModel], Awaitable[None]]
+AskRepair = Callable[[RepairRequest], Awaitable[RouteReply]]
+"""A head asks the trackers to replace a lost hop of its route (issue #18)."""
 ClientProbe = Callable[[str], Awaitable[bool | None]]
 """A session id -> whether its client listens: True, False (NATS: no responders), None (no answer: unknown)."""
 
 
 async def _always_there(session_id: str) -> bool | None:
     return None
+
+
+def _ngram_only(session_id: str, source: str) -> DraftSource:
+    if source != "ngram":
+        raise BadRequestError(f"this node has no {source!r} draft source (set SWARMROUTE_DRAFT_MODEL on the head)")
+    return NgramDraft()
+
+
+async def _no_tracker(request: RepairRequest) -> RouteReply:
+    return RouteReply(error="this node cannot reach a tracker", status=503)
 
 
 @dataclasses.dataclass
@@ -41,3 +56,9 @@ class NodeRuntime:
     """Keeps the node's loop polling while a decoding session waits for its next message (actors.node.spin)."""
     client_present: ClientProbe = _always_there
     """Asks a head session's client whether it still listens (``Settings.client_probe_s``)."""
+    ask_repair: AskRepair = _no_tracker
+    """Asks the trackers to replace a lost hop (``Settings.repair``)."""
+    drafts: Callable[[str, str], DraftSource] = _ngram_only
+    """(session id, source name) -> the draft source of a speculative session this node heads (issue #20)."""
+    manifest_id: str = ""
+    """The artifact manifest this node's shard was verified against (snapshot segments name it)."""

@@ -20,14 +20,16 @@ from actors.backend import Hidden, StepInput, StepOutput
 from actors.node.choices import Choice, Choices
 from actors.node.engine import StepTiming
 from actors.node.generation import Generation
+from actors.node.journal import Entry
 from actors.node.outbox import Outbound, Outbox
+from actors.node.recovery import Recovery
 from actors.node.runtime import NodeRuntime
 from actors.node.spin import ArrivalSpinner
 from bus import frame as frames
 from schemas.errors import BadRequestError, FrameError, HopError, SwarmrouteError
-from schemas.frame import FrameHeader, FrameKind, HopStamp, SampledToken
-from schemas.route import Hop
-from schemas.session import FailureReason, SessionOpen, SessionPhase, TokenEvent
+from schemas.frame import FrameHeader, FrameKind, HopStamp, SampledToken, SampledWindow
+from schemas.route import Hop, ReplayRequest, Route
+from schemas.session import FailureReason, SessionOpen, SessionPhase, TokenEvent, TokenLogprobs
 
 StepFuture = asyncio.Future[tuple[StepOutput, StepTiming]]
 
@@ -60,6 +62,10 @@ class NodeSession:
         self.positions_received = 0
         self.session_token: str | None = None
         """Bound at open when the node checks capabilities; sent on every request to this session's other hops."""
+        self.keep = 0
+        """It completed: the first ``keep`` positions of its KV are kept for prefix reuse when it closes."""
+        self.reused = 0
+        """Prompt positions it took from kept KV at open (it then prefills from there)."""
         self._on_closed = on_closed
         self._next: Hop | None = None if self.is_tail else self.route.hops[self.hop_index + 1]
         self.outbox = self._make_outbox()
@@ -70,6 +76,9 @@ class NodeSession:
         """n > 1: a round's frames, each sent at once (``_queue_frame``)."""
         self._spinner = ArrivalSpinner(rt.poller, rt.settings.hop_spin_grace_s)
         """Polls the loop until this session's next decode frame or token (multi-node routes)."""
+        self.recovery = Recovery(rt, request, self.route.hops[self.hop_index], is_tail=self.is_tail,
+                                 session_token=lambda: self.session_token)
+        """Tokens, journal, snapshots and epoch: what lets the session survive a lost node (issue #18)."""
 
     @property
     def position(self) -> int:
@@ -101,11 +110,31 @@ class NodeSession:
         return Outbox(self.id[:8], self._outbox_failed,
                       lambda seconds: self.rt.metrics.hop(peer.node_id, kind, seconds))
 
+    def _retarget(self, route: Route, hop_index: int) -> None:
+        """A repaired route (issue #18): the session goes on as hop ``hop_index`` of ``route``. A new successor (or
+        an outbox that stopped on the lost node) gets a fresh outbox; what the old one still held is dropped, and
+        the journal has it."""
+        old_next, self.route, self.hop_index = self._next, route, hop_index
+        self._next = None if self.is_tail else route.hops[hop_index + 1]
+        if self.outbox is None:
+            return
+        dead = self.outbox.task is not None and self.outbox.task.done()
+        if dead or (self._next is not None and old_next is not None and self._next.node_id != old_next.node_id):
+            old = self.outbox
+            if old.task is not None:
+                old.task.cancel()
+            old.close()
+            fresh = self._make_outbox()
+            assert fresh is not None
+            self.outbox = fresh
+            fresh.start()
+
     # ---- lifecycle -------------------------------------------------------------------------------------------
 
     def start(self) -> None:
         if self.outbox is not None:
             self.outbox.start()
+        self.recovery.start()
 
     def _tasks(self) -> list[asyncio.Task[None]]:
         """The role's own tasks, cancelled at close."""
@@ -128,6 +157,7 @@ class NodeSession:
             task.cancel()
         await self._on_closed(self)
         await asyncio.gather(*others, return_exceptions=True)  # no task outlives its session
+        await self.recovery.close()
         if self.outbox is not None:
             self.outbox.close()
 
@@ -145,6 +175,9 @@ class NodeSession:
     def on_failure_report(self, reason: FailureReason) -> None:
         raise BadRequestError("failures are reported to the session's head")
 
+    def on_window(self, window: SampledWindow) -> None:
+        raise BadRequestError("verify windows' verdicts go to the session's head")
+
     # ---- computing ---------------------------------------------------------------------------------------------
 
     async def _compute(self, choice: Choice, item: StepInput,
@@ -154,15 +187,17 @@ class NodeSession:
         await settled(step)
         return self._step_result(choice, item, step)
 
-    def _step_result(self, choice: Choice, item: StepInput, step: StepFuture) -> tuple[StepOutput, StepTiming]:
-        """A finished step's output, with the choice advanced past it; a backend failure as ``SessionFailed``."""
+    def _step_result(self, choice: Choice, item: StepInput, step: StepFuture,
+                     tokens: tuple[int, ...] | None = None) -> tuple[StepOutput, StepTiming]:
+        """A finished step's output, with the choice advanced past it (``tokens``: the frame's, on a hop); a backend
+        failure as ``SessionFailed``."""
         try:
             out, timing = step.result()
         except SwarmrouteError:
             raise
         except Exception as exc:
             raise self._backend_failed(exc) from exc
-        self._advance(choice, item.n_positions, timing)
+        self._advance(choice, item, timing, tokens)
         return out, timing
 
     def _backend_failed(self, exc: Exception) -> SessionFailed:
@@ -171,8 +206,14 @@ class NodeSession:
     def _failed_here(self, kind: Literal["timeout", "backend_error"], message: str) -> SessionFailed:
         return SessionFailed(FailureReason(node_id=self.rt.node_id, phase=self.phase, kind=kind, message=message))
 
-    def _advance(self, choice: Choice, n_positions: int, timing: StepTiming) -> None:
-        choice.position += n_positions
+    def _advance(self, choice: Choice, item: StepInput, timing: StepTiming,
+                 tokens: tuple[int, ...] | None = None) -> None:
+        """The step of ``item`` ran: the choice's KV grew by its positions (whose tokens are ``item.tokens`` on the
+        head, ``tokens`` from the frame elsewhere)."""
+        start = choice.position
+        choice.position += item.n_positions
+        if choice.index == 0:
+            self.recovery.computed(start, choice.position, item.tokens if tokens is None else tokens)
         # Metrics wait for the next loop turn: right after a forward pass the caches are cold and every line of
         # Python costs several times its usual price; the frame or token goes out first.
         asyncio.get_running_loop().call_soon(self.rt.metrics.step, "decode" if self.phase is SessionPhase.DECODE
@@ -184,20 +225,37 @@ class NodeSession:
     def _sampled(self, choice: Choice, out: StepOutput, stamps: tuple[HopStamp, ...]) -> SampledToken:
         """The tail's record of one sampled token: its text and, if it ends the choice's generation, why; its
         logprobs when the session asked for them."""
+        assert out.token is not None
+        return self._sampled_token(choice, out.token, stamps, out.logprobs)
+
+    def _sampled_token(self, choice: Choice, token: int, stamps: tuple[HopStamp, ...],
+                       logprobs: TokenLogprobs | None = None) -> SampledToken:
         generation = choice.generation
-        token = out.token
-        assert generation is not None and token is not None
+        assert generation is not None
         text, finish = generation.accept(token)
         return SampledToken(session_id=self.raw_id, seq=generation.count - 1, token=token, text=text,
-                            finish_reason=finish, stamps=stamps, choice=choice.index, logprobs=out.logprobs)
+                            finish_reason=finish, stamps=stamps, choice=choice.index, logprobs=logprobs,
+                            epoch=self.recovery.epoch)
 
     # ---- sending on --------------------------------------------------------------------------------------------
 
     def _queue_frame(self, kind: FrameKind, start: int, hidden: Hidden, sample: bool, step: int,
-                     stamps: tuple[HopStamp, ...], choice: int = 0, group: int = 0) -> None:
+                     stamps: tuple[HopStamp, ...], choice: int = 0, group: int = 0,
+                     tokens: tuple[int, ...] | None = None) -> None:
+        """Send one computed frame on (journaled first, so a replacement of the successor can be rebuilt)."""
+        if choice == 0:
+            self.recovery.record(Entry(kind, start, hidden, sample, step, tokens))
+        if not self.recovery.forwards(start):
+            return  # a replacement rebuilding: its successor holds these positions already
+        self._send_frame(kind, start, hidden, sample, step, stamps, choice, group, tokens)
+
+    def _send_frame(self, kind: FrameKind, start: int, hidden: Hidden, sample: bool, step: int,
+                    stamps: tuple[HopStamp, ...], choice: int = 0, group: int = 0,
+                    tokens: tuple[int, ...] | None = None, *, causal: bool | None = None) -> None:
         header = FrameHeader(session_id=self.raw_id, kind=kind, dtype=self.rt.wire_dtype, start_position=start,
                              n_positions=int(hidden.shape[0]), position_shape=self.hidden_shape, step=step,
-                             sample=sample, stamps=stamps, choice=choice, group=group)
+                             sample=sample, stamps=stamps, choice=choice, group=group, epoch=self.recovery.epoch,
+                             tokens=tokens)
         data = frames.encode(header, hidden)
         nxt = self._next
         assert nxt is not None and self.outbox is not None
@@ -216,7 +274,7 @@ class NodeSession:
             task.add_done_callback(self._round_sends.discard)
             self.outbox.send(lambda: _answer_of(task), causal=True)
             return
-        self.outbox.send(send, causal=kind is FrameKind.DECODE)
+        self.outbox.send(send, causal=kind is FrameKind.DECODE if causal is None else causal)
 
     async def _outbox_failed(self, exc: HopError) -> None:
         await self._report(FailureReason(node_id=exc.node, phase=self.phase, kind=exc.kind, message=str(exc)))
@@ -224,6 +282,23 @@ class NodeSession:
     async def _report(self, reason: FailureReason) -> None:
         """A hop this session sends to failed (or this node's backend did)."""
         raise NotImplementedError
+
+    def replay(self, request: ReplayRequest) -> int:
+        """Resend what this hop computed for its successor from ``request.start`` on (its journal), one frame at a
+        time and each after the previous one's answer, to the successor the repaired route gave it. Returns how
+        many positions go out."""
+        journal = self.recovery.journal
+        entries = journal.since(request.start) if journal is not None else None
+        if entries is None:
+            held = f"from position {journal.start}" if journal is not None else "nothing (no journal)"
+            raise BadRequestError(f"session {self.id} on node {self.rt.node_id} can replay {held}, not from "
+                                  f"{request.start}", code="journal_too_short")
+        if request.epoch != self.recovery.epoch:
+            raise BadRequestError(f"replay for epoch {request.epoch}; session {self.id} is at epoch "
+                                  f"{self.recovery.epoch}", code="stale_epoch")
+        for e in entries:
+            self._send_frame(e.kind, e.start, e.hidden, e.sample, e.step, (), tokens=e.tokens, causal=False)
+        return sum(int(e.hidden.shape[0]) for e in entries)
 
 
 async def settled(step: StepFuture) -> None:

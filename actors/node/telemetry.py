@@ -14,7 +14,15 @@ from collections.abc import Awaitable, Callable
 from schemas.node import LayerRange
 from schemas.route import Route
 from schemas.session import FailureReason, HopTiming, SessionPhase
-from schemas.telemetry import GenerationTelemetry, HopHealth, PrefillProgress, RouteHealth, RouteHopView
+from schemas.telemetry import (
+    GenerationTelemetry,
+    HopHealth,
+    PrefillProgress,
+    RepairView,
+    RouteHealth,
+    RouteHopView,
+    SpeculationView,
+)
 
 Publish = Callable[[GenerationTelemetry], Awaitable[None]]
 
@@ -54,6 +62,9 @@ class TelemetryPublisher:
         self.prefill = PrefillProgress()
         self.generated = 0
         self.ttft_ms: float | None = None
+        self.speculation: SpeculationView | None = None
+        self.repair: RepairView | None = None
+        """The latest route repair (issue #18), shown from then on."""
 
     def snapshot(self, *, failure: FailureReason | None = None,
                  finish_reason: str | None = None) -> GenerationTelemetry:
@@ -70,7 +81,7 @@ class TelemetryPublisher:
             route=hops, route_health=self._health(hops), prefill=self.prefill.model_copy(),
             generated_tokens=self.generated, tokens_per_s=round(rate, 3), ttft_ms=self.ttft_ms,
             elapsed_ms=round((now - self._started) * 1e3, 3), failure=failure, finish_reason=finish_reason,
-            hop_overhead_ms=self._overhead.mean)
+            hop_overhead_ms=self._overhead.mean, repair=self.repair, speculation=self.speculation)
         self._seq += 1
         return snap
 
@@ -102,9 +113,11 @@ class TelemetryPublisher:
         self.phase = phase
         await self._send(True)
 
-    async def prefill_progress(self, done: int, total: int) -> None:
-        self.prefill = PrefillProgress(done=done, total=total)
-        await self._send(done >= total)
+    async def prefill_progress(self, done: int, total: int, *, reused: int | None = None) -> None:
+        """``reused``: prompt positions taken from kept KV (said once, at the start; shown from then on)."""
+        reused = self.prefill.reused if reused is None else reused
+        self.prefill = PrefillProgress(done=done, total=total, reused=reused)
+        await self._send(done >= total or done == reused)
 
     async def token(self, timings: list[HopTiming], step_wall_ms: float | None) -> None:
         now = time.monotonic()
@@ -124,6 +137,28 @@ class TelemetryPublisher:
             await self._send(True)
         else:
             await self._send(False)
+
+    async def repairing(self, view: RepairView) -> None:
+        """A hop was lost and the head is rebuilding the route (sent at once, and again as the repair goes on)."""
+        self.phase = SessionPhase.REPAIRING
+        self.repair = view
+        self._failed_node = view.lost_node
+        await self._send(True)
+
+    async def repaired(self, route: Route, view: RepairView, phase: SessionPhase) -> None:
+        """The session goes on over ``route``: the replacement's stats start from nothing."""
+        self.route = route
+        for hop in route.hops:
+            self._hops.setdefault(hop.node_id, _HopStats())
+        self._failed_node = None
+        self.repair = view
+        self.phase = phase
+        await self._send(True)
+
+    async def speculating(self, view: SpeculationView) -> None:
+        """How the verify windows fare (issue #20): shown from then on, sent with the next snapshot due."""
+        self.speculation = view
+        await self._send(False)
 
     async def complete(self, finish_reason: str) -> None:
         self.phase = SessionPhase.COMPLETE

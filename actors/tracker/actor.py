@@ -17,14 +17,21 @@ from nats.aio.client import Client as NATS
 
 from actors.registry import RegistryView, open_registry
 from actors.services import tracker_service
-from actors.tracker.routes import has_full_chain, routable, select_route, uncovered_layers
+from actors.tracker.routes import (
+    has_full_chain,
+    replace_hop,
+    routable,
+    select_route,
+    uncovered_layers,
+    with_standbys,
+)
 from bus import capability, codec
 from bus.actor import NatsActor
 from bus.subjects import Subjects
 from schemas.assignment import AssignmentReply, AssignmentRequest
 from schemas.errors import CapacityError, SwarmrouteError
 from schemas.node import NODE_FETCHING, LayerRange
-from schemas.route import FetchingNode, ModelsReply, RouteReply, RouteRequest, ServedModel
+from schemas.route import FetchingNode, ModelsReply, RepairRequest, Route, RouteReply, RouteRequest, ServedModel
 from schemas.settings import Settings
 
 if TYPE_CHECKING:
@@ -59,7 +66,7 @@ class Tracker(NatsActor):
         self.assigner = await self._open_assigner()
         self.service = await tracker_service(self.nc, self.subjects, member=self.settings.member_name or "tracker",
                                               route=self._handle_route, models=self._handle_models,
-                                              assign=self._handle_assign)
+                                              assign=self._handle_assign, repair=self._handle_repair)
         log.info("tracker ready on %s", self.subjects.route_request)
 
     async def _on_stop(self) -> None:
@@ -93,7 +100,8 @@ class Tracker(NatsActor):
         assert self.registry is not None
         try:
             route = select_route(self.registry.live(), request.model, request.session_id,
-                                 exclude=frozenset(request.exclude), pending=self._pending_counts())
+                                 exclude=frozenset(request.exclude), pending=self._pending_counts(),
+                                 prefix_keys=request.prefix_keys)
         except CapacityError as exc:
             return RouteReply(error=exc.message, status=exc.status, code=exc.code)
         except SwarmrouteError as exc:
@@ -101,12 +109,47 @@ class Tracker(NatsActor):
             with contextlib.suppress(SwarmrouteError):  # the same nodes the route could use, so gaps match the message
                 gaps = uncovered_layers(*routable(self.registry.live(), request.model, frozenset(request.exclude)))
             return RouteReply(error=exc.message, status=exc.status, code=exc.code, uncovered=gaps)
+        if request.standby:
+            route = with_standbys(route, self.registry.live(), exclude=frozenset(request.exclude))
+        return RouteReply(route=self._hand_out(route))
+
+    def _hand_out(self, route: Route, link: str | None = None) -> Route:
+        """Count the route's nodes as busier until their heartbeats say so, and sign its grants."""
         now, opened = time.monotonic(), self._opened_counts()
         for hop in route.hops:
             self._pending.setdefault(hop.node_id, []).append((now, opened.get(hop.node_id, 0)))
         if self._signer is not None:
-            route = capability.issue(route, self._signer, self.settings.capability_ttl_s)
-        return RouteReply(route=route)
+            route = capability.issue(route, self._signer, self.settings.capability_ttl_s, link=link)
+        return route
+
+    def repair(self, request: RepairRequest) -> RouteReply:
+        """Replace hop ``request.lost`` (issue #18); the other hops stay, with standbys named again around the
+        nodes that are gone."""
+        assert self.registry is not None
+        route = request.route
+        if request.lost >= len(route.hops):
+            return RouteReply(error=f"the route has no hop {request.lost}", status=400)
+        exclude = frozenset([*request.exclude, route.hops[request.lost].node_id])
+        try:
+            repaired = replace_hop(self.registry.live(), route, request.lost, exclude=exclude,
+                                   pending=self._pending_counts())
+        except SwarmrouteError as exc:
+            return RouteReply(error=exc.message, status=exc.status, code=exc.code)
+        repaired = with_standbys(repaired, self.registry.live(), exclude=exclude)
+        if self._signer is not None and not request.session_token:
+            return RouteReply(error="a repair needs the session's token when the swarm signs capabilities",
+                              status=400)
+        return RouteReply(route=self._hand_out(repaired, link=request.session_token))
+
+    async def _handle_repair(self, data: bytes) -> bytes:
+        try:
+            request = codec.decode(data, RepairRequest)
+        except codec.DecodeError as exc:
+            return codec.encode(RouteReply(error=str(exc), status=400))
+        reply = self.repair(request)
+        if reply.route:
+            log.info("session %s repaired: %s", request.route.session_id, reply.route.describe())
+        return codec.encode(reply)
 
     async def _handle_route(self, data: bytes) -> bytes:
         try:

@@ -14,8 +14,9 @@ lm_head never runs. The tail samples with each session's llama.cpp sampler chain
 Every public method takes ``_lock``: the node drives ``step`` from one worker thread, but a close arriving from
 elsewhere must never run ``llama_memory_seq_rm`` in the middle of a decode.
 
-Why one module of ~490 lines: one class over one llama.cpp context, whose loading, sessions, forks and batched
-step share the same lock and C objects; the config, placement and vocabulary live beside it.
+Why one module of ~560 lines: one class over one llama.cpp context, whose loading, sessions, forks, batched step
+and KV export/import share the same lock and C objects; the config, placement, KV cells and vocabulary live
+beside it.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from actors.backends.llamacpp.chat_template import ChatTemplate
 from actors.backends.llamacpp.config import LlamaCppConfig
 from actors.backends.llamacpp.cpu_buffers import buffer_types
 from actors.backends.llamacpp.ggml_capture import LayerCapture
+from actors.backends.llamacpp.kv_state import KvCells
 from actors.backends.llamacpp.placement import file_sha256, place
 from actors.backends.llamacpp.sampling import Sampler
 from actors.backends.llamacpp.vocabulary import Vocabulary
@@ -48,6 +50,7 @@ from schemas.errors import (
     ContextLengthError,
     ModelLoadError,
     SessionNotFoundError,
+    SnapshotError,
 )
 from schemas.node import BackendInfo, LayerRange
 from schemas.session import CONTEXT_CAP, Prompt, SamplingParams
@@ -98,7 +101,8 @@ class LlamaCppBackend:
         self._path = self._placement.facts.path
         self._lock = threading.RLock()
         self._sessions: dict[str, _Session] = {}
-        self._free_seqs = list(range(config.max_sessions - 1, -1, -1))
+        # The last sequence id is the scratch one KV segments pass through (``kv_state.KvCells``).
+        self._free_seqs = list(range(config.n_seq_max - 2, -1, -1))
         self._kv_bytes = 0
         self._kv_refreshed = 0.0
         self._decodes = 0
@@ -133,6 +137,7 @@ class LlamaCppBackend:
             raise ModelLoadError(f"llama.cpp could not create a context for {self._path} "
                                  f"({self.config.max_sessions} x {self._n_ctx} tokens)")
         self._memory = llama_cpp.llama_get_memory(self._ctx)
+        self._kv = KvCells(self._ctx, self._memory, scratch=self.config.n_seq_max - 1, n_swa=self._sliding_window())
         self._batch = Batch(self.config.n_batch, 0 if self.is_head else self._n_embd)
         self._info = self._make_info()
 
@@ -141,7 +146,7 @@ class LlamaCppBackend:
         p: llama_cpp.llama_context_params = llama_cpp.llama_context_default_params()
         p.n_ctx = self._n_ctx * c.max_sessions
         p.n_batch = p.n_ubatch = c.n_batch
-        p.n_seq_max = c.max_sessions
+        p.n_seq_max = c.n_seq_max
         p.n_threads = p.n_threads_batch = self._threads
         p.kv_unified = True
         # Windowed layers keep only their window per sequence: sessions never roll back, so the full-size SWA
@@ -151,7 +156,8 @@ class LlamaCppBackend:
                              else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         # The tail needs one logits row per sampling session; a non-tail hop needs every row (its hidden states).
         # Sizing the output to that keeps a vocab-wide logits buffer per batch row (0.5 GB here) out of memory.
-        p.n_outputs_max = c.max_sessions if self.is_tail else c.n_batch
+        # llama.cpp reserves at least one output row per sequence (the scratch one included).
+        p.n_outputs_max = c.n_seq_max + c.max_sessions * c.max_draft if self.is_tail else c.n_batch
         p.no_perf = True
         if self._capture is not None:
             self._capture.install(p)
@@ -336,6 +342,67 @@ class LlamaCppBackend:
         with self._lock:
             return self._session(session_id).seq_id
 
+    # --- KV in and out (issue #18 snapshots and reuse, issue #20 rollback; ``actors.backend.KvBackend``) ----------
+
+    def _sliding_window(self) -> int:
+        facts = self._placement.facts
+        value = facts.layout.value(f"{facts.architecture}.attention.sliding_window", 0)
+        return int(value) if isinstance(value, int) else 0
+
+    def export_kv(self, session_id: str, start: int, end: int) -> bytes:
+        with self._lock:
+            self._require_open()
+            session = self._session(session_id)
+            if not 0 <= start < end <= session.position:
+                raise BadRequestError(f"session {session_id} holds positions [0, {session.position}); cannot "
+                                      f"export [{start}, {end})")
+            return self._kv.export(session.seq_id, start, end)
+
+    def import_kv(self, session_id: str, blobs: list[bytes], end: int) -> None:
+        with self._lock:
+            self._require_open()
+            session = self._session(session_id)
+            before = session.position
+            try:
+                for blob in blobs:
+                    self._kv.load(session.seq_id, blob)
+                low, high = self._kv.span(session.seq_id)
+                if high != end - 1:
+                    raise SnapshotError(f"the KV state holds positions up to {high}, not up to {end - 1}")
+            except BaseException:
+                self._kv.truncate(session.seq_id, before)
+                raise
+            session.position = end
+            self._refresh_kv_bytes(force=True)
+
+    def truncate(self, session_id: str, position: int) -> None:
+        with self._lock:
+            self._require_open()
+            session = self._session(session_id)
+            if not 0 <= position <= session.position:
+                raise BadRequestError(f"session {session_id} is at position {session.position}; cannot truncate "
+                                      f"to {position}")
+            self._kv.truncate(session.seq_id, position)
+            session.position = position
+            session.sampled_row = -1
+
+    def kv_continues(self, session_id: str) -> bool:
+        with self._lock:
+            session = self._session(session_id)
+            return self._kv.continues(session.seq_id, session.position)
+
+    def replay_sampled(self, session_id: str, tokens: list[int]) -> None:
+        with self._lock:
+            session = self._session(session_id)
+            if session.sampler is None or session.sampling is None:
+                raise BadRequestError("only the tail samples")
+            sampler = Sampler(session.sampling, n_vocab=self._n_vocab, prompt_tokens=session.penalty_window,
+                              vocab=self._vocab)
+            session.sampler.close()
+            session.sampler = sampler
+            for token in tokens:
+                sampler.accept(token)
+
     def kv_bytes_in_use(self, *, fresh: bool = False) -> int:
         """KV bytes the open sessions hold, as of the last refresh (at most ``_KV_REFRESH_S`` old). Lock-free unless
         ``fresh``: the node asks from its event loop (heartbeats, metrics), which must never wait for a decode."""
@@ -414,6 +481,8 @@ class LlamaCppBackend:
             raise CapacityError(f"this step forks {len(forks)} sessions; {len(self._free_seqs)} sequences are free")
         if any(f in self._sessions for f in forks) or len(set(forks)) != len(forks):
             raise BadRequestError(f"fork ids must be new and distinct, got {forks}")
+        if any(item.rows for item in batch) and not self.is_tail:
+            raise BadRequestError("only the tail returns logits rows")
         if self.is_tail and any(item.forks and not item.sample for item in batch):
             raise BadRequestError("on the tail, a step that forks must sample (the forks sample from its logits)")
         return sessions
@@ -423,7 +492,7 @@ class LlamaCppBackend:
         spans = []
         for item, session in zip(batch, sessions, strict=True):
             # Non-tail hops hand on every row's hidden state; the tail needs logits only where it samples.
-            output = "all" if not self.is_tail else ("last" if item.sample else "none")
+            output = "all" if not self.is_tail or item.rows else ("last" if item.sample else "none")
             hidden = None if item.hidden is None else np.asarray(item.hidden, dtype=np.float32)
             spans.append(self._batch.add(session.seq_id, item.start_position, tokens=item.tokens, hidden=hidden,
                                          output=output))
@@ -445,15 +514,28 @@ class LlamaCppBackend:
             hidden: Hidden = self._capture.take()
             return [StepOutput(hidden=hidden[lo:hi]) for lo, hi in spans]
         outputs = []
-        for item, session, (_lo, hi) in zip(batch, sessions, spans, strict=True):
+        for item, session, (lo, hi) in zip(batch, sessions, spans, strict=True):
             token, logprobs = None, None
             session.sampled_row = -1
+            if item.rows:
+                outputs.append(StepOutput(rows=self._rows(lo, hi)))
+                continue
             if item.sample:
                 assert session.sampler is not None
                 token, logprobs = session.sampler.sample(self._ctx, hi - 1)
                 session.sampled_row, session.sampled_in = hi - 1, self._decodes
             outputs.append(StepOutput(token=token, logprobs=logprobs))
         return outputs
+
+    def _rows(self, lo: int, hi: int) -> np.ndarray[Any, np.dtype[np.float32]]:
+        """A copy of the logits of batch rows ``[lo, hi)`` (a verify window's every position)."""
+        out = np.empty((hi - lo, self._n_vocab), dtype=np.float32)
+        for i, row in enumerate(range(lo, hi)):
+            ptr = llama_cpp.llama_get_logits_ith(self._ctx, row)
+            if not ptr:
+                raise BackendError(f"no logits for batch row {row}")
+            out[i] = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+        return out
 
     def last_logits(self, session_id: str) -> np.ndarray[Any, np.dtype[np.float32]]:
         """The logits the session's last sample was drawn from (a copy; valid until the next step). Tail only:

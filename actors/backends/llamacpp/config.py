@@ -52,6 +52,10 @@ class LlamaCppConfig:
     native_dir: Path | None = None
     """Where the layer-capture callback is compiled and cached; default ``<SWARMROUTE_HOME>/native``."""
 
+    max_draft: int = 8
+    """Tail: the most drafts of one verify window (issue #20); the context keeps that many more logits rows per
+    session (one vocabulary-wide row each)."""
+
     allow_amx: bool = False
     """Let ggml put weights in its AMX buffer type. Off: on some AMX CPUs the first matrix multiply there crashes
     the process (``actors/backends/llamacpp/cpu_buffers.py``); the CPU_REPACK path stays on either way."""
@@ -62,6 +66,12 @@ class LlamaCppConfig:
         self.native_dir = Path(self.native_dir) if self.native_dir is not None else None
         if self.n_ctx < 1 or self.max_sessions < 1 or self.n_batch < 1 or self.threads < 0:
             raise ValueError("n_ctx, max_sessions and n_batch must be positive and threads non-negative")
-        if self.max_sessions > llama_cpp.llama_max_parallel_sequences():
-            raise ValueError(f"max_sessions {self.max_sessions} exceeds llama.cpp's "
+        if self.n_seq_max > llama_cpp.llama_max_parallel_sequences():
+            raise ValueError(f"max_sessions {self.max_sessions} + 1 exceed llama.cpp's "
                              f"{llama_cpp.llama_max_parallel_sequences()} sequences")
+
+    @property
+    def n_seq_max(self) -> int:
+        """Sequences of the context: one per session, and the scratch sequence KV segments are exported and
+        imported through (issue #18)."""
+        return self.max_sessions + 1

@@ -153,6 +153,16 @@ class Sampler:
         lp = None if self.params.logprobs is None else token_logprobs(logits, token, self.params.logprobs)
         return token, lp
 
+    def accept(self, token: int) -> None:
+        """Remember ``token`` as if this sampler had picked it (penalty window, grammar state): a sampler rebuilt
+        for a session that already generated tokens (a repaired tail) replays them. Random draws are not replayed:
+        a rebuilt sampler draws from its seed again."""
+        if self._chain is None:
+            raise BackendError("sampler used after close()")
+        if self._grammar is not None:
+            llama_cpp.llama_sampler_accept(self._grammar, token)
+        llama_cpp.llama_sampler_accept(self._chain, token)
+
     # --- grammar ------------------------------------------------------------------------------------------------
 
     def _sample_constrained(self, logits: npt.NDArray[np.float32]) -> int:

@@ -8,12 +8,18 @@ Items of a batch run one after another: sessions never share a forward pass, so 
 Issue #19: n > 1 forks deep-copy the session's cache (choice ``i`` samples with ``seed + i``), and logprobs are the
 log-softmax of the raw logits. Output constraints (grammars) are refused: llama.cpp's grammar sampler is the only
 one swarmroute has.
+
+Issue #18: a session's KV leaves and re-enters as blobs of raw cache tensors (``actors.backend.KvBackend``, the
+cache handling in ``kv``); windowed layers keep ``kv_rollback`` positions beyond their window so that truncation
+can go back that far.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
+import json
 import threading
 import time
 from pathlib import Path
@@ -23,7 +29,8 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from actors.backend import Hidden, StepInput, StepOutput
-from actors.backends.torch.models import PreparedModel, prepare
+from actors.backends.torch import kv
+from actors.backends.torch.models import TINY_MODELS, PreparedModel, prepare
 from actors.backends.torch.sampler import TorchSampler, token_logprobs
 from actors.backends.torch.shard import Shard, cache_bytes
 from actors.backends.torch.tokens import TokenCodec
@@ -35,6 +42,7 @@ from schemas.errors import (
     FrameError,
     PayloadTooLargeError,
     SessionNotFoundError,
+    SnapshotError,
     SwarmrouteError,
 )
 from schemas.node import BackendInfo, LayerRange
@@ -74,11 +82,17 @@ class TorchConfig:
     seed: int = 0
     """Seed of the tiny models' random weights (every node of a route must use the same)."""
 
+    kv_rollback: int = 0
+    """Positions sliding-window layers keep beyond the ``window - 1`` the next position reads, so that ``truncate``
+    (a repair's cut, a rejected draft) can go back that far; 0 keeps exactly the window."""
+
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype {self.dtype!r}: expected one of {sorted(_DTYPES)}")
         if self.max_sessions < 1 or self.context_length < 1 or self.max_batch_tokens < 1:
             raise ValueError("max_sessions, context_length and max_batch_tokens must be positive")
+        if self.kv_rollback < 0:
+            raise ValueError("kv_rollback must be 0 or more")
         if self.cache_dir is None:
             from schemas.settings import Settings
 
@@ -109,6 +123,7 @@ class TorchBackend:
         self.shard = Shard(prepared.config, config.layer_start, end, prepared.tensors, _DTYPES[config.dtype])
         self.load_seconds = time.perf_counter() - started
         self._layers = LayerRange(start=config.layer_start, end=end)
+        self._kv_layout = self.shard.kv_layout(_model_tag(prepared, config))
         self._context = min(config.context_length, int(getattr(prepared.config, "max_position_embeddings",
                                                                config.context_length)))
         self.codec: TokenCodec | None = None
@@ -177,7 +192,8 @@ class TorchBackend:
             if len(self._sessions) >= self.config.max_sessions:
                 raise CapacityError(f"torch node holds {len(self._sessions)} sessions (max {self.config.max_sessions})")
             sampler = TorchSampler(sampling, prompt_tokens) if self.is_tail else None
-            self._sessions[session_id] = _Session(cache=self.shard.new_cache(), sampler=sampler, sampling=sampling,
+            cache = self.shard.new_cache(self.config.kv_rollback)
+            self._sessions[session_id] = _Session(cache=cache, sampler=sampler, sampling=sampling,
                                                   prompt_tokens=list(prompt_tokens) if self.is_tail else [])
 
     def fork_session(self, session_id: str, fork_ids: list[str]) -> list[StepOutput]:
@@ -250,6 +266,9 @@ class TorchBackend:
         if not self.is_tail:
             out: Hidden = hidden[0].to(torch.float32).numpy()
             return StepOutput(hidden=out)
+        if item.rows:  # a verify window (issue #20): every position's logits, for the node to judge
+            rows = np.stack([self.shard.logits(hidden[0, i]).numpy() for i in range(item.n_positions)])
+            return StepOutput(rows=rows.astype(np.float32))
         if not item.sample:
             return StepOutput()
         s.last_logits = self.shard.logits(hidden[0, -1])
@@ -283,6 +302,14 @@ class TorchBackend:
             raise FrameError(f"hidden states have shape {tuple(item.hidden.shape)}; expected (n, "
                              f"{self.shard.hidden_size})")
 
+    def last_logits(self, session_id: str) -> torch.Tensor:
+        """Tail: a copy of the logits the session's last sample was drawn from (tests compare them bit for bit)."""
+        with self._lock:
+            logits = self._session(session_id).last_logits
+        if logits is None:
+            raise BadRequestError(f"session {session_id} has sampled nothing since its KV last changed")
+        return logits.clone()
+
     def token_bytes(self, token: int) -> bytes:
         return self._codec().token_bytes(token)
 
@@ -298,6 +325,72 @@ class TorchBackend:
             sessions = list(self._sessions.values())
         return sum(cache_bytes(s.cache) for s in sessions)
 
+    # ---- KV in and out (``actors.backend.KvBackend``; the cache handling is ``kv``'s) ----------------------------
+
+    def export_kv(self, session_id: str, start: int, end: int) -> bytes:
+        """The raw cache tensors of positions ``[start, end)`` of this node's layers; a windowed layer's hold only
+        what it still keeps of that range (``kv``)."""
+        with self._lock:
+            s = self._session(session_id)
+            if not 0 <= start < end <= s.position:
+                raise BadRequestError(f"session {session_id} holds positions [0, {s.position}); cannot export "
+                                      f"[{start}, {end})")
+            return kv.export(s.cache, self._kv_layout, start, end)
+
+    def import_kv(self, session_id: str, blobs: list[bytes], end: int) -> None:
+        with self._lock:
+            s = self._session(session_id)
+            if end > self._context:
+                raise SnapshotError(f"KV blobs up to position {end} exceed this node's context ({self._context})")
+            kv.load(s.cache, self._kv_layout, s.position, blobs, end)
+            s.position = end
+            s.last_logits = None  # they were not this cache's: a fork must sample first
+
+    def truncate(self, session_id: str, position: int) -> None:
+        with self._lock:
+            s = self._session(session_id)
+            if not 0 <= position <= s.position:
+                raise BadRequestError(f"session {session_id} is at position {s.position}; cannot truncate to "
+                                      f"{position}")
+            kv.truncate(s.cache, self._kv_layout, position)
+            if position < s.position:
+                s.position = position
+                s.last_logits = None
+
+    def kv_continues(self, session_id: str) -> bool:
+        with self._lock:
+            s = self._session(session_id)
+            return kv.reusable(s.cache, self._kv_layout, s.position, s.position) == s.position
+
+    def reusable_prefix(self, source_id: str, length: int) -> int:
+        with self._lock:
+            s = self._session(source_id)
+            return kv.reusable(s.cache, self._kv_layout, s.position, length)
+
+    def copy_prefix(self, source_id: str, session_id: str, length: int) -> None:
+        with self._lock:
+            source, s = self._session(source_id), self._session(session_id)
+            if s.position or source_id == session_id:
+                raise BadRequestError(f"session {session_id} already holds {s.position} positions")
+            if length <= 0 or kv.reusable(source.cache, self._kv_layout, source.position, length) != length:
+                raise BadRequestError(f"session {source_id} (at {source.position}) cannot lend its first {length} "
+                                      "positions: a windowed layer no longer holds what continuing from there reads")
+            kv.copy_prefix(source.cache, s.cache, self._kv_layout, length)
+            s.position = length
+
+    def replay_sampled(self, session_id: str, tokens: list[int]) -> None:
+        """Tail: a new sampler with the session's seed (as at open) that has accepted ``tokens``. Draw ``k`` of a
+        stream depends on its seed and ``k`` only (``TorchSampler``), so a seeded tail continues unchanged; an
+        unseeded one keeps the seed the OS gave it at open on this node (a rebuilt tail has a new one)."""
+        with self._lock:
+            s = self._session(session_id)
+            if s.sampler is None or s.sampling is None:
+                raise BadRequestError("only the tail samples")
+            sampler = TorchSampler(s.sampling, s.prompt_tokens, seed=s.sampler.seed)
+            for token in tokens:
+                sampler.accept(token)
+            s.sampler = sampler
+
     @property
     def open_sessions(self) -> list[str]:
         return list(self._sessions)
@@ -305,6 +398,15 @@ class TorchBackend:
     def close(self) -> None:
         with self._lock:
             self._sessions.clear()
+
+
+def _model_tag(prepared: PreparedModel, config: TorchConfig) -> bytes:
+    """8 bytes naming the model in KV blobs: its architecture and dims, the file's digest (GGUF), and a tiny model's
+    name and seed. A transformers directory has no digest: the node checks blobs against its model id anyway."""
+    cfg = prepared.config
+    dims = [str(cfg.model_type), int(cfg.num_hidden_layers), int(cfg.hidden_size), int(cfg.vocab_size)]
+    tiny = [prepared.name, config.seed] if prepared.name in TINY_MODELS else []
+    return hashlib.sha256(json.dumps([dims, prepared.sha256, tiny]).encode()).digest()[:8]
 
 
 def load_torch(**options: object) -> TorchBackend:

