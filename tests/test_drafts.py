@@ -3,6 +3,7 @@ draft model proposes its own greedy continuation, following the history as draft
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -15,10 +16,35 @@ def test_prompt_lookup_continues_a_repeated_passage() -> None:
     ngram = NgramDraft(max_n=3, min_n=2)
     text = [1, 2, 3, 4, 5, 6, 7, 9, 9, 2, 3, 4]
     assert ngram.lookup(text, 3) == [5, 6, 7]
-    assert ngram.lookup(text, 10) == [5, 6, 7, 9, 9, 2, 3, 4]
+    # What followed runs into the end of the text: a loop of period 8, which the proposal goes on repeating.
+    assert ngram.lookup(text, 10) == [5, 6, 7, 9, 9, 2, 3, 4, 5, 6]
     assert ngram.lookup([*text, 5], 2) == [6, 7]  # extends incrementally
     assert ngram.lookup([8, 8, 1, 2], 3) == []  # rolled back: re-indexed, and nothing repeats
     assert ngram.lookup([1, 2, 1, 2], 0) == []
+
+
+def test_a_loop_shorter_than_the_window_is_proposed_round_and_round() -> None:
+    assert NgramDraft(max_n=3, min_n=2).lookup([5, 1, 2, 3, 1, 2, 3, 1, 2], 7) == [3, 1, 2, 3, 1, 2, 3]
+    assert NgramDraft(max_n=2, min_n=1).lookup([4, 4, 4], 3) == [4, 4, 4]
+
+
+def test_rolling_back_rejected_drafts_leaves_the_index_of_a_fresh_lookup() -> None:
+    """Windows in flight put drafts into the history that a rejection takes out again: the index rolls back to
+    what a lookup that never saw them would hold, whatever was cut and added."""
+    rng = random.Random(1)
+    for _ in range(200):
+        ngram = NgramDraft(max_n=4, min_n=rng.choice([1, 2]))
+        history = [rng.randrange(5) for _ in range(rng.randrange(2, 40))]
+        for _ in range(20):
+            if rng.random() < 0.5:
+                history = history + [rng.randrange(5) for _ in range(rng.randrange(1, 6))]
+            else:
+                cut = rng.randrange(1, len(history) + 1)
+                history = history[:cut] + [rng.randrange(5) for _ in range(rng.randrange(0, 6))]
+            k = rng.randrange(1, 10)
+            fresh = NgramDraft(max_n=4, min_n=ngram.min_n)
+            assert ngram.lookup(history, k) == fresh.lookup(history, k)
+            assert ngram._last == fresh._last and ngram._seen == fresh._seen
 
 
 def test_the_most_recent_occurrence_and_the_longest_ngram_win() -> None:

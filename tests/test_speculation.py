@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from actors.node.speculation import Target, WindowSizer, best_k, expected_tokens, verify
+from actors.node.speculation import Target, WindowSizer, best_k, expected_tokens, verify, worth_optimism
 
 VOCAB = 6
 
@@ -79,3 +79,28 @@ def test_the_sizer_picks_long_windows_when_the_ring_dominates_and_none_when_draf
     for _ in range(20):
         sizer.observe(offered=4, accepted=4, ring_ms=30.0, base_ms=20.0, position_ms=1.0)
     assert sizer.next_k(available=10) == 6 and sizer.mean_accepted == 2.0
+
+
+def test_the_sizer_probes_again_after_turning_speculation_off_and_backs_off_while_probes_fail() -> None:
+    sizer = WindowSizer(max_k=6, start=3, probe_after=4)
+    sizer.observe(offered=3, accepted=0, ring_ms=10.0, base_ms=20.0, position_ms=5.0)
+    probes = []
+    for window in range(60):
+        k = sizer.next_k(available=6)
+        if k:
+            probes.append(window)
+        sizer.observe(offered=k, accepted=0, ring_ms=10.0, base_ms=20.0, position_ms=5.0)
+    assert probes == [4, 13, 30], probes  # after 4 plain windows, then 8, then 16: probing costs ever less
+    assert sizer.next_k(available=6) == 0
+    for _ in range(60):
+        sizer.observe(offered=0, accepted=0)
+    assert sizer.next_k(available=6) == 1
+    sizer.observe(offered=1, accepted=1, ring_ms=10.0, base_ms=20.0, position_ms=5.0)
+    assert sizer._probe_wait == 4  # a probe that paid: the next comes as soon as the first did
+
+
+def test_a_window_goes_in_flight_behind_another_when_its_odds_pay_for_the_heads_pass() -> None:
+    assert not worth_optimism(0.15, ring_ms=100.0, head_ms=1.0)  # never on poor odds
+    assert not worth_optimism(0.4, ring_ms=None, head_ms=None) and worth_optimism(0.5, ring_ms=None, head_ms=None)
+    assert worth_optimism(0.3, ring_ms=40.0, head_ms=20.0)  # a long ring: a good window saves it whole
+    assert not worth_optimism(0.3, ring_ms=2.0, head_ms=20.0)  # loopback: the pass is mostly wasted

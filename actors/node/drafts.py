@@ -40,8 +40,11 @@ class DraftSource(Protocol):
 
 class NgramDraft:
     """Prompt lookup decoding: match the last ``n`` tokens (``n`` from ``max_n`` down to ``min_n``) against earlier
-    ones and propose the tokens that followed the most recent earlier match. The index is built incrementally, so a
-    proposal costs O(max_n + k) whatever the history's length."""
+    ones and propose the tokens that followed the most recent earlier match; where those run up to the end of the
+    history (the text repeats with a period shorter than ``k``), the proposal repeats them. The index is built
+    incrementally: beyond one comparison of the history with what was indexed, a proposal costs O(max_n + k)
+    whatever the history's length, and a history that dropped rejected drafts rolls the index back by as many
+    positions."""
 
     name = "ngram"
 
@@ -50,16 +53,32 @@ class NgramDraft:
         self._seen: list[int] = []
         self._last: dict[tuple[int, ...], int] = {}
         """n-gram -> the position just after its most recent occurrence that has a successor."""
+        self._undo: list[list[tuple[tuple[int, ...], int | None]]] = []
+        """Per position indexed: the entries of ``_last`` it replaced, to roll back drafts that were rejected."""
 
     def _index(self, history: Sequence[int]) -> None:
-        if len(history) < len(self._seen) or list(history[:len(self._seen)]) != self._seen:
-            self._seen, self._last = [], {}  # rolled back past what was indexed (rejected drafts)
-        for i in range(len(self._seen), len(history)):
-            self._seen.append(int(history[i]))
+        seen, last = self._seen, self._last
+        if len(history) < len(seen) or list(history[:len(seen)]) != seen:
+            self._roll_back(_common(seen, history))  # past drafts of windows in flight that were rejected
+        for i in range(len(seen), len(history)):
+            seen.append(int(history[i]))
             # Every n-gram ending just before position i now has i as its successor's position.
+            undo = []
             for n in range(self.min_n, self.max_n + 1):
                 if i - n >= 0:
-                    self._last[tuple(self._seen[i - n:i])] = i
+                    key = tuple(seen[i - n:i])
+                    undo.append((key, last.get(key)))
+                    last[key] = i
+            self._undo.append(undo)
+
+    def _roll_back(self, length: int) -> None:
+        while len(self._seen) > length:
+            self._seen.pop()
+            for key, before in reversed(self._undo.pop()):
+                if before is None:
+                    del self._last[key]
+                else:
+                    self._last[key] = before
 
     async def propose(self, history: Sequence[int], k: int) -> list[int]:
         return self.lookup(history, k)
@@ -73,7 +92,13 @@ class NgramDraft:
                 continue
             follow = self._last.get(tuple(int(t) for t in history[len(history) - n:]))
             if follow is not None:
-                return [int(t) for t in history[follow:follow + k]]
+                drafts = [int(t) for t in history[follow:follow + k]]
+                # A continuation that runs into the end of the history is a loop of period len - follow: it
+                # goes on as the loop does (what a small model stuck repeating itself generates next).
+                period = len(history) - follow
+                while len(drafts) < k:
+                    drafts.append(drafts[len(drafts) - period])
+                return drafts
         return []
 
     async def close(self) -> None:

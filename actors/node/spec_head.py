@@ -3,17 +3,21 @@ drafts, so a window that the tail accepts whole emits ``k + 1`` tokens for one t
 
 The loop keeps up to ``Speculation.windows`` windows in flight: the next one starts, before the one ahead of it has
 come back, on the assumption that it will be accepted whole (its first input is the draft source's guess at that
-window's last token). When a verdict comes back:
+window's last token), when the odds of that pay for the head's pass (``speculation.worth_optimism``). When a
+verdict comes back:
 
-* the accepted tokens are announced (the tail has already applied the stop rules);
+* the next window's pass starts first, and the accepted tokens are announced while it runs (the tail has already
+  applied the stop rules), as plain decoding starts its next step before it publishes a token;
 * if every draft and the guess after them held, the windows behind it are still good and go on;
 * otherwise they are stale: the head cuts its KV back to the last accepted position and starts again from the
   tail's own token; every other hop cuts back when the next window starts below its position, and the tail drops
   stale windows unread (a window is good only if it starts where the tail's KV ends, with the tail's last token).
 
 Windows are numbered; hops compute them in number order (``actors.node.windows``), so HTTP reordering two of them
-cannot matter. The window sizer (``speculation.WindowSizer``) picks each window's length from the acceptance and
-ring time measured, down to plain decoding (one position, no drafts) where drafts do not pay.
+cannot matter. The window sizer (``speculation.WindowSizer``) picks each window's length from the acceptance, the
+passes' cost (``speculation.CostModel``) and the ring time measured: a window's round trip from the moment the head
+sent it, less the other hops' passes, taken only from windows sent with none ahead of them (one behind another also
+waits for that one at every hop). It goes down to plain decoding (one position, no drafts) where drafts do not pay.
 """
 
 from __future__ import annotations
@@ -21,23 +25,19 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from actors.backend import KvBackend, StepInput
 from actors.node.drafts import DraftSource, propose_safely
-from actors.node.session import SessionFailed
-from actors.node.speculation import CostModel, WindowSizer
-from schemas.frame import FrameKind, SampledWindow
+from actors.node.session import SessionFailed, StepFuture
+from actors.node.speculation import CostModel, WindowSizer, worth_optimism
+from schemas.frame import FrameKind, SampledToken, SampledWindow
 from schemas.session import FailureReason, SessionPhase, TokenEvent
 from schemas.telemetry import SpeculationView
 
 if TYPE_CHECKING:
     from actors.node.head_session import HeadSession
-
-OPTIMISM = 0.5
-"""The least chance (measured acceptance, to the power of the window's inputs) that a window in flight is accepted
-whole, for the head to start the next one before its verdict."""
-
 
 @dataclasses.dataclass
 class Window:
@@ -47,6 +47,10 @@ class Window:
     """The last sampled token (or, for an optimistic window, the guess at it) and the drafts."""
     sent_at: float
     compute_ms: float = 0.0
+    """The head's forward pass of it."""
+    alone: bool = True
+    """Sent with no window ahead of it in flight: its round trip is the ring's alone (a window behind another also
+    waits for the hops to finish that one)."""
 
     @property
     def drafts(self) -> int:
@@ -63,6 +67,8 @@ class SpeculativeDecode:
         self.in_flight: collections.deque[Window] = collections.deque()
         self._verdicts: dict[int, SampledWindow] = {}
         self._next_id = 1
+        self._head_ms: float | None = None
+        """The head's forward pass of a window (moving average): what a stale optimistic window wastes."""
         self.accepted: list[int] = []
         """Every token the route emitted so far, in order (the last one is the next input)."""
 
@@ -71,59 +77,78 @@ class SpeculativeDecode:
     async def run(self) -> None:
         head = self.head
         first = await head._next_event()  # the prefill's token comes as a plain token frame
-        if not await self._emit([first]):
+        if not await self._emitted([first], None):
             return
         while True:
-            await self._launch()
             verdict = await self._verdict(self.in_flight[0].id)
             window = self.in_flight.popleft()
-            events = [head._event_of(t) for t in verdict.tokens]
-            if not await self._emit(events):
+            if not await self._emitted(verdict.tokens, (window, verdict)):
                 return
-            self._settle(window, verdict)
 
-    async def _emit(self, events: list[TokenEvent]) -> bool:
-        """Announce the tokens; False (after completing the session) once one ends the generation."""
+    async def _emitted(self, tokens: Sequence[TokenEvent | SampledToken],
+                       judged: tuple[Window, SampledWindow] | None) -> bool:
+        """The route emitted ``tokens`` (the prefill's token, or a window's verdict ``judged``): start the next
+        window first, announce the tokens while it computes (a one-position window computed inline goes out first,
+        as plain decoding's step does), then send it and any that may go in flight behind it. False (after
+        completing the session) once one of them ends the generation."""
         head = self.head
-        for event in events:
+        self.accepted.extend(t.token for t in tokens)
+        if judged is not None:
+            self._settle(*judged)
+        ends = any(t.finish_reason is not None for t in tokens)
+        started = None if ends else await self._start()
+        if started is not None and started[1].done():
+            await self._send(*started)
+            started = None
+        for t in tokens:
+            event = t if isinstance(t, TokenEvent) else head._event_of(t)
             head.phase = SessionPhase.DECODE
             await head._announce(event, None)
-            self.accepted.append(event.token)
             if event.finish_reason is not None:
                 head.choices.first.end(event.finish_reason, event.seq + 1)
-                await head._complete(event, keep_positions=head.position - len(self._pending_positions()))
+                await head.telemetry.speculating(self.view())  # the last figures go with the completion
+                # Positions whose inputs came true: the window's first and the drafts emitted (none was rejected).
+                keep = head.position if judged is None else \
+                    judged[0].start + 1 + min(judged[1].accepted, len(judged[1].tokens))
+                await head._complete(event, keep_positions=keep)
                 return False
         await head.telemetry.speculating(self.view())
+        if started is not None:
+            await self._send(*started)
+        await self._launch()
         return True
-
-    def _pending_positions(self) -> list[int]:
-        """Positions the head computed speculatively, not (yet) confirmed by a verdict."""
-        return list(range(self.in_flight[0].start, self.head.position)) if self.in_flight else []
 
     # ---- windows --------------------------------------------------------------------------------------------------
 
     async def _launch(self) -> None:
         """Start windows until as many are in flight as the measured acceptance makes worth it."""
-        while len(self.in_flight) < self.max_windows:
-            if self.in_flight:
-                last = self.in_flight[-1]
-                odds = (self.sizer.acceptance or 0.0) ** (last.drafts + 1)
-                if odds < OPTIMISM:
-                    return
-                history = [*self.head.request.prompt_tokens, *self.accepted, *self._flying_inputs()[1:]]
-                guess = await propose_safely(self.source, history, 1 + self.sizer.next_k(self.sizer.max_k))
-                if not guess:
-                    return
-                inputs = guess
-            else:
-                history = [*self.head.request.prompt_tokens, *self.accepted]
-                inputs = [self.accepted[-1]]
-                k = self.sizer.next_k(self._room(self.sizer.max_k))
-                inputs += await propose_safely(self.source, history, k) if k else []
-            inputs = inputs[:1 + self._room(len(inputs) - 1)]
-            if not inputs:
-                return
-            await self._send(inputs)
+        while (started := await self._start()) is not None:
+            await self._send(*started)
+
+    async def _start(self) -> tuple[StepInput, StepFuture] | None:
+        """The next window's inputs, its step queued on the head (or already run inline), if one should go now."""
+        if len(self.in_flight) >= self.max_windows:
+            return None
+        if self.in_flight:
+            last = self.in_flight[-1]
+            odds = (self.sizer.acceptance or 0.0) ** (last.drafts + 1)
+            if not worth_optimism(odds, ring_ms=self.sizer.ring_ms, head_ms=self._head_ms):
+                return None
+            history = [*self.head.request.prompt_tokens, *self.accepted, *self._flying_inputs()[1:]]
+            guess = await propose_safely(self.source, history, 1 + self.sizer.next_k(self.sizer.max_k))
+            if not guess:
+                return None
+            inputs = guess
+        else:
+            inputs = [self.accepted[-1]]
+            k = self.sizer.next_k(self._room(self.sizer.max_k))
+            if k:
+                inputs += await propose_safely(self.source, [*self.head.request.prompt_tokens, *self.accepted], k)
+        inputs = inputs[:1 + self._room(len(inputs) - 1)]
+        if not inputs:
+            return None
+        item = StepInput(self.head.id, self.head.position, tokens=list(inputs))
+        return item, self.head.rt.engine.enqueue(item, handoff=True)
 
     def _flying_inputs(self) -> list[int]:
         return [t for w in self.in_flight for t in w.inputs]
@@ -135,17 +160,18 @@ class SpeculativeDecode:
         left = head.request.max_tokens - len(self.accepted) - sum(len(w.inputs) for w in self.in_flight)
         return max(0, min(wanted, context, left))
 
-    async def _send(self, inputs: list[int]) -> None:
+    async def _send(self, item: StepInput, step: StepFuture) -> None:
+        """Once the head has computed the window ``_start`` queued, send it as a verify frame."""
         head = self.head
-        choice = head.choices.first
-        start = head.position
-        item = StepInput(head.id, start, tokens=list(inputs))
-        out, timing = await head._compute(choice, item)
-        assert out.hidden is not None
-        window = Window(self._next_id, start, list(inputs), time.perf_counter(), timing.compute_ms)
+        alone = not self.in_flight
+        out, timing = await head._compute(head.choices.first, item, step)
+        assert out.hidden is not None and item.tokens is not None
+        window = Window(self._next_id, item.start_position, list(item.tokens), time.perf_counter(), timing.compute_ms,
+                        alone)
         self._next_id += 1
-        head._queue_frame(FrameKind.VERIFY, start, out.hidden, True, window.id, (head._stamp(timing),),
-                          tokens=tuple(inputs))
+        self._head_ms = timing.compute_ms if self._head_ms is None else 0.7 * self._head_ms + 0.3 * timing.compute_ms
+        head._queue_frame(FrameKind.VERIFY, item.start_position, out.hidden, True, window.id, (head._stamp(timing),),
+                          tokens=tuple(item.tokens))
         self.in_flight.append(window)
         head.rt.metrics.spec_windows.inc()
 
@@ -164,10 +190,13 @@ class SpeculativeDecode:
         them and cut the head's KV back."""
         head = self.head
         now = time.perf_counter()
-        compute = sum(s.compute_us for s in verdict.tokens[-1].stamps) / 1e3 if verdict.tokens else 0.0
+        stamps = verdict.tokens[-1].stamps if verdict.tokens else ()
+        compute = sum(s.compute_us for s in stamps) / 1e3
+        # The round trip starts after the head's pass: only the other hops' passes are inside it.
+        downstream = sum(s.compute_us for s in stamps if s.hop_index != head.hop_index) / 1e3
         self.cost.observe(len(window.inputs), compute)
         self.sizer.observe(offered=window.drafts, accepted=verdict.accepted,
-                           ring_ms=max(0.0, (now - window.sent_at) * 1e3 - compute),
+                           ring_ms=max(0.0, (now - window.sent_at) * 1e3 - downstream) if window.alone else None,
                            base_ms=self.cost.base_ms, position_ms=self.cost.position_ms)
         metrics = head.rt.metrics
         metrics.spec_drafts.labels(outcome="accepted").inc(verdict.accepted)

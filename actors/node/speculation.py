@@ -135,11 +135,19 @@ class WindowSizer:
     cost of one more position in a pass (``position_ms``). A window of ``k`` drafts emits ``(1 - a^(k+1)) / (1 - a)``
     tokens on average for acceptance rate ``a`` and costs ``ring_ms + base_ms + k * position_ms``; the sizer picks
     the ``k`` that emits the most tokens per millisecond, and 0 (plain decoding) when no ``k`` beats it. Until it
-    has measured anything it tries ``start`` drafts."""
+    has measured anything it tries ``start`` drafts.
+
+    With speculation off, nothing more is measured, so text that turns repetitive later (a small model falling
+    into a loop, a passage quoted further on) would never be found out: after ``probe_after`` windows without
+    drafts the sizer offers ``probe_k`` again, and each probe that fails doubles the wait (up to ``probe_most``),
+    so probing costs a draft position every so many windows at most where drafts never pay."""
 
     max_k: int = 8
     start: int = 4
     smoothing: float = 0.3
+    probe_after: int = 8
+    probe_k: int = 1
+    probe_most: int = 256
     acceptance: float | None = None
     ring_ms: float | None = None
     base_ms: float | None = None
@@ -147,16 +155,24 @@ class WindowSizer:
     drafts_offered: int = 0
     drafts_accepted: int = 0
     windows: int = 0
+    """Windows that carried drafts."""
+    _since_drafts: int = 0
+    _probe_wait: int = 0
 
     def observe(self, *, offered: int, accepted: int, ring_ms: float | None = None,
                 base_ms: float | None = None, position_ms: float | None = None) -> None:
         if offered > 0:
+            if self._off():  # a probe
+                self._probe_wait = self.probe_after if accepted else min(2 * self._wait(), self.probe_most)
             rate = accepted / offered
             self.acceptance = rate if self.acceptance is None else \
                 (1 - self.smoothing) * self.acceptance + self.smoothing * rate
             self.drafts_offered += offered
             self.drafts_accepted += accepted
             self.windows += 1
+            self._since_drafts = 0
+        else:
+            self._since_drafts += 1
         self.ring_ms = _ema(self.ring_ms, ring_ms, self.smoothing)
         self.base_ms = _ema(self.base_ms, base_ms, self.smoothing)
         if position_ms is not None:
@@ -169,7 +185,21 @@ class WindowSizer:
             return 0
         if self.acceptance is None or self.ring_ms is None or self.base_ms is None:
             return min(self.start, limit)
+        k = self._best(limit)
+        if k == 0 and self._since_drafts >= self._wait():
+            return min(self.probe_k, limit)
+        return k
+
+    def _best(self, limit: int) -> int:
+        assert self.acceptance is not None and self.ring_ms is not None and self.base_ms is not None
         return best_k(self.acceptance, self.ring_ms + self.base_ms, self.position_ms, limit)
+
+    def _off(self) -> bool:
+        return self.acceptance is not None and self.ring_ms is not None and self.base_ms is not None \
+            and self._best(self.max_k) == 0
+
+    def _wait(self) -> int:
+        return self._probe_wait or self.probe_after
 
     @property
     def mean_accepted(self) -> float:
@@ -228,6 +258,26 @@ def best_k(acceptance: float, fixed_ms: float, position_ms: float, limit: int) -
     def rate(k: int) -> float:
         return expected_tokens(acceptance, k) / max(fixed_ms + k * position_ms, 1e-6)
     return max(range(limit + 1), key=lambda k: (rate(k), -k))
+
+
+MIN_ODDS = 0.2
+"""The least chance that a window in flight is accepted whole for the head to start another behind it, however
+long the ring: below it, the head's passes of stale windows would mostly be wasted (on a node that serves other
+sessions too, the time is theirs)."""
+
+
+def worth_optimism(odds: float, *, ring_ms: float | None, head_ms: float | None) -> bool:
+    """Whether to start a window behind one in flight that is accepted whole (and its last token guessed right)
+    with probability ``odds``. If it is, the window reaches the tail a round trip earlier: the ring and the head's
+    pass are saved (``ring_ms + head_ms``); if not, the tail drops it unread and the head's pass is lost
+    (``head_ms``), the rest of the route having waited for the verdict anyway. Worth it when
+    ``odds * (ring_ms + head_ms) >= (1 - odds) * head_ms``, and never below ``MIN_ODDS``; before anything is
+    measured, when the odds are at least even."""
+    if odds < MIN_ODDS:
+        return False
+    if ring_ms is None or head_ms is None:
+        return odds >= 0.5
+    return odds * (ring_ms + head_ms) >= (1.0 - odds) * head_ms
 
 
 def _ema(old: float | None, new: float | None, weight: float) -> float | None:
