@@ -20,7 +20,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import TypeVar
 
 from nats.aio.client import Client as NATS
@@ -124,6 +124,19 @@ class LiveSession:
         """The route's repair count as the head last announced it (``RouteChanged``)."""
         self._closed = False
         self.created = time.monotonic()
+        self.setup: dict[str, float] = {}
+        """Seconds spent per setup step (``route``, ``tokenize``, ``open``, ``first_token``): what the first token
+        waited for (``swarmroute_gateway_setup_seconds``)."""
+        self.opened_at: float | None = None
+
+    @contextlib.contextmanager
+    def timed(self, step: str) -> Iterator[None]:
+        """Add the time the block takes to ``setup[step]``."""
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            self.setup[step] = self.setup.get(step, 0.0) + time.monotonic() - started
 
     async def subscribe(self, nc: NATS, subjects: Subjects) -> None:
         """One subscription for both the token and the telemetry subject, so their relative order is kept."""
@@ -262,6 +275,8 @@ class LiveSession:
             which = f" of choice {index}" if self.n > 1 else ""
             return self._lost(f"token {self.seen[index]}{which} was lost on the bus (received token {event.seq})")
         self.seen[index] += 1
+        if not self.tokens_seen and self.opened_at is not None:
+            self.setup["first_token"] = time.monotonic() - self.opened_at
         self.tokens_seen += 1
         if index == 0:
             self.reply.append(event.text)
@@ -379,12 +394,14 @@ class SessionManager:
         session.prompt = request.prompt
         keys = request_keys(request.prompt.messages, request.prompt.text) if request.prompt is not None else []
         while True:
-            session.route = await self._route(request.model, session.id, exclude, keys)
+            with session.timed("route"):
+                session.route = await self._route(request.model, session.id, exclude, keys)
             # Kept locally so a stream's first chunk shows the route before any token; the head's snapshots
             # (seq >= 1) supersede it.
             session.telemetry = self.snapshot(session, SessionPhase.ROUTING, seq=0)
             try:
                 await self._open(session, request)
+                session.opened_at = time.monotonic()
                 return
             except RouteFailedError as exc:
                 dead = exc.__cause__
@@ -431,8 +448,9 @@ class SessionManager:
             tokens = request.prompt_tokens
         else:
             assert request.prompt is not None
-            reply = await _passthrough(self.nodes.tokenize_reply(head.node_id, head.endpoint, request.prompt,
-                                                                 capability=head.capability))
+            with session.timed("tokenize"):
+                reply = await _passthrough(self.nodes.tokenize_reply(head.node_id, head.endpoint, request.prompt,
+                                                                     capability=head.capability))
             tokens, session.tool_format = reply.tokens, reply.tool_format
         route_n = fanout.route_choices(request.n, request.sampling)
         check_choices(route_n, route.max_sessions)  # the sequences every hop will hold, not the request's n
@@ -462,10 +480,11 @@ class SessionManager:
                  for i in range(len(route.hops))]
         downstream = [self.nodes.open_session(route.hops[i].node_id, route.hops[i].endpoint, opens[i])
                       for i in range(1, len(route.hops))]
-        opened = await _passthrough(asyncio.gather(*downstream))
-        if opened:  # prefix reuse: the head reuses no more than every hop after it holds (issue #18)
-            opens[0].reuse_limit = min(o.reused for o in opened)
-        await _passthrough(self.nodes.open_session(head.node_id, head.endpoint, opens[0]))
+        with session.timed("open"):
+            opened = await _passthrough(asyncio.gather(*downstream))
+            if opened:  # prefix reuse: the head reuses no more than every hop after it holds (issue #18)
+                opens[0].reuse_limit = min(o.reused for o in opened)
+            await _passthrough(self.nodes.open_session(head.node_id, head.endpoint, opens[0]))
 
     def _speculation(self, sampling: SamplingParams, n: int, hops: int) -> Speculation | None:
         """Verify windows for a session whose next token is a function of the logits alone (one choice, no grammar,

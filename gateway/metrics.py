@@ -10,6 +10,9 @@ Series (all names prefixed ``swarmroute_gateway_``)::
     sessions_total{outcome}               generation requests by outcome: complete | failed | cancelled
     live_sessions                         generation requests in flight
     ttft_seconds                          request accepted -> first token
+    setup_seconds{step}                   what the first token waited for, per session: route (the tracker's
+                                          answer), tokenize (the head's, when it is a round trip of its own), open
+                                          (every hop opened), first_token (opened -> the first token arrived)
     time_per_output_token_seconds         gap between consecutive tokens
     session_seconds                       request accepted -> session end
     hop_compute_seconds{node}             each hop's mean compute per decode step, per finished session
@@ -20,7 +23,7 @@ Series (all names prefixed ``swarmroute_gateway_``)::
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -44,6 +47,8 @@ class GatewayMetrics:
         self.live_sessions = Gauge("swarmroute_gateway_live_sessions", "Generation requests in flight", registry=r)
         self.ttft = Histogram("swarmroute_gateway_ttft_seconds", "Request accepted to first token", buckets=_SLOW,
                               registry=r)
+        self.setup = Histogram("swarmroute_gateway_setup_seconds", "Opening a session, by step: route, tokenize, "
+                               "open, first_token", ["step"], buckets=_FAST, registry=r)
         self.tpot = Histogram("swarmroute_gateway_time_per_output_token_seconds", "Gap between consecutive tokens",
                               buckets=_FAST, registry=r)
         self.session_seconds = Histogram("swarmroute_gateway_session_seconds", "Request accepted to session end",
@@ -59,9 +64,10 @@ class GatewayMetrics:
     def bind(self, *, live_sessions: Callable[[], int]) -> None:
         self.live_sessions.set_function(lambda: float(live_sessions()))
 
-    def clock(self, accepted_at: float) -> RequestClock:
-        """One per generation request; ``accepted_at`` is a ``time.monotonic()`` stamp."""
-        return RequestClock(self, accepted_at)
+    def clock(self, accepted_at: float, setup: Mapping[str, float] | None = None) -> RequestClock:
+        """One per generation request; ``accepted_at`` is a ``time.monotonic()`` stamp; ``setup`` the session's
+        seconds per setup step, observed with its first token."""
+        return RequestClock(self, accepted_at, setup)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -70,9 +76,11 @@ class GatewayMetrics:
 class RequestClock:
     """Observes TTFT and inter-token gaps as tokens arrive, and the outcome once; ``finish`` is idempotent."""
 
-    def __init__(self, metrics: GatewayMetrics, accepted_at: float) -> None:
+    def __init__(self, metrics: GatewayMetrics, accepted_at: float,
+                 setup: Mapping[str, float] | None = None) -> None:
         self._m = metrics
         self._accepted = accepted_at
+        self._setup = setup
         self._last: float | None = None
         self._finished = False
 
@@ -80,6 +88,8 @@ class RequestClock:
         now = time.monotonic()
         if self._last is None:
             self._m.ttft.observe(now - self._accepted)
+            for step, seconds in (self._setup or {}).items():
+                self._m.setup.labels(step=step).observe(seconds)
         else:
             self._m.tpot.observe(now - self._last)
         self._last = now

@@ -126,7 +126,7 @@ class OpenAIServing:
     def clock(self, session: LiveSession) -> RequestClock:
         clock = self._clocks.get(session.id)
         if clock is None:
-            clock = self._clocks[session.id] = self.metrics.clock(session.created)
+            clock = self._clocks[session.id] = self.metrics.clock(session.created, session.setup)
         return clock
 
     # ---- session helpers ---------------------------------------------------------------------------------------

@@ -224,3 +224,26 @@ async def test_an_inline_step_and_the_worker_never_overlap(engine: StepEngine) -
     await session("solo", 10)
     await asyncio.gather(*(session(f"s{i}", 10) for i in range(4)))
     assert overlaps == 0
+
+
+async def test_a_step_queued_while_the_worker_takes_a_batch_is_not_lost(engine: StepEngine) -> None:
+    """The worker replaces its queue when it takes a batch: a step queued at that very moment (its caller waiting
+    for the lock meanwhile) lands in the new queue and runs. It once went into the list just dropped, and the
+    session waited for that step for good (4 sessions on a 2-node route hung within a minute)."""
+    await open_session(engine, "a")
+    held, release = threading.Event(), threading.Event()
+
+    def taking_a_batch() -> None:
+        with engine._cond:  # what the worker holds while it takes a batch
+            held.set()
+            release.wait(5)
+            engine._steps = list(engine._steps)  # ... and the queue it leaves behind is a new list
+
+    taker = threading.Thread(target=taking_a_batch)
+    taker.start()
+    held.wait(5)
+    threading.Timer(0.05, release.set).start()
+    step = engine.enqueue(StepInput("a", 0, tokens=PROMPT, sample=True))  # blocks until the taker lets go
+    taker.join()
+    out, _ = await asyncio.wait_for(step, 5)
+    assert out.token is not None

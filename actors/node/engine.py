@@ -263,16 +263,19 @@ class StepEngine:
         return self._loop
 
     def _enqueue(self, pending: _Pending) -> None:
-        self._hand_to_worker(self._steps.append, pending)
-
-    def _enqueue_call(self, call: _Call) -> None:
-        self._hand_to_worker(self._calls.append, call)
-
-    def _hand_to_worker(self, put: Callable[[Any], None], work: _Pending | _Call) -> None:
         with self._cond:
             if self._stopping:
                 raise NodeStoppingError("node is stopping")
-            put(work)
+            # ``self._steps`` is read under the lock: the worker replaces the list when it takes a batch, and a
+            # bound ``append`` taken before the lock could put the step in the list it just dropped.
+            self._steps.append(pending)
+            self._cond.notify()
+
+    def _enqueue_call(self, call: _Call) -> None:
+        with self._cond:
+            if self._stopping:
+                raise NodeStoppingError("node is stopping")
+            self._calls.append(call)
             self._cond.notify()
 
     # ---- the worker -------------------------------------------------------------------------------------------
