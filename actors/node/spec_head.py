@@ -130,8 +130,7 @@ class SpeculativeDecode:
         if len(self.in_flight) >= self.max_windows:
             return None
         if self.in_flight:
-            last = self.in_flight[-1]
-            odds = (self.sizer.acceptance or 0.0) ** (last.drafts + 1)
+            odds = self.sizer.odds(self.in_flight[-1].drafts)
             if not worth_optimism(odds, ring_ms=self.sizer.ring_ms, head_ms=self._head_ms):
                 return None
             history = [*self.head.request.prompt_tokens, *self.accepted, *self._flying_inputs()[1:]]
@@ -202,8 +201,11 @@ class SpeculativeDecode:
         metrics.spec_drafts.labels(outcome="accepted").inc(verdict.accepted)
         metrics.spec_drafts.labels(outcome="rejected").inc(window.drafts - verdict.accepted)
         whole = verdict.accepted == window.drafts
-        if whole and self.in_flight and self.in_flight[0].inputs[0] == self.accepted[-1]:
-            return  # the windows behind it were built on what came true
+        if whole:
+            right = self.in_flight[0].inputs[0] == self.accepted[-1] if self.in_flight else None
+            self.sizer.observe_guess(right)
+            if right:
+                return  # the windows behind it were built on what came true
         keep = window.start + verdict.accepted + 1
         self.in_flight.clear()
         self._verdicts.clear()

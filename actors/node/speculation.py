@@ -128,6 +128,10 @@ def verify(rows: npt.NDArray[np.floating], drafts: Sequence[int], target: Target
 
 # ---- how long the next window should be ----------------------------------------------------------------------
 
+RECOVERY = 0.05
+"""How far an estimate no longer measured moves back towards its prior per window (``WindowSizer.observe_guess``)."""
+
+
 @dataclasses.dataclass
 class WindowSizer:
     """Chooses the draft length from what this session measured: the acceptance rate of its drafts (a moving
@@ -140,7 +144,10 @@ class WindowSizer:
     With speculation off, nothing more is measured, so text that turns repetitive later (a small model falling
     into a loop, a passage quoted further on) would never be found out: after ``probe_after`` windows without
     drafts the sizer offers ``probe_k`` again, and each probe that fails doubles the wait (up to ``probe_most``),
-    so probing costs a draft position every so many windows at most where drafts never pay."""
+    so probing costs a draft position every so many windows at most where drafts never pay.
+
+    It also gives the odds that a window in flight comes back whole with its last token guessed right (``odds``),
+    from how often windows did (``whole``, ``guessed``): what a window started behind it is worth."""
 
     max_k: int = 8
     start: int = 4
@@ -152,6 +159,11 @@ class WindowSizer:
     ring_ms: float | None = None
     base_ms: float | None = None
     position_ms: float = 0.0
+    whole: float | None = None
+    """How often a window's drafts are all accepted (a moving average over windows with drafts). Drafts come in runs
+    (a passage being copied holds for many tokens, then fails), so this is far above ``acceptance ** k``."""
+    guessed: float | None = None
+    """How often the guess at a whole window's last token (the first input of the window behind it) came true."""
     drafts_offered: int = 0
     drafts_accepted: int = 0
     windows: int = 0
@@ -164,9 +176,8 @@ class WindowSizer:
         if offered > 0:
             if self._off():  # a probe
                 self._probe_wait = self.probe_after if accepted else min(2 * self._wait(), self.probe_most)
-            rate = accepted / offered
-            self.acceptance = rate if self.acceptance is None else \
-                (1 - self.smoothing) * self.acceptance + self.smoothing * rate
+            self.acceptance = _ema(self.acceptance, accepted / offered, self.smoothing)
+            self.whole = _ema(self.whole, float(accepted == offered), self.smoothing)
             self.drafts_offered += offered
             self.drafts_accepted += accepted
             self.windows += 1
@@ -177,6 +188,23 @@ class WindowSizer:
         self.base_ms = _ema(self.base_ms, base_ms, self.smoothing)
         if position_ms is not None:
             self.position_ms = _ema(self.position_ms, position_ms, self.smoothing) or 0.0
+
+    def observe_guess(self, right: bool | None) -> None:
+        """A window came back whole: whether the window behind it in flight was built on its last token, or None if
+        there was none behind it (then what a guess would be worth drifts back towards the acceptance rate, slowly,
+        so that guesses that failed a while ago are tried again)."""
+        if right is not None:
+            self.guessed = _ema(self.guessed, float(right), self.smoothing)
+        elif self.guessed is not None and self.acceptance is not None:
+            self.guessed += RECOVERY * (self.acceptance - self.guessed)
+
+    def odds(self, drafts: int) -> float:
+        """The chance that a window of ``drafts`` in flight comes back whole and its last token as guessed, i.e. that
+        a window started behind it will be good."""
+        a = self.acceptance or 0.0
+        if self.whole is None:
+            return a ** (drafts + 1)
+        return (self.whole if drafts else 1.0) * (a if self.guessed is None else self.guessed)
 
     def next_k(self, available: int) -> int:
         """Drafts for the next window, at most ``available`` (what the draft source can propose)."""
