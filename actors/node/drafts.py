@@ -59,7 +59,7 @@ class NgramDraft:
     def _index(self, history: Sequence[int]) -> None:
         seen, last = self._seen, self._last
         if len(history) < len(seen) or list(history[:len(seen)]) != seen:
-            self._roll_back(_common(seen, history))  # past drafts of windows in flight that were rejected
+            self._roll_back(common_prefix(seen, history))  # past drafts of windows in flight that were rejected
         for i in range(len(seen), len(history)):
             seen.append(int(history[i]))
             # Every n-gram ending just before position i now has i as its successor's position.

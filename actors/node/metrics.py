@@ -26,8 +26,12 @@ Series (all names prefixed ``swarmroute_``)::
     node_repairs_total{outcome}               head: route repairs, repaired | failed (issue #18)
     node_prefix_reused_positions_total        prompt positions taken from kept KV instead of computed
     node_prefix_cache_sessions                finished sessions whose KV is kept for reuse
-    node_spec_windows_total                   head: verify windows sent (issue #20)
-    node_spec_drafts_total{outcome}           head: drafts the tail judged, accepted | rejected
+    node_spec_windows_total{source}           head: verify windows sent, by draft source (issue #20)
+    node_spec_drafts_total{source,outcome}    head: drafts the tail judged, accepted | rejected; the acceptance
+                                              rate is accepted / (accepted + rejected)
+    node_spec_accepted_drafts{source}         head: drafts accepted per judged window (its mean: the mean
+                                              accepted length, ``_sum / _count``)
+    node_spec_windows_in_flight               head: verify windows sent and not yet judged, all sessions
     artifact_bytes_fetched_total{model}       artifact bytes downloaded by this process
     artifact_bytes_served_total{model}        artifact bytes uploaded to peers by this process
 """
@@ -35,10 +39,18 @@ Series (all names prefixed ``swarmroute_``)::
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from schemas.session import HopTiming
+
+
+class InFlight(Protocol):
+    """A speculative decode, as the windows-in-flight gauge reads it."""
+
+    def windows_in_flight(self) -> int: ...
+
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -101,9 +113,15 @@ class NodeMetrics:
         self.prefix_reused = Counter("swarmroute_node_prefix_reused_positions", "Prompt positions taken from kept "
                                      "KV instead of computed", registry=r)
         self.spec_windows = Counter("swarmroute_node_spec_windows", "Head: verify windows sent (issue #20)",
-                                    registry=r)
+                                    ["source"], registry=r)
         self.spec_drafts = Counter("swarmroute_node_spec_drafts", "Head: draft tokens the tail judged, by outcome",
-                                   ["outcome"], registry=r)
+                                   ["source", "outcome"], registry=r)
+        self.spec_accepted = Histogram("swarmroute_node_spec_accepted_drafts", "Head: drafts accepted per judged "
+                                       "window", ["source"], buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16), registry=r)
+        self.spec_in_flight = Gauge("swarmroute_node_spec_windows_in_flight", "Head: verify windows sent and not "
+                                    "yet judged", registry=r)
+        self._speculating: set[InFlight] = set()
+        self.spec_in_flight.set_function(lambda: float(sum(s.windows_in_flight() for s in self._speculating)))
         self.prefix_cache_sessions = Gauge("swarmroute_node_prefix_cache_sessions", "Finished sessions whose KV "
                                            "is kept for reuse", registry=r)
 
@@ -113,6 +131,13 @@ class NodeMetrics:
         self.live_sessions.set_function(lambda: float(live_sessions()))
         self.max_sessions.set_function(lambda: float(max_sessions()))
         self.kv_bytes.set_function(lambda: float(kv_bytes()))
+
+    def speculating(self, decoder: InFlight, live: bool) -> None:
+        """A session's speculative decode started (``live``) or ended: its windows count towards the gauge."""
+        if live:
+            self._speculating.add(decoder)
+        else:
+            self._speculating.discard(decoder)
 
     def session_opened(self, hop_index: int, n_hops: int) -> None:
         role = "whole" if n_hops == 1 else "head" if hop_index == 0 else "tail" if hop_index == n_hops - 1 else "middle"

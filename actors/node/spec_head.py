@@ -74,7 +74,17 @@ class SpeculativeDecode:
 
     # ---- the loop -----------------------------------------------------------------------------------------------
 
+    def windows_in_flight(self) -> int:
+        return len(self.in_flight)
+
     async def run(self) -> None:
+        self.head.rt.metrics.speculating(self, True)
+        try:
+            await self._run()
+        finally:
+            self.head.rt.metrics.speculating(self, False)
+
+    async def _run(self) -> None:
         head = self.head
         first = await head._next_event()  # the prefill's token comes as a plain token frame
         if not await self._emitted([first], None):
@@ -172,7 +182,7 @@ class SpeculativeDecode:
         head._queue_frame(FrameKind.VERIFY, item.start_position, out.hidden, True, window.id, (head._stamp(timing),),
                           tokens=tuple(item.tokens))
         self.in_flight.append(window)
-        head.rt.metrics.spec_windows.inc()
+        head.rt.metrics.spec_windows.labels(source=self.source.name).inc()
 
     async def _verdict(self, window_id: int) -> SampledWindow:
         """The tail's verdict on window ``window_id`` (verdicts of later windows that came first wait)."""
@@ -198,8 +208,11 @@ class SpeculativeDecode:
                            ring_ms=max(0.0, (now - window.sent_at) * 1e3 - downstream) if window.alone else None,
                            base_ms=self.cost.base_ms, position_ms=self.cost.position_ms)
         metrics = head.rt.metrics
-        metrics.spec_drafts.labels(outcome="accepted").inc(verdict.accepted)
-        metrics.spec_drafts.labels(outcome="rejected").inc(window.drafts - verdict.accepted)
+        source = self.source.name
+        metrics.spec_drafts.labels(source=source, outcome="accepted").inc(verdict.accepted)
+        metrics.spec_drafts.labels(source=source, outcome="rejected").inc(window.drafts - verdict.accepted)
+        if window.drafts:
+            metrics.spec_accepted.labels(source=source).observe(verdict.accepted)
         whole = verdict.accepted == window.drafts
         if whole:
             right = self.in_flight[0].inputs[0] == self.accepted[-1] if self.in_flight else None
