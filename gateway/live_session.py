@@ -37,10 +37,9 @@ from gateway.constraints import check_choices
 from gateway.tracker_client import TrackerClient
 from schemas.constraint import OutputConstraint
 from schemas.errors import (
-    BadRequestError,
     CapacityError,
-    ContextLengthError,
     HopError,
+    HopOpenError,
     RouteFailedError,
     SwarmrouteError,
 )
@@ -50,6 +49,7 @@ from schemas.session import (
     CONTEXT_CAP,
     TOKEN_SUBJECT_MESSAGES,
     FailureReason,
+    HopGrant,
     Prompt,
     RouteChanged,
     SamplingParams,
@@ -58,6 +58,7 @@ from schemas.session import (
     SessionPhase,
     Speculation,
     TokenEvent,
+    session_budget,
 )
 from schemas.settings import Settings
 from schemas.telemetry import GenerationTelemetry, PrefillProgress, RouteHopView
@@ -102,7 +103,8 @@ class LiveSession:
         self._m = manager
         self.id = session_id
         self.route: Route | None = None
-        self.prompt_tokens: list[int] = []
+        self.n_prompt = 0
+        """Prompt tokens, as the head counted them."""
         self.max_tokens = 0
         self.telemetry: GenerationTelemetry | None = None
         self.end: SessionEnd | None = None
@@ -246,7 +248,7 @@ class LiveSession:
         """End the session from outside (the gateway shutting down): its stream ends with this failure."""
         if self.end is None:
             self._queue.put_nowait(SessionEnd(session_id=self.id, phase=SessionPhase.FAILED, failure=reason,
-                                              prompt_tokens=len(self.prompt_tokens),
+                                              prompt_tokens=self.n_prompt,
                                               completion_tokens=self.tokens_seen))
 
     def _absorb(self, event: TokenEvent | GenerationTelemetry | SessionEnd) -> Event:
@@ -295,7 +297,7 @@ class LiveSession:
         phase = self._current_phase()
         reason = FailureReason(node_id=node, phase=phase, kind="unreachable", message=why)
         self.end = SessionEnd(session_id=self.id, phase=SessionPhase.FAILED, failure=reason,
-                              prompt_tokens=len(self.prompt_tokens), completion_tokens=self.tokens_seen)
+                              prompt_tokens=self.n_prompt, completion_tokens=self.tokens_seen)
         await self._m.publish_telemetry(self, SessionPhase.FAILED, failure=reason)
         return self.end
 
@@ -313,7 +315,7 @@ class LiveSession:
                       f" during {phase.value}; no event for {waited:g}s"
             reason = FailureReason(node_id=node, phase=phase, kind="timeout", message=message)
         self.end = SessionEnd(session_id=self.id, phase=SessionPhase.FAILED, failure=reason,
-                              prompt_tokens=len(self.prompt_tokens), completion_tokens=self.tokens_seen)
+                              prompt_tokens=self.n_prompt, completion_tokens=self.tokens_seen)
         await self._m.publish_telemetry(self, SessionPhase.FAILED, failure=reason)
         return self.end
 
@@ -326,7 +328,7 @@ class LiveSession:
         cancel = cancelled and self.end is None
         if cancel:  # the head owns the session's end and publishes it when told to cancel (below)
             self.end = SessionEnd(session_id=self.id, phase=SessionPhase.CANCELLED,
-                                  prompt_tokens=len(self.prompt_tokens), completion_tokens=self.tokens_seen)
+                                  prompt_tokens=self.n_prompt, completion_tokens=self.tokens_seen)
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
@@ -344,10 +346,12 @@ class LiveSession:
 
 
 async def _passthrough(awaitable: Awaitable[T]) -> T:
-    """A node refusing with a 4xx/429 is the client's problem or a busy node: pass its error through as is."""
+    """A node refusing with a 4xx/429 is the client's problem or a busy node: pass its error through as is. A hop
+    the head could not open (``HopOpenError``) counts as that hop's own answer."""
     try:
         return await awaitable
-    except HopError as exc:
+    except HopError as raised:
+        exc = raised.peer_error.as_hop_error() if isinstance(raised.peer_error, HopOpenError) else raised
         if exc.peer_status in (401, 403):  # the swarm's own grant was refused: not the API client's fault
             raise RouteFailedError(f"node {exc.node} refused the session capability: {exc.message}",
                                    code="capability_refused") from exc
@@ -441,13 +445,14 @@ class SessionManager:
                 wait = min(wait * 2, 0.2)
 
     async def _open(self, session: LiveSession, request: GenerationRequest) -> None:
+        """Open the session on its head, which opens every hop after it while it starts prefilling (issue #20).
+        The head tokenizes a prompt itself (no round trip of its own) unless it has tools: their constraint needs
+        the head's tool format first."""
         route = session.route
         assert route is not None
         head = route.head
-        if request.prompt_tokens is not None:
-            tokens = request.prompt_tokens
-        else:
-            assert request.prompt is not None
+        tokens = request.prompt_tokens
+        if tokens is None and request.prompt is not None and request.prompt.tools is not None:
             with session.timed("tokenize"):
                 reply = await _passthrough(self.nodes.tokenize_reply(head.node_id, head.endpoint, request.prompt,
                                                                      capability=head.capability))
@@ -457,34 +462,29 @@ class SessionManager:
         sampling = request.sampling
         if request.constrain is not None:
             sampling = sampling.model_copy(update={"constraint": request.constrain(session.tool_format)})
-        if not tokens:
-            raise BadRequestError("the prompt is empty after tokenization")
+        default = self.settings.default_max_tokens
         n_ctx = min(route.context_length, CONTEXT_CAP)
-        if len(tokens) >= n_ctx:
-            raise ContextLengthError(f"the prompt has {len(tokens)} tokens; this route's context is {n_ctx} tokens")
-        max_tokens = request.max_tokens or min(self.settings.default_max_tokens, n_ctx - len(tokens))
-        if len(tokens) + max_tokens > n_ctx:
-            raise ContextLengthError(f"prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) = "
-                                     f"{len(tokens) + max_tokens} exceeds the context of {n_ctx} tokens")
-        session.prompt_tokens, session.max_tokens = tokens, max_tokens
+        # Without the tokens (the head tokenizes), the head checks the context as this would, with the same words.
+        max_tokens = session_budget(len(tokens), request.max_tokens, default=default, context=n_ctx) \
+            if tokens is not None else request.max_tokens or default
         session.n, session.seen, session.fan_out = route_n, [0] * route_n, request.n // route_n
         speculate = self._speculation(sampling, route_n, len(route.hops))
         # A speculative session's KV goes back and forth between windows: it does not snapshot (issue #20).
         repair = self._repairs and route_n == 1 and speculate is None
-        # Each hop gets only its own grants: for the session, and for its standby (the snapshots it sends there).
-        opens = [SessionOpen(session_id=session.id, route=capability.strip(route, keep_standby=i), hop_index=i,
-                             prompt_tokens=tokens, max_tokens=max_tokens, sampling=sampling, stop=request.stop,
-                             ignore_eos=request.ignore_eos, prefill_chunk=self.settings.prefill_chunk,
-                             capability=route.hops[i].capability, n=route_n, repair=repair,
-                             snapshot_every=self.settings.snapshot_every if repair else 0, speculate=speculate)
-                 for i in range(len(route.hops))]
-        downstream = [self.nodes.open_session(route.hops[i].node_id, route.hops[i].endpoint, opens[i])
-                      for i in range(1, len(route.hops))]
+        # Each hop gets only its own grants (for the session, and for its standby): the head passes each later
+        # hop's on to it alone.
+        downstream = [HopGrant(capability=h.capability, standby=h.standby.capability if h.standby else "")
+                      for h in route.hops[1:]]
+        request_open = SessionOpen(
+            session_id=session.id, route=capability.strip(route, keep_standby=0), hop_index=0,
+            prompt_tokens=tokens or [], prompt=request.prompt if tokens is None else None,
+            fit_max_tokens=tokens is None and request.max_tokens is None, max_tokens=max_tokens, sampling=sampling,
+            stop=request.stop, ignore_eos=request.ignore_eos, prefill_chunk=self.settings.prefill_chunk,
+            capability=head.capability, n=route_n, repair=repair,
+            snapshot_every=self.settings.snapshot_every if repair else 0, speculate=speculate, downstream=downstream)
         with session.timed("open"):
-            opened = await _passthrough(asyncio.gather(*downstream))
-            if opened:  # prefix reuse: the head reuses no more than every hop after it holds (issue #18)
-                opens[0].reuse_limit = min(o.reused for o in opened)
-            await _passthrough(self.nodes.open_session(head.node_id, head.endpoint, opens[0]))
+            opened = await _passthrough(self.nodes.open_session(head.node_id, head.endpoint, request_open))
+        session.n_prompt, session.max_tokens = opened.prompt_tokens, opened.max_tokens or max_tokens
 
     def _speculation(self, sampling: SamplingParams, n: int, hops: int) -> Speculation | None:
         """Verify windows for a session whose next token is a function of the logits alone (one choice, no grammar,

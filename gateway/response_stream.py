@@ -51,7 +51,7 @@ class _Reply:
                                      failure.describe() if failure else f"session ended: {end.phase.value}")
         events = self.builder.feed(self.parser.finish()[0]) if self.parser is not None else []
         completion = end.completion_tokens or self.session.tokens_seen
-        return events + self.builder.finish(end.finish_reason, input_tokens=len(self.session.prompt_tokens),
+        return events + self.builder.finish(end.finish_reason, input_tokens=self.session.n_prompt,
                                             output_tokens=completion)
 
 

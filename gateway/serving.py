@@ -133,7 +133,7 @@ class OpenAIServing:
 
     def close_later(self, session: LiveSession, *, cancelled: bool) -> None:
         """Cleanup must survive the cancellation of the request task that triggers it."""
-        self.clock(session).finish(None if cancelled else session.end, session.telemetry, len(session.prompt_tokens))
+        self.clock(session).finish(None if cancelled else session.end, session.telemetry, session.n_prompt)
         self._clocks.pop(session.id, None)
         task = asyncio.get_running_loop().create_task(session.close(cancelled=cancelled))
         self._cleanups.add(task)
@@ -167,8 +167,8 @@ class OpenAIServing:
 
     def _usage(self, session: LiveSession, end: SessionEnd | None) -> Usage:
         completion = end.completion_tokens if end and end.completion_tokens else session.tokens_seen
-        return Usage(prompt_tokens=len(session.prompt_tokens), completion_tokens=completion,
-                     total_tokens=len(session.prompt_tokens) + completion)
+        return Usage(prompt_tokens=session.n_prompt, completion_tokens=completion,
+                     total_tokens=session.n_prompt + completion)
 
     async def _stream(self, session: LiveSession, state: StreamState, replies: Replies) -> AsyncIterator[bytes]:
         """Events that are already waiting when one is rendered go out in the same write: a gateway that fell behind

@@ -20,7 +20,8 @@ used by the gateway's and the node's HTTP edge, ``bus.http_edge``) and ``error_f
     ├── NoRouteError (503)          no set of live nodes covers every layer
     ├── NodeStoppingError (503)     the node is stopping: the step or call will not run
     ├── RouteFailedError (502)      a route node died or stopped answering mid-session
-    │   └── HopError                a node could not be reached, timed out, or refused a request
+    │   ├── HopError                a node could not be reached, timed out, or refused a request
+    │   └── HopOpenError            the head could not open a hop after it (which one, and how)
     ├── BackendError (500)          the model backend failed
     │   ├── ModelLoadError           the model file is missing, not a GGUF, truncated, or llama.cpp refused it
     │   └── BackendCrashedError      the backend killed the process that ran its start-up decode
@@ -172,6 +173,46 @@ class HopError(RouteFailedError):
         self.peer_error = peer_error
 
 
+class HopOpenError(RouteFailedError):
+    """The head could not open a hop after it (issue #20: the head opens the rest of its route). It carries what
+    the gateway would have seen opening that hop itself, so that ``as_hop_error`` gives the gateway the same
+    ``HopError``: the hop's node, how it failed, and its own status and error when it answered."""
+
+    code = "hop_open_failed"
+
+    def __init__(self, message: str, *, node: str, kind: HopErrorKind, peer_status: int | None = None,
+                 peer_error: SwarmrouteError | None = None) -> None:
+        hop: dict[str, object] = {"node": node, "kind": kind}
+        if peer_status is not None:
+            hop["status"] = peer_status
+        if peer_error is not None:
+            hop["error"] = peer_error.to_body()["error"]
+        super().__init__(message, details={"hop": hop})
+        self.node, self.kind = node, kind
+        self.peer_status, self.peer_error = peer_status, peer_error
+
+    @classmethod
+    def of(cls, exc: HopError) -> HopOpenError:
+        return cls(exc.message, node=exc.node, kind=exc.kind, peer_status=exc.peer_status, peer_error=exc.peer_error)
+
+    @classmethod
+    def from_error(cls, message: str, error: dict[str, object]) -> HopOpenError | None:
+        """Rebuilt from the ``error`` object of a body; None if it does not say which hop failed, and how."""
+        hop = error.get("hop")
+        if not isinstance(hop, dict) or not isinstance(hop.get("node"), str) \
+                or hop.get("kind") not in ("unreachable", "timeout", "http_error"):
+            return None
+        status = hop.get("status")
+        peer_status = status if isinstance(status, int) else None
+        peer_error = error_from_body(peer_status, {"error": hop["error"]}) \
+            if peer_status is not None and isinstance(hop.get("error"), dict) else None
+        return cls(message, node=hop["node"], kind=hop["kind"], peer_status=peer_status,
+                   peer_error=peer_error)
+
+    def as_hop_error(self) -> HopError:
+        return HopError(self.node, self.kind, self.message, peer_status=self.peer_status, peer_error=self.peer_error)
+
+
 class BackendError(SwarmrouteError):
     status = 500
     error_type = "server_error"
@@ -245,6 +286,10 @@ def error_from_body(status: int, body: object) -> SwarmrouteError:
         message = str(err.get("message") or message)
         code = str(err["code"]) if err.get("code") else None
         param = str(err["param"]) if err.get("param") else None
+    if code == HopOpenError.code and isinstance(body, dict) and isinstance(body.get("error"), dict):
+        relayed = HopOpenError.from_error(message, body["error"])
+        if relayed is not None:
+            return relayed
     error = error_for_status(status, message, code=code)
     error.param = param  # the field a relayed 400 names stays named
     return error

@@ -7,10 +7,11 @@ import enum
 from collections.abc import Callable
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from schemas.base import WireModel, WirePart
 from schemas.constraint import OutputConstraint
+from schemas.errors import BadRequestError, ContextLengthError
 from schemas.route import Route
 from schemas.snapshot import StandbyRef
 from schemas.tools import ToolCallFormat, ToolSet
@@ -107,16 +108,29 @@ class TokenizeReply(WireModel):
                     "constrains and the gateway parses that format")
 
 
-class SessionOpen(WireModel):
-    """Sent by the gateway to every hop, tail first, head last; the head then drives prefill and decode.
+class HopGrant(WireModel):
+    """What the head needs to open one hop after it itself (``SessionOpen.downstream``): the tracker's grant for that
+    hop, and the hop's standby grant (the route the head is sent carries neither)."""
 
-    Every hop gets the whole route (it needs its successor, and the head needs every node for telemetry).
+    capability: str = Field(default="", exclude_if=_empty)
+    standby: str = Field(default="", exclude_if=_empty, description="the grant for the hop's standby holder")
+
+
+class SessionOpen(WireModel):
+    """Sent to every hop; the head then drives prefill and decode.
+
+    Every hop gets the whole route (it needs its successor, and the head needs every node for telemetry). The gateway
+    sends it to the head with ``downstream`` (issue #20): the head tokenizes ``prompt`` if it was given no tokens,
+    opens every hop after it in parallel with its own prefill, and answers once they all answered. Without
+    ``downstream`` the hops after the head were opened already (by the gateway before issue #20, by a repair).
     """
 
     session_id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     route: Route
     hop_index: int = Field(ge=0)
-    prompt_tokens: list[int] = Field(min_length=1, description="head: to embed; tail: for penalties and counts")
+    prompt_tokens: list[int] = Field(default_factory=list,
+                                     description="head: to embed; tail: for penalties and counts (at least one; the "
+                                                 "head may be sent ``prompt`` instead)")
     max_tokens: int = Field(ge=1)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     stop: list[str] = Field(default_factory=list, max_length=16)
@@ -141,6 +155,40 @@ class SessionOpen(WireModel):
     reuse_limit: int | None = Field(default=None, ge=0, exclude_if=_none,
                                     description="head: the most prompt positions its downstream hops can reuse "
                                                 "(the least any of them reported when it opened)")
+    # Issue #20, route setup off the first token's path: the head opens the rest of the route.
+    prompt: Prompt | None = Field(default=None, exclude_if=_none,
+                                  description="head: the prompt to tokenize first (no tools: their format is the "
+                                              "gateway's to know before it opens), instead of ``prompt_tokens``")
+    fit_max_tokens: bool = Field(default=False, exclude_if=lambda v: not v,
+                                 description="head, with ``prompt``: ``max_tokens`` is a default, cut to the context "
+                                             "the prompt leaves")
+    downstream: list[HopGrant] | None = Field(default=None, exclude_if=_none,
+                                              description="head: open hops 1.. itself with these grants, one per hop "
+                                                          "after it in order, while its prefill starts")
+
+    @model_validator(mode="after")
+    def _has_a_prompt(self) -> SessionOpen:
+        if not self.prompt_tokens and self.prompt is None:
+            raise ValueError("prompt_tokens must not be empty")
+        if self.prompt is not None and (self.hop_index != 0 or self.prompt.tools is not None):
+            raise ValueError("only the head tokenizes a prompt in its open, and never one with tools")
+        if self.downstream is not None and (self.hop_index != 0 or len(self.downstream) != len(self.route.hops) - 1):
+            raise ValueError("downstream: the head's, one grant per hop after it")
+        return self
+
+
+def session_budget(n_prompt: int, max_tokens: int | None, *, default: int, context: int) -> int:
+    """The tokens a session may generate: ``max_tokens``, or without one ``default`` cut to what the prompt leaves
+    of ``context``; a 400 when the prompt is empty or the two do not fit (the gateway's and the head's same check)."""
+    if n_prompt <= 0:
+        raise BadRequestError("the prompt is empty after tokenization")
+    if n_prompt >= context:
+        raise ContextLengthError(f"the prompt has {n_prompt} tokens; this route's context is {context} tokens")
+    budget = max_tokens or min(default, context - n_prompt)
+    if n_prompt + budget > context:
+        raise ContextLengthError(f"prompt ({n_prompt} tokens) + max_tokens ({budget}) = {n_prompt + budget} "
+                                 f"exceeds the context of {context} tokens")
+    return budget
 
 
 class Speculation(WireModel):
@@ -158,6 +206,8 @@ class SessionOpened(WireModel):
     prompt_tokens: int
     reused: int = Field(default=0, ge=0, exclude_if=_zero,
                         description="prompt positions this hop took from a kept session's KV (prefix reuse)")
+    max_tokens: int | None = Field(default=None, ge=1, exclude_if=_none,
+                                   description="head, opened with ``fit_max_tokens``: the budget it settled on")
 
 
 class Resume(WireModel):

@@ -195,3 +195,9 @@ class Settings(BaseSettings):
     speculative_windows: int = Field(default=2, ge=1, le=8)
     """Most windows in flight: the next one starts, on the assumption that the one before is accepted whole, while
     that one is still going round the ring (when the measured acceptance makes it likely to pay)."""
+
+    ring_groups: int = Field(default=0, ge=0, le=64)
+    """A head's concurrent decode sessions on a route of several hops: 0 measures whether one forward pass for all
+    of them or groups that follow each other around the ring (different hops computing different sessions at the
+    same time) decode faster, and keeps the faster; 1 always puts them in one pass; k splits them into up to k
+    groups (issue #20)."""

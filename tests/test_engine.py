@@ -15,6 +15,7 @@ import pytest
 from actors.backend import StepInput, StepOutput
 from actors.backends.stub import StubBackend, StubConfig
 from actors.node.engine import StepEngine
+from actors.node.ring import RingGroups
 from schemas.errors import NodeStoppingError
 from schemas.session import SamplingParams
 
@@ -247,3 +248,32 @@ async def test_a_step_queued_while_the_worker_takes_a_batch_is_not_lost(engine: 
     taker.join()
     out, _ = await asyncio.wait_for(step, 5)
     assert out.token is not None
+
+
+@pytest.mark.parametrize(("groups", "expected"), [(1, [4]), (2, [2, 2])])
+async def test_a_heads_ring_steps_ride_in_as_many_groups_as_the_grouping_says(groups: int,
+                                                                             expected: list[int]) -> None:
+    """Four sessions' decode steps on a 2-hop route, queued together: one pass for all (1 group), or two passes of
+    two that then follow each other around the ring (2 groups). Other steps are not grouped."""
+    engine = StepEngine(RecordingStub(), ring=RingGroups(groups))
+    await engine.start()
+    try:
+        sids = [f"s{i}" for i in range(4)]
+        for sid in sids:
+            await open_session(engine, sid)
+        tokens = {}
+        for sid in sids:
+            out, _ = await engine.submit(StepInput(sid, 0, tokens=PROMPT, sample=True))
+            tokens[sid] = out.token
+        backend = engine.backend
+        backend.batches.clear()  # type: ignore[attr-defined]
+        steps = [engine.enqueue(StepInput(sid, len(PROMPT), tokens=[tokens[sid]], sample=True),  # type: ignore[list-item]
+                                inline=False, ring=("head", "tail")) for sid in sids]
+        await asyncio.gather(*steps)
+        assert [len(b) for b in backend.batches] == expected  # type: ignore[attr-defined]
+        backend.batches.clear()  # type: ignore[attr-defined]
+        await asyncio.gather(*(engine.enqueue(StepInput(sid, len(PROMPT) + 1, tokens=[tokens[sid]],  # type: ignore[list-item]
+                                                        sample=True), inline=False) for sid in sids))
+        assert [len(b) for b in backend.batches] == [4], "steps without a ring are one pass"  # type: ignore[attr-defined]
+    finally:
+        await engine.stop()

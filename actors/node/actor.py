@@ -53,6 +53,8 @@ from actors.node.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from actors.node.metrics import NodeMetrics
 from actors.node.prefix_cache import PrefixCache
 from actors.node.reuse import Reuse
+from actors.node.ring import RingGroups
+from actors.node.route_open import RouteOpening
 from actors.node.runtime import NodeRuntime
 from actors.node.session import NodeSession
 from actors.node.snapshot_store import SnapshotStore
@@ -61,6 +63,7 @@ from actors.node.standby import StandbyApi, fetch_chain
 from actors.registry import open_registry
 from actors.services import node_service
 from bus import codec
+from bus import frame as frames
 from bus.actor import NatsActor
 from bus.capability import HEADER_CAPABILITY, HEADER_SESSION_TOKEN, verifier_from_settings
 from bus.connection import keep_cancellation
@@ -77,7 +80,16 @@ from schemas.errors import (
 from schemas.frame import WireDType
 from schemas.node import Capacity, NodeAdvertisement
 from schemas.route import RepairRequest, ReplayRequest, RouteReply, RouteUpdate
-from schemas.session import CONTEXT_CAP, FailureReason, Prompt, Resume, SessionOpen, SessionOpened, TokenizeReply
+from schemas.session import (
+    CONTEXT_CAP,
+    FailureReason,
+    Prompt,
+    Resume,
+    SessionOpen,
+    SessionOpened,
+    TokenizeReply,
+    session_budget,
+)
 from schemas.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -129,7 +141,6 @@ class Node(NatsActor):
         self.config = config
         self.backend = backend
         self.subjects = Subjects(settings.namespace)
-        self.engine = StepEngine(backend)
         self.sessions: dict[str, NodeSession] = {}
         self.admission = Admission(verifier_from_settings(settings), config.node_id, skew_s=settings.capability_ttl_s)
         self.snapshots = SnapshotStore(int(settings.snapshot_budget_mb * 2**20))
@@ -146,6 +157,8 @@ class Node(NatsActor):
         self.runtime: NodeRuntime | None = None
         self.hidden_shape = tuple(backend.info.hidden_shape)
         self.metrics = NodeMetrics()
+        self.engine = StepEngine(backend, ring=RingGroups(settings.ring_groups),
+                                 on_pass=self.metrics.pass_steps.observe)
         self.draining = False
         """Set by ``drain()``: no more heartbeats, so the registry forgets this node while its sessions finish."""
         self.metrics.bind(live_sessions=lambda: len(self.sessions), max_sessions=lambda: self.backend.max_sessions,
@@ -365,6 +378,10 @@ class Node(NatsActor):
 
     async def open_session(self, request: SessionOpen) -> SessionOpened:
         grant = self.admission.admit_open(request)
+        try:
+            frames.session_bytes(request.session_id)  # frames carry it as 16 bytes
+        except ValueError as exc:
+            raise BadRequestError(str(exc), param="session_id") from exc
         if request.session_id in self.sessions:
             raise BadRequestError(f"session {request.session_id} is already open on node {self.config.node_id}")
         hops = request.route.hops
@@ -373,13 +390,6 @@ class Node(NatsActor):
         if hops[request.hop_index].layers != self.backend.layers:
             raise BadRequestError(f"route expects layers {hops[request.hop_index].layers} from node "
                                   f"{self.config.node_id}, which serves {self.backend.layers}")
-        n_ctx = min(self.backend.info.context_length, CONTEXT_CAP)
-        if len(request.prompt_tokens) + request.max_tokens > n_ctx:
-            raise ContextLengthError(f"prompt ({len(request.prompt_tokens)} tokens) + max_tokens "
-                                     f"({request.max_tokens}) exceed the context of {n_ctx} tokens")
-        n_vocab = self.backend.info.n_vocab
-        if request.hop_index == 0 and n_vocab and any(not 0 <= t < n_vocab for t in request.prompt_tokens):
-            raise BadRequestError(f"prompt token ids must lie in [0, {n_vocab}) for this model", param="prompt")
         if request.n > self.backend.max_sessions:
             raise BadRequestError(f"n={request.n} choices need as many sequences; node {self.config.node_id} holds "
                                   f"{self.backend.max_sessions}", param="n")
@@ -391,21 +401,44 @@ class Node(NatsActor):
             raise CapacityError(f"node {self.config.node_id} is full ({self.backend.max_sessions} sequences, "
                                 f"{self.sequences_in_use()} in use; this session needs {request.n})",
                                 retry_after=1.0)
-        await self.engine.call(lambda: self.backend.open_session(
-            request.session_id, prompt_tokens=request.prompt_tokens, sampling=request.sampling))
+        if request.prompt is not None:  # issue #20: the head tokenizes what the gateway did not
+            request = await self._tokenized(request)
+        n_ctx = min(self.backend.info.context_length, CONTEXT_CAP)
+        if len(request.prompt_tokens) + request.max_tokens > n_ctx:
+            raise ContextLengthError(f"prompt ({len(request.prompt_tokens)} tokens) + max_tokens "
+                                     f"({request.max_tokens}) exceed the context of {n_ctx} tokens")
+        n_vocab = self.backend.info.n_vocab
+        if request.hop_index == 0 and n_vocab and any(not 0 <= t < n_vocab for t in request.prompt_tokens):
+            raise BadRequestError(f"prompt token ids must lie in [0, {n_vocab}) for this model", param="prompt")
+        session_token = grant.session_token if grant else None
+        # The head opens the hops after it now, while it opens its own backend session and prefills (issue #20).
+        opening = RouteOpening(self._client, request, session_token) if request.downstream else None
+        try:
+            await self.engine.call(lambda: self.backend.open_session(
+                request.session_id, prompt_tokens=request.prompt_tokens, sampling=request.sampling))
+        except BaseException:
+            if opening is not None:
+                await opening.cancel()
+            raise
         assert self.runtime is not None
         role = HeadSession if request.hop_index == 0 else HopSession
         session = role(self.runtime, request, hidden_shape=self.hidden_shape, on_closed=self._session_closed)
-        session.session_token = grant.session_token if grant else None
+        session.session_token = session_token
         reused = 0
         try:
             if request.resume is not None:
                 await self._rebuild(session, request.resume)
             elif request.n == 1:
+                limit = request.reuse_limit
+                if opening is not None and self.reuse.reusable(request.prompt_tokens, request.prefill_chunk):
+                    # Prefix reuse: the head reuses no more than every hop after it holds (issue #18).
+                    limit = min(o.reused for o in await opening.result())
                 reused = await self.reuse.start(request.session_id, request.prompt_tokens, request.prefill_chunk,
-                                                request.reuse_limit)
+                                                limit)
         except BaseException:
             await self.engine.close_session(request.session_id)
+            if opening is not None:
+                await opening.cancel()
             raise
         if reused:
             session.choices.first.position = session.reused = reused
@@ -414,9 +447,30 @@ class Node(NatsActor):
         self.sessions[request.session_id] = session
         self._opened_total += 1
         self.metrics.session_opened(request.hop_index, len(hops))
+        if opening is not None and isinstance(session, HeadSession):
+            session.opening = opening  # its first frame waits for the later hops' answers
         session.start()
+        if opening is not None:
+            try:
+                await opening.result()
+            except BaseException:
+                await session.close()  # it has published nothing yet: the answer below says what failed
+                raise
         return SessionOpened(session_id=request.session_id, node_id=self.config.node_id,
-                             prompt_tokens=len(request.prompt_tokens), reused=reused)
+                             prompt_tokens=len(request.prompt_tokens), reused=reused,
+                             max_tokens=request.max_tokens if request.fit_max_tokens else None)
+
+    async def _tokenized(self, request: SessionOpen) -> SessionOpen:
+        """A head's open with a prompt instead of tokens (issue #20): tokenized here, checked against the route's
+        context as the gateway checks it, the generation budget settled."""
+        assert request.prompt is not None
+        if not self.backend.is_head:
+            raise BadRequestError(f"node {self.config.node_id} is not a head: it has no tokenizer input")
+        tokens = await self.engine.call(self.backend.tokenize, request.prompt)
+        budget = session_budget(len(tokens), None if request.fit_max_tokens else request.max_tokens,
+                                default=request.max_tokens,
+                                context=min(request.route.context_length, CONTEXT_CAP))
+        return request.model_copy(update={"prompt_tokens": tokens, "max_tokens": budget, "prompt": None})
 
     async def _rebuild(self, session: NodeSession, resume: Resume) -> None:
         """A replacement for a lost hop (issue #18): import the lost hop's snapshot chain from its standby (every

@@ -18,6 +18,14 @@ node), which adds up to 5% of a small model's decode step. Three things keep han
   again, so concurrent sessions still share forward passes;
 * ``enqueue(handoff=True)`` of the only active session blocks the loop briefly until an idle worker has taken the
   step, so that the worker does not wait for the GIL while the loop goes on publishing.
+
+Which steps ride a pass together (issue #20): before taking a batch the worker waits, briefly, only for the sessions
+that rode the last pass of the oldest queued step (its *cohort*), not for every session of the previous pass: on a
+route, sessions in different groups reach a hop at different times, and each group is one pass there. A session that
+closed is waited for no more. On a head, decode steps of routes of several hops carry the route's hop count
+(``enqueue(ring=h)``), and ``actors.node.ring.RingGroups`` says how many of them one pass may carry: all (one group:
+every hop computes the same batch in turn) or a share, so that groups follow each other around the ring and the hops
+compute different sessions at the same time, whichever it measured to be faster.
 """
 
 from __future__ import annotations
@@ -32,14 +40,15 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from actors.backend import Backend, StepInput, StepOutput
+from actors.node.ring import MERGE_HOLD_S, RingGroups, RingSessions
 from schemas.errors import NodeStoppingError, SessionNotFoundError
 
 T = TypeVar("T")
 
-GATHER_WINDOW_S = 0.0005
-"""How long the worker waits, before taking a batch, for the sessions of its previous batch to come back (their
-next frames arrive over HTTP within a fraction of a millisecond of each other). Without it a batch of n decodes
-splits into 1 and n-1 for good; a session that ended costs this once."""
+GATHER_WINDOW_S = 0.001
+"""How long the worker waits, before taking a batch, for the sessions that rode the last pass of the oldest queued
+step to come back (their next frames arrive over HTTP within a fraction of a millisecond of each other). Without it
+a batch of n decodes splits into 1 and n-1 for good."""
 
 HANDOFF_WAIT_S = 0.002
 """Longest the event loop blocks after queueing a step for an idle worker, until the worker has taken it.
@@ -47,6 +56,10 @@ HANDOFF_WAIT_S = 0.002
 The worker needs the GIL to start a pass; the loop thread, busy right after queueing (publishing the token,
 answering the request), would otherwise keep it for a switch interval at a time: ~0.4 ms per step measured on a
 2-node route. Blocking briefly hands the GIL over; the loop gets it back once the pass is inside llama.cpp."""
+
+BURST_GAP_S = 0.0002
+"""With other sessions active, the worker also waits (within ``GATHER_WINDOW_S``) while steps keep arriving less
+than this apart: the frames one pass of the hop before sends arrive back to back, and belong in one pass here."""
 
 SOLO_WINDOW_S = 0.25
 """A session counts as active on this node for this long after its last submitted step."""
@@ -99,6 +112,8 @@ class _Pending:
     chain: StepChain | None = None
     taken: threading.Event | None = None
     """Set by the worker when the pass carrying this step starts (``enqueue(handoff=True)`` waits for it)."""
+    ring: tuple[str, ...] = ()
+    """A head's decode step on a route of several hops: the route's nodes (empty: any other step)."""
 
     def abandoned(self) -> bool:
         return (self.chain is not None and self.chain.stopped) or (self.future is not None and self.future.done())
@@ -111,15 +126,24 @@ class _Call:
 
 
 class StepEngine:
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, *, ring: RingGroups | None = None,
+                 on_pass: Callable[[int], None] | None = None) -> None:
         self.backend = backend
+        self.ring = ring or RingGroups()
+        self._on_pass = on_pass
+        """Called on the worker after every forward pass with how many steps it carried (a metric)."""
         self._cond = threading.Condition()
         self._steps: list[_Pending] = []
         self._calls: collections.deque[_Call] = collections.deque()
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._expected: set[str] = set()
+        self._cohort: dict[str, frozenset[str]] = {}
+        """Worker: session id -> the sessions of the last pass it rode (the gather waits for those)."""
+        self._rings = RingSessions(self.ring, window_s=SOLO_WINDOW_S)
+        """Worker: the sessions whose ring steps (``enqueue(ring=)``) are grouped, by route."""
+        self._seen_at: dict[str, float] = {}
+        """Worker: session id -> when a pass last carried one of its steps."""
         self._busy = False
         """The worker is running a batch or a call (set under ``_cond`` when it takes the work)."""
         self._inline = False
@@ -157,13 +181,18 @@ class StepEngine:
 
     async def close_session(self, session_id: str) -> None:
         """Free a backend session on the worker, and drop every step of it still queued: a closed session's step
-        in a batch would fail the whole forward pass, and with it every other session riding in it."""
+        in a batch would fail the whole forward pass, and with it every other session riding in it. The session
+        no longer counts as active, and no batch waits for it."""
         await self.call(self._close_now, session_id)
+        self._last_step.pop(session_id, None)
 
     def _close_now(self, session_id: str) -> None:
         """On the worker thread, between forward passes."""
         self.backend.close_session(session_id)
         with self._cond:
+            self._cohort.pop(session_id, None)
+            self._seen_at.pop(session_id, None)
+            self._rings.forget(session_id)
             dropped = [p for p in self._steps if p.item.session_id == session_id]
             self._steps = [p for p in self._steps if p.item.session_id != session_id]
         for p in dropped:
@@ -186,12 +215,15 @@ class StepEngine:
         """One step; resolves when the batch it rode in has run (or at once if it ran inline)."""
         return await self.enqueue(item, handoff=True)
 
-    def enqueue(self, item: StepInput, *, handoff: bool = False) -> asyncio.Future[Result]:
+    def enqueue(self, item: StepInput, *, handoff: bool = False, inline: bool = True,
+                ring: tuple[str, ...] = ()) -> asyncio.Future[Result]:
         """``submit`` without waiting: the step is queued before this returns (cancel the future to drop it), or,
-        alone on an idle engine, already run inline (the future is done). ``handoff``: if the worker is idle,
-        block (at most ``HANDOFF_WAIT_S``) until it has taken the step."""
+        alone on an idle engine, already run inline (the future is done; ``inline=False``: never, the loop has
+        something more urgent to do meanwhile). ``handoff``: if the worker is idle, block (at most
+        ``HANDOFF_WAIT_S``) until it has taken the step. ``ring``: a head's decode step, the nodes of its route
+        (its passes are grouped, see the module's docstring)."""
         future: asyncio.Future[Result] = self._running_loop().create_future()
-        if self._claim_inline(item):
+        if self._claim_inline(item) if inline else self._touch(item):
             try:
                 future.set_result(self._run_inline(item))
             except Exception as exc:  # noqa: BLE001 - delivered to the awaiting caller, as from the worker
@@ -199,7 +231,8 @@ class StepEngine:
             return future
         # Only for a lone session: with others active the worker should wait for their steps and batch them.
         wait = handoff and not self._busy and len(self._last_step) == 1
-        pending = _Pending(item, time.perf_counter(), future=future, taken=threading.Event() if wait else None)
+        pending = _Pending(item, time.perf_counter(), future=future, taken=threading.Event() if wait else None,
+                           ring=ring if len(ring) > 1 and item.n_positions == 1 else ())
         self._enqueue(pending)
         if pending.taken is not None:
             pending.taken.wait(HANDOFF_WAIT_S)
@@ -221,6 +254,11 @@ class StepEngine:
             self._steps.extend(pendings)
             self._cond.notify()
         return [p.future for p in pendings if p.future is not None]
+
+    def _touch(self, item: StepInput) -> bool:
+        """The session is active (as ``_claim_inline`` counts it); never inline."""
+        self._last_step[item.session_id] = time.monotonic()
+        return False
 
     def _claim_inline(self, item: StepInput) -> bool:
         now = time.monotonic()
@@ -248,6 +286,8 @@ class StepEngine:
                     self._cond.notify()
         self.batches_run += 1
         self.max_batch_seen = max(self.max_batch_seen, 1)
+        if self._on_pass is not None:
+            self._on_pass(1)
         return out, StepTiming(0.0, (time.perf_counter() - started) * 1e3, 1)
 
     def chain(self, first: StepInput, follow: Follow) -> StepChain:
@@ -300,13 +340,17 @@ class StepEngine:
                 self._busy = False
 
     def _take_batch(self) -> list[_Pending]:
-        """With ``_cond`` held: wait briefly for the previous batch's sessions, then take what fits the budget."""
-        deadline = time.monotonic() + GATHER_WINDOW_S
-        while not self._expected <= {p.item.session_id for p in self._steps} and not self._calls:
-            left = deadline - time.monotonic()
-            if left <= 0 or self._stopping:
-                break
-            self._cond.wait(left)
+        """With ``_cond`` held: wait briefly for the steps that belong with the oldest queued one (``_gather``), then
+        take what fits the budget and, of a head's ring steps, what the route's grouping allows."""
+        first = next((p for p in self._steps if not p.abandoned()), None)
+        if first is not None:
+            self._gather(first)
+        now = time.monotonic()
+        self._rings.prune(now)
+        for sid in [sid for sid, t in self._seen_at.items() if now - t > SOLO_WINDOW_S]:
+            del self._seen_at[sid]
+        caps: dict[tuple[str, ...], int] = {}
+        ringed: dict[tuple[str, ...], int] = {}
         budget = self.backend.max_batch_tokens
         batch: list[_Pending] = []
         rest: list[_Pending] = []
@@ -316,16 +360,65 @@ class StepEngine:
             if p.abandoned():
                 continue
             n = p.item.n_positions
+            if p.ring and p.ring not in caps:
+                caps[p.ring] = self._ring_cap(p.ring, now)
             # A session's steps stay in order, one per pass; the first item always goes so nothing starves.
-            if p.item.session_id in seen or (batch and used + n > budget):
+            if p.item.session_id in seen or (batch and used + n > budget) or (
+                    p.ring and ringed.get(p.ring, 0) >= caps[p.ring]):
                 rest.append(p)
                 continue
             batch.append(p)
             seen.add(p.item.session_id)
             used += n
+            if p.ring:
+                ringed[p.ring] = ringed.get(p.ring, 0) + 1
+                self._rings.taken(p.item.session_id, p.ring, now)
         self._steps = rest
-        self._expected = seen
+        cohort = frozenset(seen)
+        for sid in seen:
+            self._cohort[sid] = cohort
+            self._seen_at[sid] = now
+        self.ring.stepped(sum(ringed.values()))
         return batch
+
+    def _ring_cap(self, route: tuple[str, ...], now: float) -> int:
+        """How many ring steps of ``route`` one pass may carry, by its grouping."""
+        queued = {p.item.session_id for p in self._steps if p.ring == route}
+        return self._rings.cap(route, len(self._rings.on(route, queued)), now)
+
+    def _gather(self, first: _Pending) -> None:
+        """With ``_cond`` held, wait for what belongs in one pass with ``first``: the sessions of the last pass it
+        rode (its cohort, for at most ``GATHER_WINDOW_S``), steps still arriving back to back (other sessions
+        active), and, for a head's ring step whose group is smaller than its route's grouping wants, the route's
+        sessions due within ``MERGE_HOLD_S`` (groups that drifted apart merge once, then stay together)."""
+        start = time.monotonic()
+        expected = self._cohort.get(first.item.session_id, frozenset())
+        others = any(sid != first.item.session_id for sid in self._seen_at)
+        merge: set[str] = set()
+        cap = 1
+        if first.ring:
+            on_route = {p.item.session_id for p in self._steps if p.ring == first.ring}
+            cap = self._ring_cap(first.ring, start)
+            if len(on_route) < cap:
+                merge = self._rings.due(first.ring, start, MERGE_HOLD_S) - on_route
+        count, last = len(self._steps), start
+        while not self._calls and not self._stopping:
+            now = time.monotonic()
+            if len(self._steps) != count:
+                count, last = len(self._steps), now
+            queued = {p.item.session_id for p in self._steps}
+            until: float | None = None
+            if now < start + GATHER_WINDOW_S:
+                if any(sid not in queued and sid in self._cohort for sid in expected):  # not closed meanwhile
+                    until = start + GATHER_WINDOW_S
+                elif others and now - last < BURST_GAP_S:
+                    until = last + BURST_GAP_S
+            if merge and now < start + MERGE_HOLD_S and any(sid not in queued for sid in merge) and \
+                    sum(1 for p in self._steps if p.ring == first.ring) < cap:
+                until = start + MERGE_HOLD_S
+            if until is None:
+                return
+            self._cond.wait(max(0.0, until - now))
 
     def _run_call(self, call: _Call) -> None:
         try:
@@ -348,6 +441,8 @@ class StepEngine:
         compute_ms = (time.perf_counter() - started) * 1e3
         self.batches_run += 1
         self.max_batch_seen = max(self.max_batch_seen, len(batch))
+        if self._on_pass is not None:
+            self._on_pass(len(batch))
         results = [(p, (out, StepTiming((started - p.queued_at) * 1e3, compute_ms, len(batch))))
                    for p, out in zip(batch, outputs, strict=True)]
         followers = [self._follow(p, r[0]) for p, r in results]

@@ -27,6 +27,7 @@ from actors.backend import StepInput, StepOutput
 from actors.node.choices import Choice
 from actors.node.engine import StepChain, StepTiming
 from actors.node.repair import RepairFailed, RouteRepair, phase_after
+from actors.node.route_open import RouteOpening
 from actors.node.runtime import NodeRuntime
 from actors.node.session import NodeSession, SessionFailed, StepFuture
 from actors.node.spec_head import SpeculativeDecode
@@ -70,6 +71,13 @@ class HeadSession(NodeSession):
         """Nodes this session lost: never routed to again (issue #18)."""
         self._repairing = False
         """A repair is under way: tokens of the old route are dropped (the repaired one samples them again)."""
+        self.opening: RouteOpening | None = None
+        """The hops after the head, still opening (issue #20: the head opens them while its prefill starts)."""
+
+    @property
+    def ring_key(self) -> tuple[str, ...]:
+        """Its decode steps' route, for the engine's grouping of sessions around the ring (issue #20)."""
+        return tuple(h.node_id for h in self.route.hops)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
 
@@ -120,7 +128,9 @@ class HeadSession(NodeSession):
         if event.finish_reason is None and not self.closed and choice.prefetched is None:
             self.phase = SessionPhase.DECODE  # the first token ends the prefill, on every count
             item = self._decode_step(choice, event.token)
-            step = self.rt.engine.enqueue(item, handoff=True)
+            # The first token goes to the client before the step it feeds (its TTFT would wait a whole decode
+            # step); that step runs on the worker meanwhile. Every later one: the step first (inline if it can).
+            step = self.rt.engine.enqueue(item, handoff=True, inline=event.seq > 0, ring=self.ring_key)
             forwarded = step.done() and not step.cancelled() and step.exception() is None
             if forwarded:
                 # It ran inline: the frame leaves now, before the driver task even wakes (failures go its way).
@@ -133,8 +143,8 @@ class HeadSession(NodeSession):
 
     async def _drive(self) -> None:
         try:
-            await self.telemetry.set_phase(SessionPhase.PREFILL)
-            await self._prefill()
+            if not await self._prefill():
+                return  # the hops after it did not open: the open's answer says why, and closes the session
             while True:
                 try:
                     await self._decode()
@@ -154,11 +164,12 @@ class HeadSession(NodeSession):
             await self._fail(FailureReason(node_id=self.rt.node_id, phase=self.phase, kind="internal",
                                            message=f"{type(exc).__name__}: {exc}"))
 
-    async def _prefill(self) -> None:
+    async def _prefill(self) -> bool:
+        """Prefill the prompt, chunk by chunk; False if the hops after the head could not be opened (nothing is
+        sent or published then). The first chunk starts computing before the head knows they all opened."""
         tokens = self.request.prompt_tokens
         chunk = self.request.prefill_chunk
-        if self.reused:  # prefix reuse: every hop holds the first ``reused`` positions already
-            await self.telemetry.prefill_progress(self.reused, len(tokens), reused=self.reused)
+        announced = False
         for start in range(self.position, len(tokens), chunk):
             part = tokens[start:start + chunk]
             last = start + len(part) >= len(tokens)
@@ -166,7 +177,16 @@ class HeadSession(NodeSession):
             # n > 1: the last chunk forks the prompt's KV into every choice (on the tail: their first tokens too).
             item = StepInput(self.id, start, tokens=part, sample=last and self.is_tail,
                              forks=self.choices.fork_ids() if last else ())
-            out, timing = await self._compute(first, item)
+            queued = self.rt.engine.enqueue(item, handoff=True)
+            if not announced:
+                announced = True
+                if self.opening is not None and not await self.opening.done():
+                    queued.cancel()
+                    return False
+                await self.telemetry.set_phase(SessionPhase.PREFILL)
+                if self.reused:  # prefix reuse: every hop holds the first ``reused`` positions already
+                    await self.telemetry.prefill_progress(self.reused, len(tokens), reused=self.reused)
+            out, timing = await self._compute(first, item, queued)
             forks = self._fork(first.position) if item.forks else []
             self.touch()
             if self.is_tail:
@@ -179,6 +199,7 @@ class HeadSession(NodeSession):
                 assert out.hidden is not None
                 self._queue_frame(FrameKind.PREFILL, start, out.hidden, last, 0, (self._stamp(timing),))
             await self.telemetry.prefill_progress(start + len(part), len(tokens))
+        return True
 
     async def _decode(self) -> None:
         if self.request.n > 1:

@@ -13,6 +13,7 @@ Series (all names prefixed ``swarmroute_``)::
     node_kv_bytes                             KV memory in use (backend's count)
     node_step_seconds{kind}                   backend compute of one step (prefill chunk / decode position)
     node_queue_seconds                        wait for the backend worker before a step ran
+    node_pass_steps                           steps (of as many sessions) one forward pass carried
     node_hop_seconds{peer,kind}               sending a frame (or token) to the next hop until it answered;
                                               a hop answers after computing, so this is link + peer compute
     node_link_overhead_seconds                head: per-link cost of a decode step, (wall - compute) / links
@@ -90,6 +91,8 @@ class NodeMetrics:
         self.kv_bytes = Gauge("swarmroute_node_kv_bytes", "KV memory in use", registry=r)
         self.step_seconds = Histogram("swarmroute_node_step_seconds", "Backend compute of one step",
                                       ["kind"], buckets=_FAST, registry=r)
+        self.pass_steps = Histogram("swarmroute_node_pass_steps", "Steps (of as many sessions) in one forward pass",
+                                    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64), registry=r)
         self.queue_seconds = Histogram("swarmroute_node_queue_seconds", "Wait for the backend worker", buckets=_FAST,
                                        registry=r)
         self.hop_seconds = Histogram("swarmroute_node_hop_seconds", "Send to the next hop until it answered "

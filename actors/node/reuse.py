@@ -47,6 +47,14 @@ class Reuse:
                   for start in range(0, position, chunk)]
         self.cache.keep(session_id, Kept(tokens=tokens[:position], pieces=pieces, chunk=chunk, token=token))
 
+    def reusable(self, prompt: list[int], chunk: int) -> int:
+        """How many positions of ``prompt`` this node could give a new session (nothing is imported)."""
+        if self._kv is None or not self.cache.enabled:
+            return 0
+        kept = self.cache.match(prompt, chunk)
+        seeded = self._seed(prompt, chunk)
+        return max(kept[1] if kept is not None else 0, seeded[1] if seeded is not None else 0)
+
     async def start(self, session_id: str, prompt: list[int], chunk: int, limit: int | None) -> int:
         """Give a just-opened session (at position 0) the longest prefix of ``prompt`` this node can rebuild, at
         most ``limit`` positions; returns how many (0: it prefills from the start)."""
