@@ -15,7 +15,12 @@ three in this order, each the same prompt):
 * ``route-1``       swarmroute with one ``swarmroute node`` holding the whole model, ``--threads 2``: the serving
                     stack (gateway, tracker, NATS, one node) without a route;
 * ``route-2``       two ``swarmroute node`` processes, ``--threads 1`` each (layers 0:9 and 9:18): the same total
-                    threads as the reference, and issue #20's target, TTFT <= 1.25x llama-server's.
+                    threads as the reference, and issue #20's target, TTFT <= 1.25x llama-server's;
+* ``route-2x2``     the same route with ``--threads 2`` per node: each node with the reference's threads, as two
+                    2-core machines would be (in one lone session's prefill only one node computes at a time, so
+                    they do not compete for the cores here). A short prompt is one prefill chunk, which the hops
+                    compute one after the other: route-2's compute alone is the two halves at one thread each
+                    (~1.5x llama-server's whole TTFT on a 2-core Xeon), so route-2x2 is what shows the setup cost.
 
 Tracker, gateway and nodes are processes of their own (tests/bench/route_procs.py), default settings. The
 breakdown comes from Prometheus scrapes of the gateway and of every node before and after each request (requests
@@ -53,6 +58,8 @@ from tests.bench.route_procs import MODEL_ID, ProcessRoute, delta, scrape
 WORDS = ("apple", "river", "stone", "cloud", "maple", "tiger", "piano", "candle", "garden", "rocket", "violet",
          "harbor", "copper", "meadow", "falcon", "lantern", "orchid", "glacier", "saddle", "willow")
 TARGET = 1.25
+ROUTES = (("route-1", [2]), ("route-2", [1, 1]), ("route-2x2", [2, 2]))
+"""Each configuration's nodes, by their ``--threads``."""
 """Issue #20: route-2's short-prompt TTFT at most this times llama-server's."""
 
 
@@ -112,12 +119,12 @@ async def run(args: argparse.Namespace) -> int:
     model = Path(g.assemble(Path.home() / ".cache" / "swarmroute" / "models" / "gemma-3-270m-q4_k_m.gguf"))
     build()  # before anything starts: the first build takes ~10 minutes
     load = [os.getloadavg()[0]]
-    ttft: dict[str, list[float]] = {"llama-server": [], "route-1": [], "route-2": []}
-    breakdown = {"route-1": Breakdown(), "route-2": Breakdown()}
+    ttft: dict[str, list[float]] = {"llama-server": [], **{name: [] for name, _ in ROUTES}}
+    breakdown = {name: Breakdown() for name, _ in ROUTES}
     routes: dict[str, ProcessRoute] = {}
     with tempfile.TemporaryDirectory(prefix="bench-ttft-") as tmp:
         try:
-            for name, threads in (("route-1", [2]), ("route-2", [1, 1])):
+            for name, threads in ROUTES:
                 routes[name] = await asyncio.to_thread(ProcessRoute, model, threads, Path(tmp) / name)
             async with llama_server(model, threads=2, ctx=1024) as server:
                 clients = {"llama-server": openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused",
@@ -126,7 +133,7 @@ async def run(args: argparse.Namespace) -> int:
                     clients[name] = openai.AsyncOpenAI(base_url=route.url, api_key="unused", max_retries=0,
                                                        timeout=120)
                 extra: dict[str, dict[str, Any]] = {"llama-server": {"cache_prompt": False}}
-                model_of: dict[str, str] = {"llama-server": "gemma", "route-1": MODEL_ID, "route-2": MODEL_ID}
+                model_of: dict[str, str] = {"llama-server": "gemma", **{name: MODEL_ID for name, _ in ROUTES}}
                 for name, client in clients.items():  # warm-up: first requests pay one-off costs
                     for i in range(3):
                         await first_chunk(client, model_of[name], f"Warm up {i}.", args.tokens, extra.get(name))
@@ -160,7 +167,7 @@ def report(ttft: dict[str, list[float]], breakdown: dict[str, Breakdown], load: 
           f"{args.rounds} interleaved rounds; medians (p25-p75)")
     print(f"{'configuration':<34} {'TTFT ms':>8} {'p25-p75':>13} {'vs llama-server':>16}")
     labels = {"llama-server": "llama-server (2 threads)", "route-1": "route-1 (1 node x 2 threads)",
-              "route-2": "route-2 (2 nodes x 1 thread)"}
+              "route-2": "route-2 (2 nodes x 1 thread)", "route-2x2": "route-2x2 (2 nodes x 2 threads)"}
     for name, values in ttft.items():
         q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
         note = f"  target <= {TARGET:.2f}x" if name == "route-2" else ""
@@ -178,13 +185,16 @@ def report(ttft: dict[str, list[float]], breakdown: dict[str, Breakdown], load: 
         ("  head prefill compute", lambda b: b.median("head_prefill")),
         ("  tail prefill compute (+output, sample)", lambda b: b.median("tail_prefill")),
         ("  queue for the workers (every node)", lambda b: b.median("queue")),
+        ("gateway TTFT - prefill compute (overhead)", lambda b: b.median("gateway") - b.median("head_prefill")
+         - b.median("tail_prefill")),
     ]
     print("\nWhere the first token waits (medians per step, ms; steps overlap where the text says so)")
-    print(f"{'step':<42} {'route-1':>8} {'route-2':>8}")
+    print(f"{'step':<42} " + " ".join(f"{name:>9}" for name, _ in ROUTES))
     for label, value in rows:
-        print(f"{label:<42} {value(breakdown['route-1']):>8.1f} {value(breakdown['route-2']):>8.1f}")
+        print(f"{label:<42} " + " ".join(f"{value(breakdown[name]):>9.1f}" for name, _ in ROUTES))
     print(f"\nroute-2 / llama-server = {med['route-2'] / reference:.2f}x (target <= {TARGET:.2f}x); "
-          f"route-1 / llama-server = {med['route-1'] / reference:.2f}x")
+          f"route-1 / llama-server = {med['route-1'] / reference:.2f}x; "
+          f"route-2x2 / llama-server = {med['route-2x2'] / reference:.2f}x")
     print(f"load average (1 min) at the start, after each round: {', '.join(f'{x:.1f}' for x in load)} on "
           f"{os.cpu_count()} cores (the machine is shared: compare ratios within this run)")
 

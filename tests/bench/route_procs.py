@@ -25,11 +25,12 @@ N_LAYERS = 18
 
 
 class ProcessRoute:
-    """``threads[i]`` is node i's ``--threads``; the nodes split the 18 layers near-evenly in order (node 0 is the
+    """``threads[i]`` is node i's ``--threads``; the nodes split the 18 layers near-evenly in order, or as ``layers``
+    says (node 0 is the
     head, the last one the tail). ``env``: extra environment (``SWARMROUTE_*`` settings) for every process."""
 
     def __init__(self, model: Path, threads: Sequence[int], home: Path, *, max_sessions: int = 4, ctx: int = 1024,
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None, layers: Sequence[tuple[int, int]] | None = None) -> None:
         import os
 
         self.nats = EmbeddedNats(NatsServerConfig(store_dir=home / "nats")).start()
@@ -39,7 +40,7 @@ class ProcessRoute:
         swarm = [sys.executable, "-m", "swarmroute"]
         self.procs: list[subprocess.Popen[bytes]] = [subprocess.Popen([*swarm, "tracker", *common], env=environment)]
         self.node_urls: list[str] = []
-        self.layers = split_layers(N_LAYERS, len(threads))
+        self.layers = list(layers) if layers is not None else split_layers(N_LAYERS, len(threads))
         try:
             for i, ((a, b), n_threads) in enumerate(zip(self.layers, threads, strict=True)):
                 port = free_port()
