@@ -39,7 +39,7 @@ from pathlib import Path
 
 import openai
 
-from tests.bench.route_procs import MODEL_ID, ProcessRoute, delta, scrape
+from tests.bench.route_procs import MODEL_ID, ProcessRoute, delta, load_line, scrape
 
 CONFIGS = {"route-1": [2], "route-2": [1, 1], "route-2b": [1, 1], "route-3": [1, 1, 1]}
 LAYERS = {"route-2b": [(0, 14), (14, 18)]}
@@ -138,8 +138,7 @@ def report(figures: dict[str, dict[str, list[float]]], rows: dict[str, list[list
         print(f"{labels[name]:<30} {together:>14.1f} {r_together:>9.2f}x {aggregate:>10.1f} {r_aggregate:>9.2f}x "
               f"{statistics.median(f['alone']):>11.1f}  "
               f"{' '.join(f'{statistics.median(x):.2f}' for x in zip(*rows[name], strict=True))}{note}")
-    print(f"load average (1 min) at the start, after each round: {', '.join(f'{x:.1f}' for x in load)} on "
-          f"{os.cpu_count()} cores (the machine is shared: compare ratios within this run)")
+    print(load_line(load))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,7 +53,7 @@ from typing import Any
 import openai
 
 from tests.bench.llama_server import build, llama_server
-from tests.bench.route_procs import MODEL_ID, ProcessRoute, delta, scrape
+from tests.bench.route_procs import MODEL_ID, ProcessRoute, delta, load_line, scrape
 
 WORDS = ("apple", "river", "stone", "cloud", "maple", "tiger", "piano", "candle", "garden", "rocket", "violet",
          "harbor", "copper", "meadow", "falcon", "lantern", "orchid", "glacier", "saddle", "willow")
@@ -140,13 +140,13 @@ async def run(args: argparse.Namespace) -> int:
                 for r in range(args.rounds):
                     prompt = prompt_of(r)
                     for name, client in clients.items():
-                        route = routes.get(name)
-                        before = await asyncio.to_thread(Breakdown.scrape_all, route) if route else []
+                        measured = routes.get(name)
+                        before = await asyncio.to_thread(Breakdown.scrape_all, measured) if measured else []
                         ms = await first_chunk(client, model_of[name], prompt, args.tokens, extra.get(name))
                         ttft[name].append(ms)
-                        if route is not None:
+                        if measured is not None:
                             await asyncio.sleep(0.05)  # the session's last metrics land after its end
-                            breakdown[name].add(ms, before, await asyncio.to_thread(Breakdown.scrape_all, route))
+                            breakdown[name].add(ms, before, await asyncio.to_thread(Breakdown.scrape_all, measured))
                     load.append(os.getloadavg()[0])
                     print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k} {v[-1]:.0f} ms" for k, v in ttft.items()),
                           file=sys.stderr, flush=True)
@@ -195,8 +195,7 @@ def report(ttft: dict[str, list[float]], breakdown: dict[str, Breakdown], load: 
     print(f"\nroute-2 / llama-server = {med['route-2'] / reference:.2f}x (target <= {TARGET:.2f}x); "
           f"route-1 / llama-server = {med['route-1'] / reference:.2f}x; "
           f"route-2x2 / llama-server = {med['route-2x2'] / reference:.2f}x")
-    print(f"load average (1 min) at the start, after each round: {', '.join(f'{x:.1f}' for x in load)} on "
-          f"{os.cpu_count()} cores (the machine is shared: compare ratios within this run)")
+    print(load_line(load))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,7 @@ Not a benchmark itself (the runner only picks up ``bench_*.py``): ``bench_ttft``
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import urllib.request
@@ -97,3 +98,9 @@ def scrape(url: str) -> dict[str, float]:
 def delta(before: Mapping[str, float], after: Mapping[str, float], name: str) -> float:
     """How much one series grew between two scrapes (0 if it is in neither)."""
     return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+def load_line(load: Sequence[float]) -> str:
+    """The load averages a bench sampled, and why its ratios (not its timings) are what to compare."""
+    return (f"load average (1 min) at the start, after each round: {', '.join(f'{x:.1f}' for x in load)} on "
+            f"{os.cpu_count()} cores (the machine is shared: compare ratios within this run)")
