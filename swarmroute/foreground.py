@@ -65,22 +65,17 @@ def node_id(args: argparse.Namespace) -> str:
 
 
 def node_backend(args: argparse.Namespace, settings: Settings) -> tuple[Backend, Identity] | None:
-    """The node's backend, built (a llama.cpp backend proven in a child first) and warmed up; None, said on
-    stderr, if it crashed its proof (exit with ``BACKEND_CRASHED``)."""
-    from actors.selfcheck import BackendCrashedError, warm_up
+    """The node's backend, built (a llama.cpp backend proven in a child first; the node warms it up on its
+    engine's thread when it starts); None, said on stderr, if it crashed its proof (exit with
+    ``BACKEND_CRASHED``)."""
+    from actors.selfcheck import BackendCrashedError
     from swarmroute.backends import build_backend
 
     try:
-        backend, identity = build_backend(args, settings)
+        return build_backend(args, settings)
     except BackendCrashedError as exc:
         print(f"swarmroute node: {exc.message}", file=sys.stderr, flush=True)
         return None
-    try:
-        warm_up(backend)
-    except BaseException:
-        backend.close()
-        raise
-    return backend, identity
 
 
 def make_node(args: argparse.Namespace, settings: Settings, backend: Backend, identity: Identity, *, name: str,
@@ -98,14 +93,16 @@ def make_node(args: argparse.Namespace, settings: Settings, backend: Backend, id
 
 def draft_backend(args: argparse.Namespace, settings: Settings, backend: Backend) -> Backend | None:
     """The draft model a head runs for speculative sessions (``--draft-model`` or ``SWARMROUTE_DRAFT_MODEL``, issue
-    #20): a whole GGUF with the served model's vocabulary, on as many threads as the node."""
+    #20): a whole GGUF with the served model's vocabulary, on one thread."""
     path = getattr(args, "draft_model", None) or settings.draft_model
     if path is None or not backend.is_head:
         return None
     from actors.backends import load_backend
 
+    # One thread: its engine's worker is a second thread starting llama.cpp passes in this process, and a second
+    # OpenMP pool there would make both models' passes sleep at every barrier (actors/node/engine.py).
     draft = load_backend("llamacpp", model_path=path, max_sessions=backend.max_sessions, n_ctx=min(
-        backend.info.context_length, 4096), threads=backend.info.threads or 1, allow_amx=settings.llama_amx,
+        backend.info.context_length, 4096), threads=1, allow_amx=settings.llama_amx,
                          native_dir=settings.home / "native")
     if draft.info.n_vocab != backend.info.n_vocab:
         draft.close()

@@ -17,6 +17,7 @@ from actors.backends.stub import StubBackend, StubConfig
 from actors.node.engine import StepEngine
 from actors.node.ring import RingGroups
 from schemas.errors import NodeStoppingError
+from schemas.node import BackendInfo
 from schemas.session import SamplingParams
 
 PROMPT = [1, 72, 105, 33]
@@ -275,5 +276,31 @@ async def test_a_heads_ring_steps_ride_in_as_many_groups_as_the_grouping_says(gr
         await asyncio.gather(*(engine.enqueue(StepInput(sid, len(PROMPT) + 1, tokens=[tokens[sid]],  # type: ignore[list-item]
                                                         sample=True), inline=False) for sid in sids))
         assert [len(b) for b in backend.batches] == [4], "steps without a ring are one pass"  # type: ignore[attr-defined]
+    finally:
+        await engine.stop()
+
+
+class ThreadedStub(RecordingStub):
+    """Says it computes on two threads, as a llama.cpp backend with ``threads=2`` does."""
+
+    @property
+    def info(self) -> BackendInfo:
+        return super().info.model_copy(update={"threads": 2})
+
+
+async def test_a_multi_threaded_backend_computes_every_step_on_the_worker_thread() -> None:
+    """llama.cpp and torch compute a pass on several OpenMP threads, and libgomp keeps a thread pool per thread that
+    starts one: passes from the loop thread as well as the worker leave two pools, and every pass slows down ~1.6x
+    (measured: the engine's docstring). So with more than one thread nothing runs inline, not even a lone decode."""
+    backend = ThreadedStub()
+    engine = StepEngine(backend)
+    await engine.start()
+    try:
+        assert not engine.may_inline
+        await open_session(engine, "a")
+        out, _ = await engine.submit(StepInput("a", 0, tokens=PROMPT, sample=True))
+        for i in range(3):
+            out, timing = await engine.submit(StepInput("a", len(PROMPT) + i, tokens=[out.token], sample=True))  # type: ignore[list-item]
+        assert backend.threads == {"backend"}
     finally:
         await engine.stop()

@@ -6,13 +6,17 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
+from actors.backend import StepInput, StepOutput
 from actors.backends.stub import StubBackend, StubConfig
+from actors.node import Node, NodeConfig
 from actors.selfcheck import describe_exit, prove_in_child, warm_up
 from schemas.errors import BackendCrashedError
+from schemas.settings import Settings
 
 
 def _child(code: str) -> list[str]:
@@ -92,3 +96,24 @@ def test_a_node_whose_self_check_crashes_exits_non_zero_with_the_message(tmp_pat
     assert done.returncode == 3, done.stderr[-2000:]
     assert ("swarmroute node: the llama.cpp build on this machine crashes on decode (killed by signal 11 (SIGSEGV)); "
             "see docs/llamacpp-backend.md") in done.stderr
+
+
+class ThreadRecordingStub(StubBackend):
+    """The stub, remembering which thread ran each forward pass."""
+
+    def __init__(self) -> None:
+        super().__init__(StubConfig(model="m", n_layers=8))
+        self.pass_threads: list[str] = []
+
+    def step(self, batch: list[StepInput]) -> list[StepOutput]:
+        self.pass_threads.append(threading.current_thread().name)
+        return super().step(batch)
+
+
+async def test_a_starting_node_warms_its_backend_up_on_its_engines_thread(settings: Settings) -> None:
+    """Before it advertises, and on the thread that runs every later pass: a warm-up on the thread that loaded the
+    model would leave a second OpenMP pool in the process, and every pass after it ~1.6x slower (engine.py)."""
+    backend = ThreadRecordingStub()
+    async with Node(NodeConfig(node_id="warm", model_id="m"), backend, settings) as node:
+        assert backend.pass_threads == ["backend", "backend"], "a prefill and a decode step, on the worker"
+        assert backend.open_sessions == [] and node.advertisement is not None

@@ -124,7 +124,7 @@ def test_a_node_cuts_and_loads_an_unproven_architecture_only_with_the_flag(tmp_p
     backend, identity = build_backend(node(FLAG), settings)  # cut, verified, proven in a child
     try:
         assert (backend.layers.start, backend.layers.end) == (2, 4) and identity.verified
-        warm_up(backend)  # and it computes, as cmd_node has it do before advertising
+        warm_up(backend)  # and it computes, as a node has it do when it starts, before advertising
     finally:
         backend.close()
 

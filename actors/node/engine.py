@@ -15,7 +15,13 @@ node), which adds up to 5% of a small model's decode step. Three things keep han
 * a one-position step of the only active session, with the worker idle, runs *inline* on the event loop thread
   (``submit``): there is nothing to batch it with, and the loop would only wait for it. The loop is blocked for
   one decode step, never for a prefill chunk; with a second active session everything goes through the worker
-  again, so concurrent sessions still share forward passes;
+  again, so concurrent sessions still share forward passes. Only for a backend computing on one thread
+  (``BackendInfo.threads`` = 1): llama.cpp (and torch) run a pass on several threads with OpenMP, and libgomp
+  keeps one thread pool per thread that starts a parallel region. Passes started from two threads mean two pools,
+  more OpenMP threads than cores, and libgomp then stops spinning at barriers and sleeps on a futex instead, at
+  every one of the hundreds of barriers of a pass: a 14-token prefill of the bundled model on 2 threads took 64 ms
+  instead of 40 when decode steps ran on another thread than prefill chunks (measured, Xeon, 2 cores), and the
+  same as on one thread;
 * ``enqueue(handoff=True)`` of the only active session blocks the loop briefly until an idle worker has taken the
   step, so that the worker does not wait for the GIL while the loop goes on publishing.
 
@@ -150,6 +156,8 @@ class StepEngine:
         """A step runs on the loop thread (guarded by ``_cond``); the worker takes nothing meanwhile."""
         self._last_step: dict[str, float] = {}
         """Session id -> when it last submitted a step (monotonic): who is active, for the inline decision."""
+        self.may_inline = (backend.info.threads or 1) == 1
+        """Steps may run on the loop thread: only a backend on one thread (module docstring: OpenMP's pools)."""
         self.batches_run = 0
         self.max_batch_seen = 0
 
@@ -267,7 +275,7 @@ class StepEngine:
         if len(last) > 1:
             for sid in [sid for sid, t in last.items() if now - t > SOLO_WINDOW_S]:
                 del last[sid]
-        if item.n_positions != 1 or len(last) != 1:
+        if item.n_positions != 1 or len(last) != 1 or not self.may_inline:
             return False
         with self._cond:
             if self._busy or self._inline or self._steps or self._calls or self._stopping:
