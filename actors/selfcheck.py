@@ -30,7 +30,8 @@ from schemas.session import SamplingParams
 __all__ = ["BackendCrashedError", "describe_exit", "prove_in_child", "warm_up"]
 
 DOCS = "docs/llamacpp-backend.md#cpus-amx-and-the-start-up-self-check"
-_SESSION = "swarmroute-selfcheck"
+WARM_UP_SESSION = "swarmroute-selfcheck"
+"""The session id of the warm-up, which a node runs on its backend when it starts."""
 _PREFILL_POSITIONS = 16
 """Enough rows for ggml's multi-row (gemm, repacked) kernels, not only the one-row decode path."""
 _CHILD_CODE = "from actors.selfcheck import child_main; child_main()"
@@ -51,11 +52,11 @@ def describe_exit(status: int) -> str:
 def warm_up(backend: Backend) -> None:
     """One prefill of a few positions and one decode step through the backend's own layers, then free them."""
     positions = max(1, min(_PREFILL_POSITIONS, backend.info.context_length - 2))
-    backend.open_session(_SESSION, prompt_tokens=[0] * positions, sampling=SamplingParams(temperature=0.0))
+    backend.open_session(WARM_UP_SESSION, prompt_tokens=[0] * positions, sampling=SamplingParams(temperature=0.0))
     try:
         next_token = 0
         for start, n in ((0, positions), (positions, 1)):
-            item = StepInput(_SESSION, start, sample=backend.is_tail)
+            item = StepInput(WARM_UP_SESSION, start, sample=backend.is_tail)
             if backend.is_head:
                 item.tokens = [next_token] * n
             else:
@@ -63,7 +64,7 @@ def warm_up(backend: Backend) -> None:
             out = backend.step([item])[0]
             next_token = out.token if out.token is not None else 0
     finally:
-        backend.close_session(_SESSION)
+        backend.close_session(WARM_UP_SESSION)
 
 
 def prove_in_child(kind: str, options: dict[str, Any], *, timeout_s: float = 600.0,

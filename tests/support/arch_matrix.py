@@ -21,6 +21,7 @@ from actors.backend import StepInput, StepOutput
 from actors.backends import load_backend
 from actors.backends.llamacpp.backend import LlamaCppBackend
 from actors.node import Node, NodeConfig
+from actors.selfcheck import WARM_UP_SESSION
 from actors.tracker import Tracker
 from artifacts.synthetic.matrix import Bounds, MatrixCase, ranges
 from bus.server import EmbeddedNats
@@ -126,7 +127,8 @@ def kv_growth(hops: Sequence[LlamaCppBackend], tokens: list[int], *, first: int 
 
 class RecordingBackend:
     """A real backend that also keeps the tail's picks and the logits they were drawn from, so a test can compare
-    what a route computed with the reference run. Everything else is the wrapped backend's."""
+    what a route computed with the reference run (the node's start-up warm-up left out). Everything else is the
+    wrapped backend's."""
 
     def __init__(self, inner: LlamaCppBackend) -> None:
         self.inner = inner
@@ -138,7 +140,7 @@ class RecordingBackend:
     def step(self, batch: list[StepInput]) -> list[StepOutput]:
         outputs = self.inner.step(batch)
         for item, out in zip(batch, outputs, strict=True):
-            if item.sample and out.token is not None:
+            if item.sample and out.token is not None and item.session_id != WARM_UP_SESSION:
                 self.run.picks.append(out.token)
                 self.run.logits.append(self.inner.last_logits(item.session_id))
         return outputs
