@@ -7,7 +7,7 @@ batch-noise bound (``BATCH_NOISE``)."""
 
 from __future__ import annotations
 
-import itertools
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +17,7 @@ import pytest
 import pytest_asyncio
 
 from bus.server import EmbeddedNats
-from tests.support.swarm import Swarm, make_settings, start_swarm
+from tests.support.swarm import Swarm, gemma_route
 from tests.test_llamacpp_gateway import BATCH_NOISE
 
 pytest.importorskip("llama_cpp")
@@ -26,35 +26,19 @@ pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 MODEL = "gemma"
 SYSTEM = ("You are a careful assistant for a harbour office. You answer questions about tides, berths, cranes, "
           "customs forms and the opening hours of the harbour office, briefly and exactly. ") * 4
-_namespaces = itertools.count()
-
-
-async def route(nats_url: str, gemma_path: Path, work: Path, **kw: Any) -> Swarm:
-    from actors.backends import load_backend
-
-    (work / "shards").mkdir(parents=True, exist_ok=True)
-    backends = [load_backend("llamacpp", model_path=gemma_path, n_ctx=2048, max_sessions=2, threads=1,
-                             layer_start=a, layer_end=b, shard_dir=work / "shards") for a, b in ((0, 9), (9, 18))]
-    settings = make_settings(nats_url, work / "home", namespace=f"reuse{next(_namespaces)}", token_timeout_s=60.0,
-                             first_token_timeout_s=120.0, hop_timeout_s=60.0, prefill_chunk=64, **kw)
-    swarm = await start_swarm(settings, backends, model_id=MODEL)
-    swarm.backends = backends  # type: ignore[attr-defined]
-    return swarm
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def routes(module_nats: EmbeddedNats, gemma_path: Path,
                  tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple[Swarm, Swarm]]:
     work = tmp_path_factory.mktemp("reuse")
-    warm = await route(module_nats.url, gemma_path, work / "warm")
-    cold = await route(module_nats.url, gemma_path, work / "cold", prefix_cache_mb=0)
-    try:
+    common: dict[str, Any] = dict(max_sessions=2, threads=1, cuts=(0, 9, 18), n_ctx=2048, prefill_chunk=64)
+    async with contextlib.AsyncExitStack() as stack:
+        warm = await stack.enter_async_context(gemma_route(module_nats.url, gemma_path, work / "warm",
+                                                           namespace="reuse-warm", **common))
+        cold = await stack.enter_async_context(gemma_route(module_nats.url, gemma_path, work / "cold",
+                                                           namespace="reuse-cold", prefix_cache_mb=0, **common))
         yield warm, cold
-    finally:
-        for swarm in (warm, cold):
-            await swarm.stop()
-            for backend in swarm.backends:  # type: ignore[attr-defined]
-                backend.close()
 
 
 async def chat(swarm: Swarm, messages: list[dict[str, str]], **kw: Any) -> Any:

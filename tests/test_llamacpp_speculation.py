@@ -9,7 +9,7 @@ on the stub and torch backends (tests/test_speculative_route.py) there are none.
 
 from __future__ import annotations
 
-import itertools
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,7 @@ import pytest
 import pytest_asyncio
 
 from bus.server import EmbeddedNats
-from tests.support.swarm import Swarm, make_settings, start_swarm
+from tests.support.swarm import Swarm, gemma_route
 from tests.test_llamacpp_gateway import BATCH_NOISE
 
 pytest.importorskip("llama_cpp")
@@ -31,21 +31,6 @@ PROMPTS = [
     "def add(a, b):\n    return a + b\n\n\ndef add3(a, b, c):\n    return a + b + c\n\n\ndef add4(a, b, c, d):\n",
     "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday. Monday, Tuesday, Wednesday,",
 ]
-_namespaces = itertools.count()
-
-
-async def route(nats_url: str, gemma_path: Path, work: Path, cuts: tuple[int, ...], **kw: Any) -> Swarm:
-    from actors.backends import load_backend
-
-    (work / "shards").mkdir(parents=True, exist_ok=True)
-    backends = [load_backend("llamacpp", model_path=gemma_path, n_ctx=1024, max_sessions=2, threads=1,
-                             layer_start=a, layer_end=b, shard_dir=work / "shards")
-                for a, b in itertools.pairwise(cuts)]
-    settings = make_settings(nats_url, work / "home", namespace=f"spec{next(_namespaces)}", token_timeout_s=60.0,
-                             first_token_timeout_s=120.0, hop_timeout_s=60.0, prefix_cache_mb=0, **kw)
-    swarm = await start_swarm(settings, backends, model_id=MODEL)
-    swarm.backends = backends  # type: ignore[attr-defined]
-    return swarm
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=[(0, 12, 18), (0, 6, 12, 18)],
@@ -53,16 +38,15 @@ async def route(nats_url: str, gemma_path: Path, work: Path, cuts: tuple[int, ..
 async def routes(request: Any, module_nats: EmbeddedNats, gemma_path: Path,
                  tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple[Swarm, Swarm]]:
     work = tmp_path_factory.mktemp("spec")
-    plain = await route(module_nats.url, gemma_path, work / "plain", request.param)
-    spec = await route(module_nats.url, gemma_path, work / "spec", request.param, speculation="ngram",
-                       speculative_windows=2)
-    try:
+    common: dict[str, Any] = dict(max_sessions=2, threads=1, cuts=request.param, prefix_cache_mb=0)
+    name = f"spec{len(request.param)}"
+    async with contextlib.AsyncExitStack() as stack:
+        plain = await stack.enter_async_context(gemma_route(module_nats.url, gemma_path, work / "plain",
+                                                            namespace=f"{name}-plain", **common))
+        spec = await stack.enter_async_context(gemma_route(module_nats.url, gemma_path, work / "spec",
+                                                           namespace=f"{name}-spec", speculation="ngram",
+                                                           speculative_windows=2, **common))
         yield plain, spec
-    finally:
-        for swarm in (plain, spec):
-            await swarm.stop()
-            for backend in swarm.backends:  # type: ignore[attr-defined]
-                backend.close()
 
 
 def client(swarm: Swarm) -> openai.AsyncOpenAI:
@@ -100,6 +84,6 @@ async def test_every_hop_frees_the_session(routes: tuple[Swarm, Swarm]) -> None:
     await client(spec).completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=24, temperature=0,
                                           extra_body={"ignore_eos": True})
     await spec.freed()
-    for backend in spec.backends:  # type: ignore[attr-defined]
+    for backend in spec.backends:
         assert all(backend.seq_cells(s) == (-1, -1) for s in range(backend.max_sessions + 1))
 

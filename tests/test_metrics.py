@@ -9,33 +9,15 @@ from collections.abc import Iterable
 
 import httpx
 import openai
-from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.samples import Sample
 from pydantic import SecretStr
 
 from actors.node.metrics import count_artifact_fetched, count_artifact_served
 from gateway.app import Gateway
 from schemas.session import Prompt
 from schemas.settings import Settings
+from tests.support.prometheus import Scrape
 from tests.support.swarm import Swarms, stub
 from tests.support.waiting import eventually
-
-
-class Scrape:
-    def __init__(self, text: str) -> None:
-        self.samples: list[Sample] = [s for f in text_string_to_metric_families(text) for s in f.samples]
-
-    def value(self, name: str, **labels: str) -> float:
-        found = [s.value for s in self.samples if s.name == name and all(s.labels.get(k) == v
-                                                                            for k, v in labels.items())]
-        assert found, f"no sample {name}{labels}"
-        return sum(found)
-
-    def names(self) -> set[str]:
-        return {s.name for s in self.samples}
-
-    def labels(self, name: str, key: str) -> set[str]:
-        return {s.labels[key] for s in self.samples if s.name == name and key in s.labels}
 
 
 async def scrape(url: str, headers: dict[str, str] | None = None) -> Scrape:

@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from schemas.settings import Settings
+from tests.support.prometheus import Scrape
 from tests.support.swarm import Swarm, Swarms, make_settings, stub
 
 MODEL = "stub-model"
@@ -43,21 +44,15 @@ async def test_greedy_with_speculation_is_greedy_without(nats_server: Any, tmp_p
     view = telemetry["speculation"]
     assert view["source"] == "ngram" and view["windows"] > 0 and view["drafts_offered"] > 0, view
     await spec.freed()
-    series = scrape(spec.nodes[0].metrics.render())
+    series = Scrape(spec.nodes[0].metrics.render().decode())
     # Sent counts every window (those with no drafts, and stale ones dropped unjudged); the view, judged drafts.
-    assert series['swarmroute_node_spec_windows_total{source="ngram"}'] >= view["windows"]
-    assert series['swarmroute_node_spec_accepted_drafts_count{source="ngram"}'] == view["windows"]
-    accepted = series['swarmroute_node_spec_drafts_total{outcome="accepted",source="ngram"}']
-    rejected = series['swarmroute_node_spec_drafts_total{outcome="rejected",source="ngram"}']
+    assert series.value("swarmroute_node_spec_windows_total", source="ngram") >= view["windows"]
+    assert series.value("swarmroute_node_spec_accepted_drafts_count", source="ngram") == view["windows"]
+    accepted = series.value("swarmroute_node_spec_drafts_total", source="ngram", outcome="accepted")
+    rejected = series.value("swarmroute_node_spec_drafts_total", source="ngram", outcome="rejected")
     assert (accepted, accepted + rejected) == (view["drafts_accepted"], view["drafts_offered"])
-    assert series['swarmroute_node_spec_accepted_drafts_sum{source="ngram"}'] == accepted
-    assert series["swarmroute_node_spec_windows_in_flight"] == 0, "the session ended: nothing in flight"
-
-
-def scrape(text: bytes) -> dict[str, float]:
-    """A Prometheus text exposition as series -> value (label order as rendered: sorted by name)."""
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-            for line in text.decode().splitlines() if line and not line.startswith("#")}
+    assert series.value("swarmroute_node_spec_accepted_drafts_sum", source="ngram") == accepted
+    assert series.value("swarmroute_node_spec_windows_in_flight") == 0, "the session ended: nothing in flight"
 
 
 async def test_a_seeded_sampled_stream_with_speculation_is_reproducible(nats_server: Any, tmp_path: Any,

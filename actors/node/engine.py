@@ -231,7 +231,7 @@ class StepEngine:
         ``HANDOFF_WAIT_S``) until it has taken the step. ``ring``: a head's decode step, the nodes of its route
         (its passes are grouped, see the module's docstring)."""
         future: asyncio.Future[Result] = self._running_loop().create_future()
-        if self._claim_inline(item) if inline else self._touch(item):
+        if self._claim_inline(item, allowed=inline):
             try:
                 future.set_result(self._run_inline(item))
             except Exception as exc:  # noqa: BLE001 - delivered to the awaiting caller, as from the worker
@@ -263,19 +263,15 @@ class StepEngine:
             self._cond.notify()
         return [p.future for p in pendings if p.future is not None]
 
-    def _touch(self, item: StepInput) -> bool:
-        """The session is active (as ``_claim_inline`` counts it); never inline."""
-        self._last_step[item.session_id] = time.monotonic()
-        return False
-
-    def _claim_inline(self, item: StepInput) -> bool:
+    def _claim_inline(self, item: StepInput, *, allowed: bool = True) -> bool:
+        """Count the session as active; True if its step is to run inline now (``allowed``: the caller permits it)."""
         now = time.monotonic()
         last = self._last_step
         last[item.session_id] = now
         if len(last) > 1:
             for sid in [sid for sid, t in last.items() if now - t > SOLO_WINDOW_S]:
                 del last[sid]
-        if item.n_positions != 1 or len(last) != 1 or not self.may_inline:
+        if not (allowed and self.may_inline) or item.n_positions != 1 or len(last) != 1:
             return False
         with self._cond:
             if self._busy or self._inline or self._steps or self._calls or self._stopping:

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 import inspect
+import itertools
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -43,6 +44,8 @@ class Swarm:
     tracker: Tracker
     nodes: list[Node]
     gateway: Gateway
+    backends: Sequence[Backend] = ()
+    """The backends the swarm was started on, when a helper loaded them (``gemma_route``)."""
 
     @property
     def url(self) -> str:
@@ -108,20 +111,22 @@ async def start_swarm(settings: Settings, backends: Sequence[Backend], *, model_
 
 @contextlib.asynccontextmanager
 async def gemma_route(nats_url: str, gemma_path: Path, work: Path, *, namespace: str, max_sessions: int,
-                      threads: int = 2, model_id: str = "gemma") -> AsyncIterator[Swarm]:
-    """The bundled Gemma 3 270M as a real 2-node llama.cpp route (shards [0, 12) + [12, 18), a context of 1024 per
-    session), served as ``model_id`` with generous timeouts (llama.cpp on a 2-core machine shared with other test
-    processes); stopped, and its backends closed, at the end."""
+                      threads: int = 2, model_id: str = "gemma", cuts: Sequence[int] = (0, 12, 18),
+                      n_ctx: int = 1024, **settings: Any) -> AsyncIterator[Swarm]:
+    """The bundled Gemma 3 270M as a real llama.cpp route (one shard per pair of ``cuts``, ``n_ctx`` per session),
+    served as ``model_id`` with generous timeouts (llama.cpp on a 2-core machine shared with other test processes)
+    and ``settings`` on top; stopped, and its backends closed, at the end (``Swarm.backends``)."""
     from actors.backends import load_backend
 
     (work / "shards").mkdir(parents=True, exist_ok=True)
-    backends = [load_backend("llamacpp", model_path=gemma_path, n_ctx=1024, max_sessions=max_sessions,
+    backends = [load_backend("llamacpp", model_path=gemma_path, n_ctx=n_ctx, max_sessions=max_sessions,
                              threads=threads, layer_start=a, layer_end=b, shard_dir=work / "shards")
-                for a, b in ((0, 12), (12, 18))]
-    settings = make_settings(nats_url, work / "home", namespace=namespace, token_timeout_s=60.0,
-                             first_token_timeout_s=120.0, hop_timeout_s=60.0)
+                for a, b in itertools.pairwise(cuts)]
+    config = make_settings(nats_url, work / "home", namespace=namespace, **{
+        "token_timeout_s": 60.0, "first_token_timeout_s": 120.0, "hop_timeout_s": 60.0, **settings})
     try:
-        swarm = await start_swarm(settings, backends, model_id=model_id)
+        swarm = await start_swarm(config, backends, model_id=model_id)
+        swarm.backends = backends
         try:
             yield swarm
         finally:
