@@ -144,7 +144,7 @@ class KvBackend(Backend, Protocol):
     #20: dropping rejected draft positions). Every backend of this repository is one.
 
     Blobs are opaque to the node: only a backend of the same model and layer range reads them, and whoever
-    stores or moves them checks them by hash (``actors.node.snapshots``)."""
+    stores or moves them checks them by hash (``actors.node.recovery.snapshots``)."""
 
     def export_kv(self, session_id: str, start: int, end: int) -> bytes:
         """This node's KV of positions ``[start, end)`` of a session (``end`` at most its position)."""

@@ -1,5 +1,5 @@
 """``swarmroute artifact build|verify|shard|fetch|seed``: the model artifact commands. The work is done by
-``artifacts`` (manifests, shards, verification) and ``actors.artifact_sync`` (the swarm on NATS); this module only
+``artifacts`` (manifests, shards, verification) and ``actors.provisioning.artifact_sync`` (the swarm on NATS); this module only
 reads command lines and prints."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from swarmroute import argtypes
 from swarmroute.foreground import stop_event
 
 if TYPE_CHECKING:
-    from actors.artifact_sync import ArtifactSync
+    from actors.provisioning.artifact_sync import ArtifactSync
     from artifacts.store import Store
     from artifacts.verify import StoreReport
 
@@ -169,7 +169,7 @@ async def _serve_forever(stop: asyncio.Event) -> None:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    from actors.artifact_sync import ArtifactSync, SyncConfig
+    from actors.provisioning.artifact_sync import ArtifactSync, SyncConfig
     from artifacts.torrent import SwarmConfig, TorrentSession
 
     settings = _settings(args)

@@ -1,6 +1,6 @@
 """``swarmroute node --model-id SHA256`` with no ``--model``: a node that provisions itself from the swarm.
 
-``actors.provisioner`` learns the manifest, gets a range (tracker assignment or ``--layers``), fetches and verifies
+``actors.provisioning.provisioner`` learns the manifest, gets a range (tracker assignment or ``--layers``), fetches and verifies
 it; this module then loads the verified shard through the same path as a local file (``swarmroute.backends``: the
 store's ``require_verified_shard``, the llama.cpp self-check in a child, the warm-up), starts the ``Node`` on the
 same NATS connection and serves until SIGTERM / SIGINT, seeding what it holds all along.
@@ -82,7 +82,7 @@ def run_node(args: argparse.Namespace, settings: Settings, runner: Callable[[Awa
 
 
 async def _serve(args: argparse.Namespace, settings: Settings) -> int:
-    from actors.provisioner import ProvisionConfig, Provisioner
+    from actors.provisioning.provisioner import ProvisionConfig, Provisioner
     from artifacts.progress import ProgressPrinter
     from artifacts.torrent import SwarmConfig, TorrentSession
     from schemas.errors import FetchCancelled

@@ -56,7 +56,7 @@ def _model_id(model: str, settings: Settings) -> str:
 
 
 async def _seed(args: argparse.Namespace, settings: Settings) -> int:
-    from actors.artifact_sync import ArtifactSync, SyncConfig
+    from actors.provisioning.artifact_sync import ArtifactSync, SyncConfig
     from artifacts.store import Store
     from artifacts.torrent import SwarmConfig, TorrentSession
     from bus.service import register

@@ -1,4 +1,4 @@
-"""actors.node.drafts: prompt lookup proposes what followed the latest earlier occurrence of the recent tokens, and a
+"""actors.node.speculation.drafts: prompt lookup proposes what followed the latest earlier occurrence of the recent tokens, and a
 draft model proposes its own greedy continuation, following the history as drafts are accepted or dropped."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from actors.backends.stub import StubBackend, StubConfig
-from actors.node.drafts import ModelDraft, NgramDraft
+from actors.node.speculation.drafts import ModelDraft, NgramDraft
 
 
 def test_prompt_lookup_continues_a_repeated_passage() -> None:

@@ -1,11 +1,11 @@
-"""actors.node.journal: the snapshot schedule every hop shares, and the journal's bounds (issue #18)."""
+"""actors.node.recovery.journal: the snapshot schedule every hop shares, and the journal's bounds (issue #18)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from actors.node.journal import Entry, Journal, SnapshotSchedule
+from actors.node.recovery.journal import Entry, Journal, SnapshotSchedule
 from schemas.frame import FrameKind
 
 

@@ -1,4 +1,4 @@
-"""actors/leases.py on a real nats-server: create-if-absent per range slot, renewal against a revision, release,
+"""actors/provisioning/leases.py on a real nats-server: create-if-absent per range slot, renewal against a revision, release,
 expiry with the TTL, and a node's keeper taking a lapsed lease back."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from actors.leases import LeaseKeeper, lease_key, open_leases
+from actors.provisioning.leases import LeaseKeeper, lease_key, open_leases
 from bus.subjects import Subjects
 from schemas.assignment import RangeLease
 from schemas.settings import Settings

@@ -309,8 +309,8 @@ async def test_joining_with_a_model_id_stays_within_the_roles_permissions(auth_s
                                                                          tmp_path: Path) -> None:
     """A seeder and a node joining with only a model id (node credentials) and a tracker assigning its layers and
     fetching the manifest (tracker credentials): the whole provisioning path, no permission violation."""
-    from actors.artifact_sync import ArtifactSync, SyncConfig
-    from actors.provisioner import ProvisionConfig, Provisioner
+    from actors.provisioning.artifact_sync import ArtifactSync, SyncConfig
+    from actors.provisioning.provisioner import ProvisionConfig, Provisioner
     from artifacts.store import Store
     from artifacts.torrent import TorrentSession
     from tests.support.gguf_factory import write_tiny_gguf

@@ -1,4 +1,4 @@
-"""actors/provisioner.py in one process against real parts: nats-server, a tracker, seeders (ArtifactSync with their
+"""actors/provisioning/provisioner.py in one process against real parts: nats-server, a tracker, seeders (ArtifactSync with their
 own stores and libtorrent sessions) and a small llama GGUF: the node learns the manifest, is assigned a range under
 a lease, shows as ``fetching`` in the registry, fetches and verifies; when nobody seeds its layers it waits and
 says which."""
@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from actors.artifact_sync import ArtifactSync, SyncConfig
-from actors.leases import open_leases
-from actors.provisioner import ProvisionConfig, Provisioned, Provisioner, ProvisionError
+from actors.provisioning.artifact_sync import ArtifactSync, SyncConfig
+from actors.provisioning.leases import open_leases
+from actors.provisioning.provisioner import ProvisionConfig, Provisioned, Provisioner, ProvisionError
 from actors.tracker import Tracker
 from actors.tracker.assigner import RESERVE, fit_from_manifest
 from artifacts.fetch import fetch_range

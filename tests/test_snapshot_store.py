@@ -1,10 +1,10 @@
-"""Snapshot segments (bus.snapshot) and what a standby holds of them (actors.node.snapshot_store), issue #18."""
+"""Snapshot segments (bus.snapshot) and what a standby holds of them (actors.node.recovery.snapshot_store), issue #18."""
 
 from __future__ import annotations
 
 import pytest
 
-from actors.node.snapshot_store import SnapshotStore
+from actors.node.recovery.snapshot_store import SnapshotStore
 from bus import snapshot as blobs
 from schemas.errors import CapacityError, NotFoundError, SnapshotError
 from schemas.node import LayerRange

@@ -1,4 +1,4 @@
-"""actors.node.speculation: the tail's acceptance rule keeps the model's distribution exactly, greedy windows give
+"""actors.node.speculation.policy: the tail's acceptance rule keeps the model's distribution exactly, greedy windows give
 plain greedy's tokens, and the window sizer turns speculation off where it cannot pay (issue #20)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from actors.node.speculation import Target, WindowSizer, best_k, expected_tokens, verify, worth_optimism
+from actors.node.speculation.policy import Target, WindowSizer, best_k, expected_tokens, verify, worth_optimism
 
 VOCAB = 6
 

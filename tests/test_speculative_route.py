@@ -144,7 +144,7 @@ class WrongDrafts:
     name = "ngram"
 
     def __init__(self) -> None:
-        from actors.node.drafts import NgramDraft
+        from actors.node.speculation.drafts import NgramDraft
 
         self._inner = NgramDraft()
         self._n = 0

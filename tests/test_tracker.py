@@ -245,7 +245,7 @@ async def test_models_lists_complete_and_incomplete_models(settings: Settings, n
 @pytest.fixture
 async def holder(settings: Settings, nc: Any, tmp_path: Any) -> AsyncIterator[Any]:
     """A node that holds a small model's manifest and answers manifest requests, as a seeder does."""
-    from actors.artifact_sync import ArtifactSync, SyncConfig
+    from actors.provisioning.artifact_sync import ArtifactSync, SyncConfig
     from artifacts.store import Store
     from artifacts.torrent import TorrentSession
     from tests.support.gguf_factory import write_tiny_gguf
@@ -285,7 +285,7 @@ async def _ask_assign(nc: Any, settings: Settings, request: Any) -> Any:
 
 async def test_a_joining_node_is_assigned_a_range_held_by_a_lease(settings: Settings, nc: Any, tracker: Tracker,
                                                                   holder: Any) -> None:
-    from actors.leases import open_leases
+    from actors.provisioning.leases import open_leases
 
     reply = await _ask_assign(nc, settings, _request(holder, "j1", _half_memory(holder)))
     assert reply.status == 200 and reply.layers is not None and reply.reason == "extend"
@@ -308,7 +308,7 @@ async def test_two_nodes_asking_two_trackers_at_once_get_different_ranges(settin
                                                                          holder: Any) -> None:
     """Both trackers decide from the same view at the same moment; the lease's create-if-absent lets one win, and
     the other decides again with the winner's lease in view."""
-    from actors.leases import open_leases
+    from actors.provisioning.leases import open_leases
 
     memory = _half_memory(holder)
     leases = await open_leases(nc, Subjects(settings.namespace), settings.registry_ttl_s)

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from actors.artifact_sync import ArtifactSync, SyncConfig
+from actors.provisioning.artifact_sync import ArtifactSync, SyncConfig
 from artifacts import arch_support
 from artifacts.arch_support import SUPPORT
 from artifacts.gguf_layout import read_layout

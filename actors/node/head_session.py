@@ -26,11 +26,11 @@ from collections.abc import Awaitable, Callable
 from actors.backend import StepInput, StepOutput
 from actors.node.choices import Choice
 from actors.node.engine import StepChain, StepTiming
-from actors.node.repair import RepairFailed, RouteRepair, phase_after
+from actors.node.recovery.repair import RepairFailed, RouteRepair, phase_after
 from actors.node.route_open import RouteOpening
 from actors.node.runtime import NodeRuntime
 from actors.node.session import NodeSession, SessionFailed, StepFuture
-from actors.node.spec_head import SpeculativeDecode
+from actors.node.speculation.verify_loop import SpeculativeDecode
 from actors.node.telemetry import TelemetryPublisher
 from bus.liveness import Silence, first_lost
 from schemas.errors import SwarmrouteError

@@ -17,8 +17,8 @@ from collections.abc import Awaitable
 from actors.backend import Hidden, KvBackend, StepInput, StepOutput
 from actors.node.choices import Choice
 from actors.node.session import NodeSession, SessionFailed, StepFuture, settled
-from actors.node.speculation import Target, verify
-from actors.node.windows import WindowOrder
+from actors.node.speculation.policy import Target, verify
+from actors.node.speculation.windows import WindowOrder
 from bus import frame as frames
 from schemas.errors import (
     BackendError,

@@ -13,7 +13,7 @@ import logging
 from actors.backend import KvBackend
 from actors.node.engine import StepEngine
 from actors.node.prefix_cache import Kept, PrefixCache, reusable
-from actors.node.snapshot_store import SnapshotStore
+from actors.node.recovery.snapshot_store import SnapshotStore
 from schemas.node import LayerRange
 from schemas.snapshot import SnapshotSegment, prefix_hash
 

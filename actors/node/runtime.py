@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 
 from pydantic import BaseModel
 
-from actors.node.drafts import DraftSource, NgramDraft
+from actors.node.speculation.drafts import DraftSource, NgramDraft
 from actors.node.engine import StepEngine
 from actors.node.metrics import NodeMetrics
 from actors.node.spin import LoopPoller

@@ -186,7 +186,7 @@ class Tracker(NatsActor):
     async def _open_assigner(self) -> Assigner | None:
         # Assignment reads manifests and model shapes (the gguf extra): a tracker without it still routes.
         try:
-            from actors.leases import open_leases
+            from actors.provisioning.leases import open_leases
             from actors.tracker.assigner import Assigner
         except ImportError as exc:
             self.assigner_missing = f"this tracker cannot assign layers ({exc.name} is not installed)"

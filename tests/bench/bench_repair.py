@@ -60,7 +60,7 @@ import httpx
 import llama_cpp
 import openai
 
-from actors.node.journal import SnapshotSchedule
+from actors.node.recovery.journal import SnapshotSchedule
 from actors.tracker import Tracker
 from artifacts.gguf_shape import shape_from_gguf
 from artifacts.model_shape import ModelShape

@@ -10,7 +10,7 @@ processes (``--threads 1`` each), every node behind a TCP delay proxy of its own
 gateways on the same nodes and links, differing only in their settings:
 
 * ``plain``         ``SWARMROUTE_SPECULATION=off``: one token per ring (the reference);
-* ``spec w=N``      ``SWARMROUTE_SPECULATION=ngram`` (prompt lookup, ``actors/node/drafts.py``) with
+* ``spec w=N``      ``SWARMROUTE_SPECULATION=ngram`` (prompt lookup, ``actors/node/speculation/drafts.py``) with
   ``SWARMROUTE_SPECULATIVE_WINDOWS=N`` (windows in flight) for every N in ``--windows``.
 
 Workloads, each greedy, ``ignore_eos``, streamed through the official ``openai`` client (completions: the bundled

@@ -12,7 +12,7 @@ full layer's rows are exactly ``[start, end)``. A window layer's are what it sti
 exported: positions it had already let go are simply absent (``first > start``, possibly no rows at all). So an
 import is checked as a whole: after the last blob every window layer must hold the ``window - 1`` positions before
 ``end`` (all of them below the window), which is everything a continuation from ``end`` reads. The header does not
-checksum the tensor bytes: whoever stores or moves a blob checks it by hash (``actors.node.snapshots``).
+checksum the tensor bytes: whoever stores or moves a blob checks it by hash (``actors.node.recovery.snapshots``).
 
 Everything keeps the exact tensors (no recomputation, no dtype change), and attention is handed the same rows it
 would have had without the round trip, so a session continues bit for bit. Not thread-safe: the backend calls

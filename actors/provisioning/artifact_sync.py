@@ -14,7 +14,7 @@ Subjects (``bus.subjects.Subjects``):
 Bytes move over BitTorrent between the announced loopback/private addresses (``artifacts.torrent``); this module
 only tells libtorrent whom to dial. A range is announced only after ``artifacts.verify`` passed it. The commands
 that drive it (``swarmroute artifact fetch|seed``, ``swarmroute seeder``) live in ``swarmroute``; a provisioning
-node runs it on its own connection (``actors.provisioner``).
+node runs it on its own connection (``actors.provisioning.provisioner``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pathlib import Path
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from actors.manifest_request import gather, request_manifest
+from actors.provisioning.manifest_request import gather, request_manifest
 from artifacts.fetch import FetchOptions, FetchResult, fetch_range
 from artifacts.manifest import load_manifest
 from artifacts.shard import ShardSource, write_shard

@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route as HttpRoute
 
 from actors.node.admission import Admission
-from actors.node.snapshot_store import SnapshotStore
+from actors.node.recovery.snapshot_store import SnapshotStore
 from bus import snapshot as blobs
 from bus.capability import HEADER_CAPABILITY, HEADER_SESSION_TOKEN
 from bus.http_edge import read_body

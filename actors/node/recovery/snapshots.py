@@ -15,7 +15,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Sequence
 
-from actors.node.journal import SnapshotSchedule
+from actors.node.recovery.journal import SnapshotSchedule
 from actors.node.runtime import NodeRuntime
 from bus import snapshot as blobs
 from schemas.errors import SwarmrouteError

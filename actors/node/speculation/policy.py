@@ -315,4 +315,4 @@ def _ema(old: float | None, new: float | None, weight: float) -> float | None:
 
 
 Drafter = Callable[[Sequence[int], int], list[int]]
-"""(the tokens so far, how many at most) -> drafts: the head's draft sources (``actors.node.drafts``)."""
+"""(the tokens so far, how many at most) -> drafts: the head's draft sources (``actors.node.speculation.drafts``)."""

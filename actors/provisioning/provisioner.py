@@ -27,8 +27,8 @@ from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from actors.artifact_sync import ArtifactSync, SyncConfig
-from actors.leases import LeaseKeeper, Leases, lease_key, open_leases
+from actors.provisioning.artifact_sync import ArtifactSync, SyncConfig
+from actors.provisioning.leases import LeaseKeeper, Leases, lease_key, open_leases
 from actors.registry import open_registry
 from artifacts.fetch import FetchOptions
 from artifacts.store import Store
