@@ -1,5 +1,6 @@
 """``swarmroute artifact build|verify|shard|fetch|seed``: the model artifact commands. The work is done by
-``artifacts`` (manifests, shards, verification) and ``actors.provisioning.artifact_sync`` (the swarm on NATS); this module only
+``artifacts`` (manifests, shards, verification) and ``actors.provisioning.artifact_sync`` (the swarm on NATS); this
+module only
 reads command lines and prints."""
 
 from __future__ import annotations

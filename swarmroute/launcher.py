@@ -72,29 +72,38 @@ def wait_ready(url: str, model_id: str, supervisor: Supervisor, timeout: float) 
     raise RuntimeError(f"the swarm did not become ready within {timeout:g}s")
 
 
+def machine_cores() -> int:
+    """The cores this process may run on (a container's CPU set), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def local_threads(n_local: int) -> int:
     """Compute threads of each of ``n_local`` nodes sharing this machine: an equal share of its cores, at least one
     (an explicit ``--threads`` wins). A single session computes on one node at a time, so every core per node looks
     free; measured, it is not: the other actors (the idle node, gateway, tracker, NATS) wake on every token, a
     descheduled thread stalls ggml's barriers, and a node with every core decoded no faster than one with its share
     and with far more spread (tests/bench/bench_up.py, docs/operations.md "Cores on one machine")."""
-    try:
-        cores = len(os.sched_getaffinity(0))  # what this process may run on (a container's CPU set)
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(1, cores // max(1, n_local))
+    return max(1, machine_cores() // max(1, n_local))
 
 
-LOCAL_NODE_ENV = {"OMP_WAIT_POLICY": "passive"}
-"""Nodes sharing one machine: OpenMP threads sleep as soon as a graph ends instead of spinning (its default), so a
-node with several threads leaves the cores to the node that computes next (and so would an event loop polling for
-its next frame, which is off by default) (tests/bench/bench_up.py measures both). The operator's own environment
-wins (for OpenMP, either of its wait settings)."""
+PASSIVE_WAIT = {"OMP_WAIT_POLICY": "passive"}
+"""OpenMP threads sleep as soon as a graph ends instead of spinning (libgomp's default spins ~300,000 times first)."""
 
 
-def local_node_env() -> dict[str, str]:
+def local_node_env(n_local: int, threads: int) -> dict[str, str]:
+    """The environment of ``n_local`` nodes of ``threads`` compute threads each on this machine: OpenMP's passive
+    wait only where their threads outnumber the cores. There the idle node's spinning threads take the cores from
+    the node that computes next; where every thread has a core of its own, passive only adds a wake-up to every
+    barrier: one node with both cores of an AMD EPYC decoded 89 tok/s with libgomp's default and 44 with passive
+    (issue #26; docs/operations.md "Cores on one machine"). The operator's own environment wins (for OpenMP, either
+    of its wait settings)."""
+    if n_local * threads <= machine_cores():
+        return {}
     own = set(os.environ) | ({"OMP_WAIT_POLICY"} if "GOMP_SPINCOUNT" in os.environ else set())
-    return {k: v for k, v in LOCAL_NODE_ENV.items() if k not in own}
+    return {k: v for k, v in PASSIVE_WAIT.items() if k not in own}
 
 
 def listen(host: str, port: int) -> str:
@@ -150,7 +159,8 @@ def run_up(args: argparse.Namespace, settings: Settings) -> int:
         args.port = settings.gateway_port
     local = local_fleet("up", lambda: LocalFleet(
         up_fleet(args, settings, up_model(args, model_id, n_layers), nodes=n_nodes, gateway=listen(host, args.port)),
-        home=settings.home, log_level=args.log_level or "warning", node_env=local_node_env()))
+        home=settings.home, log_level=args.log_level or "warning",
+        node_env=local_node_env(n_nodes, args.threads or local_threads(n_nodes))))
     if local is None:
         return 2
     settings.home.mkdir(parents=True, exist_ok=True)

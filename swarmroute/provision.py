@@ -1,6 +1,7 @@
 """``swarmroute node --model-id SHA256`` with no ``--model``: a node that provisions itself from the swarm.
 
-``actors.provisioning.provisioner`` learns the manifest, gets a range (tracker assignment or ``--layers``), fetches and verifies
+``actors.provisioning.provisioner`` learns the manifest, gets a range (tracker assignment or ``--layers``), fetches
+and verifies
 it; this module then loads the verified shard through the same path as a local file (``swarmroute.backends``: the
 store's ``require_verified_shard``, the llama.cpp self-check in a child, the warm-up), starts the ``Node`` on the
 same NATS connection and serves until SIGTERM / SIGINT, seeding what it holds all along.

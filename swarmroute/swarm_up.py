@@ -23,7 +23,7 @@ from schemas.fleet import ModelSpec, SeederSpec
 from schemas.manifest import ModelManifest
 from schemas.settings import Settings
 from swarmroute.fleet_members import LocalFleet
-from swarmroute.launcher import listen, local_fleet, local_node_env, slug, up_fleet, wait_ready
+from swarmroute.launcher import listen, local_fleet, local_node_env, local_threads, slug, up_fleet, wait_ready
 from swarmroute.supervisor import Supervisor
 
 DEFAULT_CONTEXT = 4096
@@ -114,7 +114,7 @@ def run_up_from_swarm(args: argparse.Namespace, settings: Settings) -> int:
     local = local_fleet("up --from-swarm", lambda: LocalFleet(
         up_fleet(args, settings, model, nodes=n_nodes, gateway=listen(host, args.port), memory=f"{memory}B",
                  seeders=[seeder]), home=settings.home, log_level=args.log_level or "warning", homes=homes,
-        node_env=local_node_env()))
+        node_env=local_node_env(n_nodes, args.threads or local_threads(n_nodes))))
     if local is None:
         return 2
     nats = EmbeddedNats(NatsServerConfig(store_dir=settings.home / "nats-up", host=settings.bind_host))

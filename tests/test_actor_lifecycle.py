@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from nats.aio.client import Client as NATS
 
-from actors.provisioning.artifact_sync import ArtifactSync, SyncConfig
 from actors.node import Node, NodeConfig
+from actors.provisioning.artifact_sync import ArtifactSync, SyncConfig
 from actors.provisioning.provisioner import ProvisionConfig, Provisioner
 from actors.tracker import Tracker
 from artifacts.store import Store

@@ -1,4 +1,5 @@
-"""actors.node.speculation.drafts: prompt lookup proposes what followed the latest earlier occurrence of the recent tokens, and a
+"""actors.node.speculation.drafts: prompt lookup proposes what followed the latest earlier occurrence of the recent
+tokens, and a
 draft model proposes its own greedy continuation, following the history as drafts are accepted or dropped."""
 
 from __future__ import annotations

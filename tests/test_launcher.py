@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from swarmroute.launcher import local_threads
+from swarmroute.launcher import local_node_env, local_threads
 from tests.support.actors import Children, descendants, still_alive
 from tests.support.up import Up, free_port
 from tests.support.waiting import eventually_sync
@@ -153,7 +153,8 @@ def _node_1(pid: int) -> bool:
 def test_local_nodes_share_the_machines_cores_and_their_idle_threads_sleep(children: Children, tmp_path: Path,
                                                                            explicit: int | None) -> None:
     """The node processes ``up`` starts, read from /proc: each gets an equal share of the cores (``--threads``,
-    at least 1) unless the user gave ``--threads``, and OpenMP's passive wait; hop polling stays off."""
+    at least 1) unless the user gave ``--threads``, and OpenMP's passive wait exactly when their threads outnumber
+    the cores; hop polling stays off."""
     extra = ["--threads", str(explicit)] if explicit else []
     unset = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "SWARMROUTE_HOP_SPIN_GRACE_S")  # a user's own choices would win
     up = children.add(Up("--backend", "stub", "--nodes", "2", "--port", str(free_port()), "--home",
@@ -168,8 +169,20 @@ def test_local_nodes_share_the_machines_cores_and_their_idle_threads_sleep(child
         env = dict(line.split("=", 1) for line in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
                    if "=" in line)
         assert argv[argv.index("--threads") + 1] == str(explicit or share), argv
-        assert env.get("OMP_WAIT_POLICY") == "passive", env
+        oversubscribed = 2 * (explicit or share) > len(os.sched_getaffinity(0))
+        assert (env.get("OMP_WAIT_POLICY") == "passive") == oversubscribed, env
         assert "SWARMROUTE_HOP_SPIN_GRACE_S" not in env  # the settings default: 0, no polling between steps
+
+
+def test_openmp_waits_passively_only_where_the_local_threads_outnumber_the_cores(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(2)))
+    for own in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(own, raising=False)
+    assert local_node_env(1, 2) == {} and local_node_env(2, 1) == {}  # a core for every thread: libgomp's default
+    assert local_node_env(2, 2) == {"OMP_WAIT_POLICY": "passive"} == local_node_env(3, 1)
+    monkeypatch.setenv("GOMP_SPINCOUNT", "1000")  # the operator chose a wait: theirs wins
+    assert local_node_env(2, 2) == {}
 
 
 def test_the_share_of_cores_is_at_least_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:

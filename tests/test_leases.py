@@ -1,4 +1,5 @@
-"""actors/provisioning/leases.py on a real nats-server: create-if-absent per range slot, renewal against a revision, release,
+"""actors/provisioning/leases.py on a real nats-server: create-if-absent per range slot, renewal against a revision,
+release,
 expiry with the TTL, and a node's keeper taking a lapsed lease back."""
 
 from __future__ import annotations

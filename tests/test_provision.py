@@ -1,4 +1,5 @@
-"""``swarmroute node --model-id SHA256`` with an empty store (swarmroute/provision.py, actors/provisioning/provisioner.py): nodes
+"""``swarmroute node --model-id SHA256`` with an empty store (swarmroute/provision.py,
+actors/provisioning/provisioner.py): nodes
 on separate hosts (network namespaces, separate stores) learn the manifest from the swarm, get their layers from the
 tracker, fetch only those pieces from the seeders over libtorrent, verify them and serve. Everything is real: the
 bundled Gemma 3 270M, llama.cpp, nats-server, libtorrent, separate processes."""

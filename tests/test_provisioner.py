@@ -1,4 +1,5 @@
-"""actors/provisioning/provisioner.py in one process against real parts: nats-server, a tracker, seeders (ArtifactSync with their
+"""actors/provisioning/provisioner.py in one process against real parts: nats-server, a tracker, seeders (ArtifactSync
+with their
 own stores and libtorrent sessions) and a small llama GGUF: the node learns the manifest, is assigned a range under
 a lease, shows as ``fetching`` in the registry, fetches and verifies; when nobody seeds its layers it waits and
 says which."""

@@ -1,4 +1,5 @@
-"""Snapshot segments (bus.snapshot) and what a standby holds of them (actors.node.recovery.snapshot_store), issue #18."""
+"""Snapshot segments (bus.snapshot) and what a standby holds of them (actors.node.recovery.snapshot_store), issue
+#18."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""actors.node.speculation.policy: the tail's acceptance rule keeps the model's distribution exactly, greedy windows give
+"""actors.node.speculation.policy: the tail's acceptance rule keeps the model's distribution exactly, greedy windows
+give
 plain greedy's tokens, and the window sizer turns speculation off where it cannot pay (issue #20)."""
 
 from __future__ import annotations

@@ -44,7 +44,6 @@ from starlette.routing import Route as HttpRoute
 
 from actors.backend import Backend, ForkingBackend, KvBackend
 from actors.node.admission import Admission
-from actors.node.speculation.drafts import DraftSource, ModelDraft, NgramDraft
 from actors.node.engine import StepEngine
 from actors.node.head_session import HeadSession
 from actors.node.hop_api import HopApi
@@ -52,14 +51,15 @@ from actors.node.hop_session import HopSession
 from actors.node.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from actors.node.metrics import NodeMetrics
 from actors.node.prefix_cache import PrefixCache
+from actors.node.recovery.snapshot_store import SnapshotStore
+from actors.node.recovery.standby import StandbyApi, fetch_chain
 from actors.node.reuse import Reuse
 from actors.node.ring import RingGroups
 from actors.node.route_open import RouteOpening
 from actors.node.runtime import NodeRuntime
 from actors.node.session import NodeSession
-from actors.node.recovery.snapshot_store import SnapshotStore
+from actors.node.speculation.drafts import DraftSource, ModelDraft, NgramDraft
 from actors.node.spin import LoopPoller
-from actors.node.recovery.standby import StandbyApi, fetch_chain
 from actors.registry import open_registry
 from actors.selfcheck import warm_up
 from actors.services import node_service

@@ -8,9 +8,9 @@ from collections.abc import Awaitable, Callable
 
 from pydantic import BaseModel
 
-from actors.node.speculation.drafts import DraftSource, NgramDraft
 from actors.node.engine import StepEngine
 from actors.node.metrics import NodeMetrics
+from actors.node.speculation.drafts import DraftSource, NgramDraft
 from actors.node.spin import LoopPoller
 from bus.nodeclient import NodeClient
 from bus.subjects import Subjects

@@ -20,8 +20,8 @@ from actors.backend import Hidden, StepInput, StepOutput
 from actors.node.choices import Choice, Choices
 from actors.node.engine import StepTiming
 from actors.node.generation import Generation
-from actors.node.recovery.journal import Entry
 from actors.node.outbox import Outbound, Outbox
+from actors.node.recovery.journal import Entry
 from actors.node.recovery.record import Recovery
 from actors.node.runtime import NodeRuntime
 from actors.node.spin import ArrivalSpinner

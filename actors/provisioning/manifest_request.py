@@ -1,6 +1,7 @@
 """Asking the swarm for a model's manifest over NATS (``Subjects.artifact_manifest``), checked by content hash.
 
-Used by a node learning what to fetch (``actors.provisioning.artifact_sync.ArtifactSync``) and by a tracker that needs the
+Used by a node learning what to fetch (``actors.provisioning.artifact_sync.ArtifactSync``) and by a tracker that needs
+the
 model's shape to assign layers. Any holder may answer; a reply is accepted only when its ``manifest_id`` is the
 hash of its content, it describes the model asked for, and (when given) it is the pinned ``expect_id``.
 """

@@ -1,7 +1,8 @@
 """The tracker's ``assign`` endpoint: a joining node's layer range, decided from the live registry and the leases,
 and held as a lease before the answer goes out.
 
-The model's shape comes from its manifest, fetched from whichever node holds it (``actors.provisioning.manifest_request``,
+The model's shape comes from its manifest, fetched from whichever node holds it
+(``actors.provisioning.manifest_request``,
 checked against the ``manifest_id`` the node verified) and cached per manifest. The decision itself is
 ``actors.tracker.assignment.decide``; this module turns the registry and the lease bucket into its claims and makes
 the decision stick: the lease is created with create-if-absent, and a request that lost the race to another

@@ -9,7 +9,9 @@ client streaming greedy completions), all of them up at once with their rounds i
 rounds (and, for scale, with one thread). Configurations:
 
 * ``default``: ``swarmroute up`` with no flags, as a user runs it (since issue #14 item 6: each node an equal share
-  of the cores, OpenMP threads sleep after a graph, no polling);
+  of the cores, no polling; since issue #26 OpenMP's passive wait only where the nodes' threads outnumber the cores);
+* ``1 node``: ``swarmroute up --nodes 1`` (one node with every core, libgomp's default wait), and ``1 node,
+  passive``: the same with ``OMP_WAIT_POLICY=passive`` (what ``up`` set for every node before issue #26);
 * ``alpha``: what ``up`` did before issue #14: every node takes every core, OpenMP's default wait (its threads spin
   after a graph before they sleep), and the node busy-polls between decode steps;
 * ``threads 1``: one thread per node, the rest as ``alpha``;
@@ -45,6 +47,8 @@ OPENMP_DEFAULT = {"OMP_WAIT_POLICY": "", "GOMP_SPINCOUNT": "300000"}
 ``up`` leaves it alone."""
 CONFIGS: dict[str, tuple[list[str], dict[str, str]]] = {
     "default": ([], {}),
+    "1 node": (["--nodes", "1"], {}),
+    "1 node, passive": (["--nodes", "1"], {"OMP_WAIT_POLICY": "passive", "GOMP_SPINCOUNT": ""}),
     "alpha": (["--threads", str(CORES)], {"SWARMROUTE_HOP_SPIN_GRACE_S": "0.002", **OPENMP_DEFAULT}),
     "threads 1": (["--threads", "1"], {"SWARMROUTE_HOP_SPIN_GRACE_S": "0.002", **OPENMP_DEFAULT}),
     "all cores, passive": (["--threads", str(CORES)], {"SWARMROUTE_HOP_SPIN_GRACE_S": "0",

@@ -4,7 +4,8 @@
   hashes of its snapshots and for prefix reuse;
 * ``journal`` (every hop but the tail, when the session repairs): what it computed for its successor since the
   successor's second most recent snapshot boundary (``actors.node.recovery.journal``);
-* ``writer`` (when the session snapshots and the hop has a standby): its snapshot chain (``actors.node.recovery.snapshots``);
+* ``writer`` (when the session snapshots and the hop has a standby): its snapshot chain
+(``actors.node.recovery.snapshots``);
 * ``epoch``: how many times the route was repaired; token frames of an older epoch are stale;
 * ``quiet_below`` (a hop opened to replace a lost one, or a tail whose KV a repair cut back): frames that start
   below it are computed and kept, not forwarded (the next hop holds those positions already) or sampled (their
@@ -17,8 +18,8 @@ from collections.abc import Callable, Sequence
 
 from actors.backend import KvBackend
 from actors.node.recovery.journal import Entry, Journal, SnapshotSchedule
-from actors.node.runtime import NodeRuntime
 from actors.node.recovery.snapshots import SnapshotWriter
+from actors.node.runtime import NodeRuntime
 from schemas.route import Hop
 from schemas.session import Resume, SessionOpen
 

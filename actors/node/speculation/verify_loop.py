@@ -13,7 +13,8 @@ verdict comes back:
   tail's own token; every other hop cuts back when the next window starts below its position, and the tail drops
   stale windows unread (a window is good only if it starts where the tail's KV ends, with the tail's last token).
 
-Windows are numbered; hops compute them in number order (``actors.node.speculation.windows``), so HTTP reordering two of them
+Windows are numbered; hops compute them in number order (``actors.node.speculation.windows``), so HTTP reordering two
+of them
 cannot matter. The window sizer (``speculation.WindowSizer``) picks each window's length from the acceptance, the
 passes' cost (``speculation.CostModel``) and the ring time measured: a window's round trip from the moment the head
 sent it, less the other hops' passes, taken only from windows sent with none ahead of them (one behind another also
@@ -29,8 +30,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from actors.backend import KvBackend, StepInput
-from actors.node.speculation.drafts import DraftSource, propose_safely
 from actors.node.session import SessionFailed, StepFuture
+from actors.node.speculation.drafts import DraftSource, propose_safely
 from actors.node.speculation.policy import CostModel, WindowSizer, worth_optimism
 from schemas.frame import FrameKind, SampledToken, SampledWindow
 from schemas.session import FailureReason, SessionPhase, TokenEvent
