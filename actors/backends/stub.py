@@ -25,7 +25,8 @@ import numpy as np
 import numpy.typing as npt
 
 from actors.backend import Hidden, StepInput, StepOutput
-from schemas.errors import BadRequestError, CapacityError, SessionNotFoundError, SnapshotError
+from actors.backends.session_table import HoldsSessions, SessionTable, Wording, choice_seed
+from schemas.errors import BadRequestError, SnapshotError
 from schemas.node import BackendInfo, LayerRange
 from schemas.session import LogprobCandidate, Prompt, SamplingParams, TokenLogprobs
 
@@ -33,6 +34,8 @@ BOS, EOS, VOCAB = 256, 257, 258
 _KV_MAGIC = b"SKV1"
 _KV_HEAD = struct.Struct("<4sIIIII")
 """A stub KV blob: magic, layer range, position range, hidden size; then float32 sums (layer, position, dim)."""
+_WORDING = Wording(export_range="session {session} holds [0, {position}); cannot export [{start}, {end})",
+                   truncate_range="session {session} is at {position}; cannot truncate to {to}")
 
 
 @dataclasses.dataclass
@@ -84,7 +87,7 @@ class _Session:
     """The logits the last sample was drawn from (forks draw their first token from them)."""
 
 
-class StubBackend:
+class StubBackend(HoldsSessions[_Session]):
     def __init__(self, config: StubConfig) -> None:
         assert config.layer_end is not None
         self.config = config
@@ -100,7 +103,8 @@ class StubBackend:
         self._mask = np.full(VOCAB, -np.inf)
         self._mask[[10, *range(32, 127)]] = 0.0
         self._mask[EOS] = -6.0
-        self._sessions: dict[str, _Session] = {}
+        self._sessions = SessionTable[_Session]("stub", config.max_sessions, tail=self.is_tail, constraints=False,
+                                                wording=_WORDING)
         self.closed_positions: dict[str, int] = {}
         """positions_computed of each closed session, kept so tests can check work after the session ended."""
         self._lock = threading.Lock()
@@ -125,10 +129,6 @@ class StubBackend:
         return self._layers.end == self.config.n_layers
 
     @property
-    def max_sessions(self) -> int:
-        return self.config.max_sessions
-
-    @property
     def max_batch_tokens(self) -> int:
         return self.config.max_batch_tokens
 
@@ -146,50 +146,28 @@ class StubBackend:
         return [BOS, *text.encode()]
 
     def open_session(self, session_id: str, *, prompt_tokens: list[int], sampling: SamplingParams) -> None:
-        if sampling.constraint is not None and self.is_tail:
-            field = "tools" if sampling.constraint.type == "tool_call" else "response_format"
-            raise BadRequestError("the stub backend does not enforce output constraints (response_format, tools); "
-                                  "serve a llamacpp model for them", param=field)
         with self._lock:
-            if session_id in self._sessions:
-                raise BadRequestError(f"session {session_id} is already open on this node")
-            if len(self._sessions) >= self.config.max_sessions:
-                raise CapacityError(f"stub node holds {len(self._sessions)} sessions (max {self.config.max_sessions})")
-            self._sessions[session_id] = _Session(rng=np.random.default_rng(), seed=sampling.seed, sampling=sampling)
+            self._sessions.admit(session_id, sampling)
+            self._sessions.add(session_id, _Session(rng=np.random.default_rng(), seed=sampling.seed,
+                                                    sampling=sampling))
 
     def fork_session(self, session_id: str, fork_ids: list[str]) -> list[StepOutput]:
         """n > 1 (``actors.backend.ForkingBackend``): each fork gets a copy of the running sums; on the tail, choice
         ``i`` draws with ``seed + i`` and samples its first token from the session's last logits."""
         with self._lock:
-            return self._fork(self._session(session_id), fork_ids)
+            return self._fork(self._sessions[session_id], fork_ids)
 
     def _fork(self, source: _Session, fork_ids: list[str] | tuple[str, ...]) -> list[StepOutput]:
-        if len(set(fork_ids)) != len(fork_ids) or any(f in self._sessions for f in fork_ids):
-            raise BadRequestError(f"fork ids must be new and distinct, got {list(fork_ids)}")
-        if len(self._sessions) + len(fork_ids) > self.config.max_sessions:
-            raise CapacityError(f"{len(fork_ids)} forks do not fit: the stub node holds {len(self._sessions)} "
-                                f"sessions (max {self.config.max_sessions})")
-        if self.is_tail and source.last_logits is None:
-            raise BadRequestError("a session forks on the tail after the step that sampled its first token")
-        outputs = []
-        for i, fork_id in enumerate(fork_ids, start=1):
-            seed = source.sampling.seed
-            fork = _Session(position=source.position, sums={il: list(v) for il, v in source.sums.items()},
-                            rng=np.random.default_rng(), seed=None if seed is None else seed + i,
+        def make(choice: int) -> _Session:
+            return _Session(position=source.position, sums={il: list(v) for il, v in source.sums.items()},
+                            rng=np.random.default_rng(), seed=choice_seed(source.sampling.seed, choice),
                             sampling=source.sampling)
-            self._sessions[fork_id] = fork
-            if self.is_tail:
-                assert source.last_logits is not None
-                outputs.append(self._pick(fork, source.last_logits))
-            else:
-                outputs.append(StepOutput())
-        return outputs
 
-    def _session(self, session_id: str) -> _Session:
-        try:
-            return self._sessions[session_id]
-        except KeyError:
-            raise SessionNotFoundError(f"session {session_id} is not open on this node") from None
+        def first(fork: _Session) -> StepOutput:
+            assert source.last_logits is not None
+            return self._pick(fork, source.last_logits)
+
+        return self._sessions.fork(fork_ids, make, first, sampled=source.last_logits is not None)
 
     def step(self, batch: list[StepInput]) -> list[StepOutput]:
         if self.config.delay_s:
@@ -200,11 +178,11 @@ class StubBackend:
         for item, out in zip(batch, outputs, strict=True):
             if item.forks:
                 with self._lock:
-                    out.forks = self._fork(self._session(item.session_id), item.forks)
+                    out.forks = self._fork(self._sessions[item.session_id], item.forks)
         return outputs
 
     def _step_one(self, item: StepInput) -> StepOutput:
-        s = self._session(item.session_id)
+        s = self._sessions[item.session_id]
         if item.start_position != s.position:
             raise BadRequestError(f"stub expected position {s.position}, got {item.start_position}")
         if item.tokens is not None:
@@ -264,13 +242,13 @@ class StubBackend:
 
     def last_logits(self, session_id: str) -> npt.NDArray[np.float64]:
         """The logits the session's last sample was drawn from (tests compare logprobs against them)."""
-        logits = self._session(session_id).last_logits
+        logits = self._sessions[session_id].last_logits
         if logits is None:
             raise BadRequestError(f"session {session_id} has sampled nothing")
         return logits.copy()
 
     def positions_computed(self, session_id: str) -> int:
-        return self._session(session_id).positions_computed
+        return self._sessions[session_id].positions_computed
 
     def token_bytes(self, token: int) -> bytes:
         return bytes([token]) if 0 <= token < 256 else b""
@@ -280,7 +258,7 @@ class StubBackend:
 
     def close_session(self, session_id: str) -> None:
         with self._lock:
-            session = self._sessions.pop(session_id, None)
+            session = self._sessions.pop(session_id)
             if session is not None:
                 self.closed_positions[session_id] = session.positions_computed
 
@@ -291,16 +269,14 @@ class StubBackend:
 
     def export_kv(self, session_id: str, start: int, end: int) -> bytes:
         with self._lock:
-            s = self._session(session_id)
-            if not 0 <= start < end <= s.position:
-                raise BadRequestError(f"session {session_id} holds [0, {s.position}); cannot export [{start}, {end})")
+            s = self._sessions.exporting(session_id, start, end)
             rows = np.stack([np.stack(s.sums[il][start:end]) for il in range(self._layers.start, self._layers.end)])
             head = _KV_HEAD.pack(_KV_MAGIC, self._layers.start, self._layers.end, start, end, self._dim)
             return head + rows.astype("<f4").tobytes()
 
     def import_kv(self, session_id: str, blobs: list[bytes], end: int) -> None:
         with self._lock:
-            s = self._session(session_id)
+            s = self._sessions[session_id]
             at, parts = s.position, []
             for blob in blobs:
                 magic, first, last, start, stop, dim = _KV_HEAD.unpack_from(blob) if len(blob) >= _KV_HEAD.size \
@@ -321,25 +297,19 @@ class StubBackend:
 
     def truncate(self, session_id: str, position: int) -> None:
         with self._lock:
-            s = self._session(session_id)
-            if not 0 <= position <= s.position:
-                raise BadRequestError(f"session {session_id} is at {s.position}; cannot truncate to {position}")
+            s = self._sessions.truncating(session_id, position)
             for history in s.sums.values():
                 del history[position:]
             s.position = position
 
     def kv_continues(self, session_id: str) -> bool:
         with self._lock:
-            s = self._session(session_id)
+            s = self._sessions[session_id]
             return all(len(history) == s.position for history in s.sums.values())
 
     def replay_sampled(self, session_id: str, tokens: list[int]) -> None:
         """Nothing to replay: the stub's draws depend only on the seed and the position (``_sample``)."""
-        self._session(session_id)
-
-    @property
-    def open_sessions(self) -> list[str]:
-        return list(self._sessions)
+        self._sessions[session_id]  # refuses a session not open
 
     def close(self) -> None:
         self._sessions.clear()

@@ -43,13 +43,13 @@ from actors.backends.llamacpp.kv_state import KvCells
 from actors.backends.llamacpp.placement import file_sha256, place
 from actors.backends.llamacpp.sampling import Sampler
 from actors.backends.llamacpp.vocabulary import Vocabulary
+from actors.backends.session_table import HoldsSessions, SessionTable, Wording, choice_seed
 from schemas.errors import (
     BackendError,
     BadRequestError,
     CapacityError,
     ContextLengthError,
     ModelLoadError,
-    SessionNotFoundError,
     SnapshotError,
 )
 from schemas.node import BackendInfo, LayerRange
@@ -62,6 +62,15 @@ log = logging.getLogger(__name__)
 
 _KV_REFRESH_S = 0.5
 """How stale ``kv_bytes_in_use`` may be."""
+
+_WORDING = Wording(
+    full="all {max} sequences of this node are in use",
+    forks_full="{forks} forks need as many free sequences; {free} of {max} are free",
+    step_forks_full="this step forks {forks} sessions; {free} sequences are free",
+    unsampled="a session forks on the tail right after the step that sampled its first token (the forks sample "
+              "theirs from the same logits)")
+"""Capacity is counted in sequences here: each session holds one (``SessionTable`` counts them, ``_free_seqs``
+says which)."""
 
 _backend_ready = False
 _backend_lock = threading.Lock()
@@ -91,7 +100,7 @@ def _init_llama(verbose: bool) -> None:
             _backend_ready = True
 
 
-class LlamaCppBackend:
+class LlamaCppBackend(HoldsSessions[_Session]):
     """A ``Backend`` over one llama.cpp model and context. Build it with ``load_llamacpp``."""
 
     def __init__(self, config: LlamaCppConfig) -> None:
@@ -100,7 +109,8 @@ class LlamaCppBackend:
         self._placement = place(config)
         self._path = self._placement.facts.path
         self._lock = threading.RLock()
-        self._sessions: dict[str, _Session] = {}
+        self._sessions = SessionTable[_Session]("llama.cpp", config.max_sessions, tail=self.is_tail,
+                                                wording=_WORDING)
         # The last sequence id is the scratch one KV segments pass through (``kv_state.KvCells``).
         self._free_seqs = list(range(config.n_seq_max - 2, -1, -1))
         self._kv_bytes = 0
@@ -193,10 +203,6 @@ class LlamaCppBackend:
         return self._placement.is_tail
 
     @property
-    def max_sessions(self) -> int:
-        return self.config.max_sessions
-
-    @property
     def max_batch_tokens(self) -> int:
         return self.config.n_batch
 
@@ -232,13 +238,11 @@ class LlamaCppBackend:
     def open_session(self, session_id: str, *, prompt_tokens: list[int], sampling: SamplingParams) -> None:
         with self._lock:
             self._require_open()
-            if session_id in self._sessions:
-                raise BadRequestError(f"session {session_id} is already open on this node")
+            self._sessions.check_new(session_id)
             if len(prompt_tokens) >= self._n_ctx:
                 raise ContextLengthError(f"prompt of {len(prompt_tokens)} tokens leaves no room in the "
                                          f"{self._n_ctx}-token context")
-            if not self._free_seqs:
-                raise CapacityError(f"all {self.config.max_sessions} sequences of this node are in use")
+            self._sessions.check_room()
             seq_id = self._free_seqs.pop()
             # Defensive: a sequence id comes back to the pool only after its cells were removed.
             llama_cpp.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
@@ -253,7 +257,7 @@ class LlamaCppBackend:
                 session.sampling = sampling
                 session.penalty_window = list(prompt_tokens[-sampling.penalty_last_n:]) if sampling.penalty_last_n \
                     else []
-            self._sessions[session_id] = session
+            self._sessions.add(session_id, session)
 
     def fork_session(self, session_id: str, fork_ids: list[str]) -> list[StepOutput]:
         """n > 1: see ``actors.backend.ForkingBackend.fork_session``. The forks' sequences share the session's KV
@@ -261,74 +265,61 @@ class LlamaCppBackend:
         copied) until each writes its own positions."""
         with self._lock:
             self._require_open()
-            return self._fork(self._session(session_id), fork_ids)
+            return self._fork(self._sessions[session_id], fork_ids)
 
     def _fork(self, source: _Session, fork_ids: Sequence[str]) -> list[StepOutput]:
-        if len(set(fork_ids)) != len(fork_ids) or any(f in self._sessions for f in fork_ids):
-            raise BadRequestError(f"fork ids must be new and distinct, got {list(fork_ids)}")
-        if len(fork_ids) > len(self._free_seqs):
-            raise CapacityError(f"{len(fork_ids)} forks need as many free sequences; {len(self._free_seqs)} of "
-                                f"{self.config.max_sessions} are free")
-        if self.is_tail and (source.sampled_row < 0 or source.sampled_in != self._decodes):
-            raise BadRequestError("a session forks on the tail right after the step that sampled its first token "
-                                  "(the forks sample theirs from the same logits)")
-        forks: list[_Session] = []
-        try:
-            for i, _ in enumerate(fork_ids, start=1):
-                fork = _Session(self._free_seqs.pop(), position=source.position)
-                forks.append(fork)
+        def make(choice: int) -> _Session:
+            fork = _Session(self._free_seqs.pop(), position=source.position)
+            try:
                 llama_cpp.llama_memory_seq_rm(self._memory, fork.seq_id, -1, -1)
                 llama_cpp.llama_memory_seq_cp(self._memory, source.seq_id, fork.seq_id, -1, -1)
                 if self.is_tail:
                     assert source.sampling is not None
-                    seed = None if source.sampling.seed is None else source.sampling.seed + i
                     fork.sampling, fork.penalty_window = source.sampling, source.penalty_window
                     fork.sampler = Sampler(source.sampling, n_vocab=self._n_vocab, vocab=self._vocab,
-                                           prompt_tokens=source.penalty_window, seed=seed)
-        except BaseException:
-            for fork in forks:
-                llama_cpp.llama_memory_seq_rm(self._memory, fork.seq_id, -1, -1)
-                if fork.sampler is not None:
-                    fork.sampler.close()
-                self._free_seqs.append(fork.seq_id)
-            raise
-        outputs = []
-        for fork_id, fork in zip(fork_ids, forks, strict=True):
-            self._sessions[fork_id] = fork
-            if fork.sampler is None:
-                outputs.append(StepOutput())
-                continue
+                                           prompt_tokens=source.penalty_window,
+                                           seed=choice_seed(source.sampling.seed, choice))
+            except BaseException:
+                self._free(fork)
+                raise
+            return fork
+
+        def first(fork: _Session) -> StepOutput:
+            assert fork.sampler is not None
             token, logprobs = fork.sampler.sample(self._ctx, source.sampled_row)
             fork.sampled_row, fork.sampled_in = source.sampled_row, self._decodes
-            outputs.append(StepOutput(token=token, logprobs=logprobs))
+            return StepOutput(token=token, logprobs=logprobs)
+
+        sampled = source.sampled_row >= 0 and source.sampled_in == self._decodes
+        outputs = self._sessions.fork(fork_ids, make, first, sampled=sampled, discard=self._free)
         self._refresh_kv_bytes(force=True)
         return outputs
 
     def close_session(self, session_id: str) -> None:
         with self._lock:
-            session = self._sessions.pop(session_id, None)
+            session = self._sessions.pop(session_id)
             if session is None:
                 return
-            if self._ctx is not None:
-                llama_cpp.llama_memory_seq_rm(self._memory, session.seq_id, -1, -1)
-            if session.sampler is not None:
-                session.sampler.close()
-            self._free_seqs.append(session.seq_id)
+            self._free(session)
             self._refresh_kv_bytes(force=True)
 
-    @property
-    def open_sessions(self) -> list[str]:
-        return list(self._sessions)  # a snapshot; no lock, so a caller on the event loop never waits for a decode
+    def _free(self, session: _Session) -> None:
+        """Give back a session's cells, sampler and sequence id (a session no longer, or never, in the table)."""
+        if self._ctx is not None:
+            llama_cpp.llama_memory_seq_rm(self._memory, session.seq_id, -1, -1)
+        if session.sampler is not None:
+            session.sampler.close()
+        self._free_seqs.append(session.seq_id)
 
     def session_position(self, session_id: str) -> int:
         """Positions of ``session_id`` held in KV so far."""
         with self._lock:
-            return self._session(session_id).position
+            return self._sessions[session_id].position
 
     def kv_cells(self, session_id: str) -> tuple[int, int]:
         """(lowest, highest) position llama.cpp holds for the session's sequence; (-1, -1) when it holds none."""
         with self._lock:
-            seq = self._session(session_id).seq_id
+            seq = self._sessions[session_id].seq_id
             return (int(llama_cpp.llama_memory_seq_pos_min(self._memory, seq)),
                     int(llama_cpp.llama_memory_seq_pos_max(self._memory, seq)))
 
@@ -340,7 +331,7 @@ class LlamaCppBackend:
 
     def seq_id_of(self, session_id: str) -> int:
         with self._lock:
-            return self._session(session_id).seq_id
+            return self._sessions[session_id].seq_id
 
     # --- KV in and out (issue #18 snapshots and reuse, issue #20 rollback; ``actors.backend.KvBackend``) ----------
 
@@ -352,16 +343,13 @@ class LlamaCppBackend:
     def export_kv(self, session_id: str, start: int, end: int) -> bytes:
         with self._lock:
             self._require_open()
-            session = self._session(session_id)
-            if not 0 <= start < end <= session.position:
-                raise BadRequestError(f"session {session_id} holds positions [0, {session.position}); cannot "
-                                      f"export [{start}, {end})")
+            session = self._sessions.exporting(session_id, start, end)
             return self._kv.export(session.seq_id, start, end)
 
     def import_kv(self, session_id: str, blobs: list[bytes], end: int) -> None:
         with self._lock:
             self._require_open()
-            session = self._session(session_id)
+            session = self._sessions[session_id]
             before = session.position
             try:
                 for blob in blobs:
@@ -378,22 +366,19 @@ class LlamaCppBackend:
     def truncate(self, session_id: str, position: int) -> None:
         with self._lock:
             self._require_open()
-            session = self._session(session_id)
-            if not 0 <= position <= session.position:
-                raise BadRequestError(f"session {session_id} is at position {session.position}; cannot truncate "
-                                      f"to {position}")
+            session = self._sessions.truncating(session_id, position)
             self._kv.truncate(session.seq_id, position)
             session.position = position
             session.sampled_row = -1
 
     def kv_continues(self, session_id: str) -> bool:
         with self._lock:
-            session = self._session(session_id)
+            session = self._sessions[session_id]
             return self._kv.continues(session.seq_id, session.position)
 
     def replay_sampled(self, session_id: str, tokens: list[int]) -> None:
         with self._lock:
-            session = self._session(session_id)
+            session = self._sessions[session_id]
             if session.sampler is None or session.sampling is None:
                 raise BadRequestError("only the tail samples")
             sampler = Sampler(session.sampling, n_vocab=self._n_vocab, prompt_tokens=session.penalty_window,
@@ -420,12 +405,6 @@ class LlamaCppBackend:
         self._kv_refreshed = now
         self._kv_bytes = sum(int(llama_cpp.llama_state_seq_get_size(self._ctx, s.seq_id))
                              for s in self._sessions.values() if s.position) if self._ctx is not None else 0
-
-    def _session(self, session_id: str) -> _Session:
-        try:
-            return self._sessions[session_id]
-        except KeyError:
-            raise SessionNotFoundError(f"session {session_id} is not open on this node") from None
 
     def _require_open(self) -> None:
         if self._ctx is None:
@@ -456,7 +435,7 @@ class LlamaCppBackend:
     def _check(self, batch: list[StepInput]) -> list[_Session]:
         if not batch:
             raise BadRequestError("empty step")
-        sessions = [self._session(item.session_id) for item in batch]
+        sessions = [self._sessions[item.session_id] for item in batch]
         if len({id(s) for s in sessions}) != len(sessions):
             raise BadRequestError("a step may carry each session at most once")
         total = 0
@@ -476,11 +455,8 @@ class LlamaCppBackend:
         if total > self.config.n_batch:
             raise BadRequestError(f"step carries {total} positions, more than {self.config.n_batch}")
         forks = [f for item in batch for f in item.forks]
-        if len(forks) > len(self._free_seqs):
-            # Refused before the forward pass, so a failed fork never leaves a step half applied.
-            raise CapacityError(f"this step forks {len(forks)} sessions; {len(self._free_seqs)} sequences are free")
-        if any(f in self._sessions for f in forks) or len(set(forks)) != len(forks):
-            raise BadRequestError(f"fork ids must be new and distinct, got {forks}")
+        if forks:
+            self._sessions.check_step_forks(forks)
         if any(item.rows for item in batch) and not self.is_tail:
             raise BadRequestError("only the tail returns logits rows")
         if self.is_tail and any(item.forks and not item.sample for item in batch):
@@ -541,7 +517,7 @@ class LlamaCppBackend:
         """The logits the session's last sample was drawn from (a copy; valid until the next step). Tail only:
         for diagnostics and tests that need to tell a near-tie from a real divergence."""
         with self._lock:
-            row = self._session(session_id).sampled_row
+            row = self._sessions[session_id].sampled_row
             ptr = llama_cpp.llama_get_logits_ith(self._ctx, row) if row >= 0 else None
             if not ptr:
                 raise BadRequestError(f"session {session_id} sampled nothing in the last step")

@@ -29,6 +29,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from actors.backend import Hidden, StepInput, StepOutput
+from actors.backends.session_table import HoldsSessions, SessionTable, choice_seed
 from actors.backends.torch import kv
 from actors.backends.torch.models import TINY_MODELS, PreparedModel, prepare
 from actors.backends.torch.sampler import TorchSampler, token_logprobs
@@ -37,11 +38,9 @@ from actors.backends.torch.tokens import TokenCodec
 from schemas.errors import (
     BackendError,
     BadRequestError,
-    CapacityError,
     ContextLengthError,
     FrameError,
     PayloadTooLargeError,
-    SessionNotFoundError,
     SnapshotError,
     SwarmrouteError,
 )
@@ -111,7 +110,7 @@ class _Session:
     """Tail: the logits the last sample was drawn from (forks draw their first token from them)."""
 
 
-class TorchBackend:
+class TorchBackend(HoldsSessions[_Session]):
     def __init__(self, config: TorchConfig, prepared: PreparedModel) -> None:
         self.config = config
         if config.threads:
@@ -131,7 +130,7 @@ class TorchBackend:
             eos = prepared.config.eos_token_id
             extra = list(eos) if isinstance(eos, list | tuple) else [eos]
             self.codec = TokenCodec.load(prepared.tokenizer_dir(), extra)
-        self._sessions: dict[str, _Session] = {}
+        self._sessions = SessionTable[_Session]("torch", config.max_sessions, tail=self.is_tail, constraints=False)
         self._lock = threading.Lock()
 
     @property
@@ -159,10 +158,6 @@ class TorchBackend:
         return self.shard.is_tail
 
     @property
-    def max_sessions(self) -> int:
-        return self.config.max_sessions
-
-    @property
     def max_batch_tokens(self) -> int:
         return self.config.max_batch_tokens
 
@@ -182,51 +177,33 @@ class TorchBackend:
     def open_session(self, session_id: str, *, prompt_tokens: list[int], sampling: SamplingParams) -> None:
         if len(prompt_tokens) >= self._context:
             raise ContextLengthError(f"prompt has {len(prompt_tokens)} tokens; this node serves {self._context}")
-        if sampling.constraint is not None and self.is_tail:
-            field = "tools" if sampling.constraint.type == "tool_call" else "response_format"
-            raise BadRequestError("the torch backend does not enforce output constraints (response_format, tools); "
-                                  "serve a llamacpp model for them", param=field)
         with self._lock:
-            if session_id in self._sessions:
-                raise BadRequestError(f"session {session_id} is already open on this node")
-            if len(self._sessions) >= self.config.max_sessions:
-                raise CapacityError(f"torch node holds {len(self._sessions)} sessions (max {self.config.max_sessions})")
+            self._sessions.admit(session_id, sampling)
             sampler = TorchSampler(sampling, prompt_tokens) if self.is_tail else None
             cache = self.shard.new_cache(self.config.kv_rollback)
-            self._sessions[session_id] = _Session(cache=cache, sampler=sampler, sampling=sampling,
-                                                  prompt_tokens=list(prompt_tokens) if self.is_tail else [])
+            self._sessions.add(session_id, _Session(cache=cache, sampler=sampler, sampling=sampling,
+                                                    prompt_tokens=list(prompt_tokens) if self.is_tail else []))
 
     def fork_session(self, session_id: str, fork_ids: list[str]) -> list[StepOutput]:
         """n > 1 (``actors.backend.ForkingBackend``): each fork gets a deep copy of the session's cache; on the tail,
         choice ``i`` samples with ``seed + i``, its first token from the session's last logits."""
         with self._lock:
-            source = self._session(session_id)
-            if len(set(fork_ids)) != len(fork_ids) or any(f in self._sessions for f in fork_ids):
-                raise BadRequestError(f"fork ids must be new and distinct, got {list(fork_ids)}")
-            if len(self._sessions) + len(fork_ids) > self.config.max_sessions:
-                raise CapacityError(f"{len(fork_ids)} forks do not fit: the torch node holds {len(self._sessions)} "
-                                    f"sessions (max {self.config.max_sessions})")
-            if self.is_tail and source.last_logits is None:
-                raise BadRequestError("a session forks on the tail after the step that sampled its first token")
-            outputs = []
-            for i, fork_id in enumerate(fork_ids, start=1):
+            source = self._sessions[session_id]
+
+            def make(choice: int) -> _Session:
                 fork = _Session(cache=copy.deepcopy(source.cache), position=source.position,
                                 sampling=source.sampling, prompt_tokens=source.prompt_tokens)
                 if self.is_tail:
-                    assert source.sampling is not None and source.last_logits is not None
-                    seed = None if source.sampling.seed is None else source.sampling.seed + i
-                    fork.sampler = TorchSampler(source.sampling, source.prompt_tokens, seed=seed)
-                    outputs.append(self._pick(fork, source.last_logits))
-                else:
-                    outputs.append(StepOutput())
-                self._sessions[fork_id] = fork
-            return outputs
+                    assert source.sampling is not None
+                    fork.sampler = TorchSampler(source.sampling, source.prompt_tokens,
+                                                seed=choice_seed(source.sampling.seed, choice))
+                return fork
 
-    def _session(self, session_id: str) -> _Session:
-        try:
-            return self._sessions[session_id]
-        except KeyError:
-            raise SessionNotFoundError(f"session {session_id} is not open on this node") from None
+            def first(fork: _Session) -> StepOutput:
+                assert source.last_logits is not None
+                return self._pick(fork, source.last_logits)
+
+            return self._sessions.fork(fork_ids, make, first, sampled=source.last_logits is not None)
 
     def step(self, batch: list[StepInput]) -> list[StepOutput]:
         total = sum(item.n_positions for item in batch)
@@ -234,14 +211,11 @@ class TorchBackend:
             raise PayloadTooLargeError(f"batch carries {total} positions (max {self.config.max_batch_tokens})")
         if len({item.session_id for item in batch}) != len(batch):
             raise FrameError("a batch may carry at most one step per session")
-        sessions = [self._session(item.session_id) for item in batch]
+        sessions = [self._sessions[item.session_id] for item in batch]
         # Validate everything first: a bad item must not leave other sessions' caches advanced without output.
         for item, s in zip(batch, sessions, strict=True):
             self._check(item, s)
-        forks = [f for item in batch for f in item.forks]
-        if len(self._sessions) + len(forks) > self.config.max_sessions:
-            raise CapacityError(f"this step forks {len(forks)} sessions; the torch node holds {len(self._sessions)} "
-                                f"(max {self.config.max_sessions})")
+        self._sessions.check_step_forks([f for item in batch for f in item.forks])
         outputs = [self._step_one(item, s) for item, s in zip(batch, sessions, strict=True)]
         for item, out in zip(batch, outputs, strict=True):
             if item.forks:
@@ -305,7 +279,7 @@ class TorchBackend:
     def last_logits(self, session_id: str) -> torch.Tensor:
         """Tail: a copy of the logits the session's last sample was drawn from (tests compare them bit for bit)."""
         with self._lock:
-            logits = self._session(session_id).last_logits
+            logits = self._sessions[session_id].last_logits
         if logits is None:
             raise BadRequestError(f"session {session_id} has sampled nothing since its KV last changed")
         return logits.clone()
@@ -318,7 +292,7 @@ class TorchBackend:
 
     def close_session(self, session_id: str) -> None:
         with self._lock:
-            self._sessions.pop(session_id, None)
+            self._sessions.pop(session_id)
 
     def kv_bytes_in_use(self) -> int:
         with self._lock:
@@ -331,15 +305,12 @@ class TorchBackend:
         """The raw cache tensors of positions ``[start, end)`` of this node's layers; a windowed layer's hold only
         what it still keeps of that range (``kv``)."""
         with self._lock:
-            s = self._session(session_id)
-            if not 0 <= start < end <= s.position:
-                raise BadRequestError(f"session {session_id} holds positions [0, {s.position}); cannot export "
-                                      f"[{start}, {end})")
+            s = self._sessions.exporting(session_id, start, end)
             return kv.export(s.cache, self._kv_layout, start, end)
 
     def import_kv(self, session_id: str, blobs: list[bytes], end: int) -> None:
         with self._lock:
-            s = self._session(session_id)
+            s = self._sessions[session_id]
             if end > self._context:
                 raise SnapshotError(f"KV blobs up to position {end} exceed this node's context ({self._context})")
             kv.load(s.cache, self._kv_layout, s.position, blobs, end)
@@ -348,10 +319,7 @@ class TorchBackend:
 
     def truncate(self, session_id: str, position: int) -> None:
         with self._lock:
-            s = self._session(session_id)
-            if not 0 <= position <= s.position:
-                raise BadRequestError(f"session {session_id} is at position {s.position}; cannot truncate to "
-                                      f"{position}")
+            s = self._sessions.truncating(session_id, position)
             kv.truncate(s.cache, self._kv_layout, position)
             if position < s.position:
                 s.position = position
@@ -359,17 +327,17 @@ class TorchBackend:
 
     def kv_continues(self, session_id: str) -> bool:
         with self._lock:
-            s = self._session(session_id)
+            s = self._sessions[session_id]
             return kv.reusable(s.cache, self._kv_layout, s.position, s.position) == s.position
 
     def reusable_prefix(self, source_id: str, length: int) -> int:
         with self._lock:
-            s = self._session(source_id)
+            s = self._sessions[source_id]
             return kv.reusable(s.cache, self._kv_layout, s.position, length)
 
     def copy_prefix(self, source_id: str, session_id: str, length: int) -> None:
         with self._lock:
-            source, s = self._session(source_id), self._session(session_id)
+            source, s = self._sessions[source_id], self._sessions[session_id]
             if s.position or source_id == session_id:
                 raise BadRequestError(f"session {session_id} already holds {s.position} positions")
             if length <= 0 or kv.reusable(source.cache, self._kv_layout, source.position, length) != length:
@@ -383,17 +351,13 @@ class TorchBackend:
         stream depends on its seed and ``k`` only (``TorchSampler``), so a seeded tail continues unchanged; an
         unseeded one keeps the seed the OS gave it at open on this node (a rebuilt tail has a new one)."""
         with self._lock:
-            s = self._session(session_id)
+            s = self._sessions[session_id]
             if s.sampler is None or s.sampling is None:
                 raise BadRequestError("only the tail samples")
             sampler = TorchSampler(s.sampling, s.prompt_tokens, seed=s.sampler.seed)
             for token in tokens:
                 sampler.accept(token)
             s.sampler = sampler
-
-    @property
-    def open_sessions(self) -> list[str]:
-        return list(self._sessions)
 
     def close(self) -> None:
         with self._lock:
