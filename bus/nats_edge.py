@@ -41,7 +41,7 @@ def error_reply(reply: type[R], exc: SwarmrouteError, **fields: object) -> R:
     wire: dict[str, object] = {"error": exc.message, "status": exc.status, **fields}
     if "code" in reply.model_fields and (exc.status, exc.code) != _UNCODED:
         wire["code"] = exc.code
-    return reply(**wire)
+    return reply.model_validate(wire)
 
 
 def reply_error(reply: ErrorReply, default: str) -> SwarmrouteError:

@@ -21,6 +21,7 @@ from schemas.node import LayerRange
 from schemas.route import RepairRequest
 from schemas.settings import Settings
 from tests.support.swarm import STUB_MODEL, Swarms, stub, wait_model
+from tests.support.waiting import eventually
 
 HEX = "ab" * 32
 
@@ -57,7 +58,8 @@ async def test_route_models_and_repair_from_a_real_tracker(settings: Settings, n
 async def test_the_trackers_refusals_are_raised_as_its_errors(settings: Settings, nc: NATS, swarms: Swarms) -> None:
     tracker = await swarms.actor(Tracker(settings))
     await _node(swarms, settings, "head", 0, 4)
-    await wait_model(tracker, STUB_MODEL)
+    await eventually(lambda: tracker.registry is not None and len(tracker.registry.live()) == 1,
+                     what="the tracker seeing the head")
     client = TrackerClient(nc, Subjects(settings.namespace))
 
     with pytest.raises(ModelNotFoundError) as unknown:
