@@ -33,6 +33,7 @@ from bus.httpserver import HttpServer
 from bus.nodeclient import NodeClient
 from bus.service import register
 from bus.subjects import Subjects
+from bus.tracker_client import TrackerClient
 from gateway import sse
 from gateway.limits import ConcurrencyCounter, ConcurrencyLimitMiddleware, ConcurrencyLimits
 from gateway.live_session import SessionManager
@@ -40,7 +41,6 @@ from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import RequestCounter
 from gateway.response_stream import ResponsesServing
 from gateway.serving import OpenAIServing
-from gateway.tracker_client import TrackerClient
 from schemas.errors import AuthenticationError, NotFoundError
 from schemas.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from schemas.openai_responses import ResponsesRequest

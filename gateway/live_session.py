@@ -32,9 +32,9 @@ from bus.connection import keep_cancellation
 from bus.liveness import Silence, first_lost
 from bus.nodeclient import NodeClient
 from bus.subjects import Subjects
+from bus.tracker_client import TrackerClient
 from gateway import fanout
 from gateway.constraints import check_choices
-from gateway.tracker_client import TrackerClient
 from schemas.constraint import OutputConstraint
 from schemas.errors import (
     CapacityError,

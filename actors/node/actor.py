@@ -70,13 +70,18 @@ from bus.capability import HEADER_CAPABILITY, HEADER_SESSION_TOKEN, verifier_fro
 from bus.connection import keep_cancellation
 from bus.http_edge import EXCEPTION_HANDLERS, read_model
 from bus.httpserver import HttpServer
+from bus.nats_edge import error_reply
 from bus.nodeclient import NodeClient
 from bus.subjects import Subjects
+from bus.tracker_client import TrackerClient
 from schemas.errors import (
     BadRequestError,
     CapacityError,
     ContextLengthError,
+    NoRouteError,
+    RouteFailedError,
     SessionNotFoundError,
+    SwarmrouteError,
 )
 from schemas.frame import WireDType
 from schemas.node import Capacity, NodeAdvertisement
@@ -288,17 +293,14 @@ class Node(NatsActor):
     async def _ask_repair(self, request: RepairRequest) -> RouteReply:
         """Ask the trackers to replace a lost hop of a session this node heads (issue #18)."""
         try:
-            msg = await self.nc.request(self.subjects.repair_request, codec.encode(request),
-                                        timeout=self.settings.hop_timeout_s)
-            keep_cancellation()
-        except NoRespondersError:
-            return RouteReply(error="no tracker answers repair requests", status=503)
-        except Exception as exc:  # noqa: BLE001 - a timeout or an outage: the head asks again while it may
-            return RouteReply(error=f"the trackers did not answer: {type(exc).__name__}", status=503)
-        try:
-            return codec.decode(msg.data, RouteReply)
+            route = await TrackerClient(self.nc, self.subjects, timeout_s=self.settings.hop_timeout_s).repair(request)
+        except SwarmrouteError as exc:  # no tracker answers (503), or the tracker's refusal
+            return error_reply(RouteReply, exc)
         except codec.DecodeError as exc:
-            return RouteReply(error=f"an unreadable tracker reply: {exc}", status=502)
+            return error_reply(RouteReply, RouteFailedError(f"an unreadable tracker reply: {exc}"))
+        except Exception as exc:  # noqa: BLE001 - an outage: the head asks again while it may
+            return error_reply(RouteReply, NoRouteError(f"the trackers did not answer: {type(exc).__name__}"))
+        return RouteReply(route=route)
 
     async def advertise_at(self, url: str | None) -> None:
         """Advertise another base URL for peers (e.g. a proxy in front of this node), at once."""

@@ -12,9 +12,10 @@ from actors.node.engine import StepEngine
 from actors.node.metrics import NodeMetrics
 from actors.node.speculation.drafts import DraftSource, NgramDraft
 from actors.node.spin import LoopPoller
+from bus.nats_edge import error_reply
 from bus.nodeclient import NodeClient
 from bus.subjects import Subjects
-from schemas.errors import BadRequestError
+from schemas.errors import BadRequestError, NoRouteError
 from schemas.frame import WireDType
 from schemas.route import RepairRequest, RouteReply
 from schemas.settings import Settings
@@ -37,7 +38,7 @@ def _ngram_only(session_id: str, source: str) -> DraftSource:
 
 
 async def _no_tracker(request: RepairRequest) -> RouteReply:
-    return RouteReply(error="this node cannot reach a tracker", status=503)
+    return error_reply(RouteReply, NoRouteError("this node cannot reach a tracker"))
 
 
 @dataclasses.dataclass

@@ -24,8 +24,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from nats.aio.client import Client as NATS
-from nats.errors import NoRespondersError
-from nats.errors import TimeoutError as NatsTimeoutError
 
 from actors.provisioning.artifact_sync import ArtifactSync, SyncConfig
 from actors.provisioning.leases import LeaseKeeper, Leases, lease_key, open_leases
@@ -36,6 +34,7 @@ from artifacts.torrent import TorrentSession
 from bus import codec
 from bus.actor import NatsActor
 from bus.subjects import Subjects
+from bus.tracker_client import TrackerClient
 from schemas.artifact import FetchProgress
 from schemas.assignment import AssignmentReply, AssignmentRequest, RangeLease
 from schemas.errors import NotFoundError, SwarmrouteError
@@ -57,8 +56,10 @@ log = logging.getLogger(__name__)
 ASSIGNMENT_FILE = ".assignment"
 """In the model's store directory: the range this node was last given, preferred by the next assignment."""
 RETRY_STATUSES = {404, 500, 501, 503}
-"""Assignment replies worth asking again: no manifest reachable yet, a tracker that failed on the way (NATS,
-JetStream), a tracker without artifact support (another may have it), lost lease races."""
+"""Assignment refusals worth asking again: no manifest reachable yet, a tracker that failed on the way (NATS,
+JetStream), a tracker without artifact support (another may have it), lost lease races, no tracker answering."""
+ASSIGN_TIMEOUT_S = 30.0
+"""How long one assignment request waits (the tracker may fetch the manifest from the swarm first)."""
 
 
 class ProvisionError(SwarmrouteError):
@@ -199,33 +200,28 @@ class Provisioner(NatsActor):
                                     manifest_id=manifest.manifest_id, memory_bytes=self.config.memory_bytes,
                                     max_sessions=self.config.max_sessions, context=self.config.context,
                                     allow_unproven=self.config.allow_unproven, prefer=self._held_ranges(manifest))
-        while True:
-            reply = await self._ask(request)
-            if reply is not None and reply.layers is not None:
-                log.info("assigned layers %s (%s): %s", reply.layers, reply.reason, reply.detail)
-                lease = RangeLease(node_id=request.node_id, model_id=manifest.model_id, start=reply.layers.start,
-                                   end=reply.layers.end, slot=int(reply.lease_key.rsplit(".", 1)[-1]))
-                self._keep(lease, reply.lease_key, reply.lease_revision)
-                return reply
-            if reply is not None and reply.status not in RETRY_STATUSES:
-                raise ProvisionError(f"no layer assignment for node {self.config.node_id}: {reply.error}")
+        tracker = TrackerClient(self.nc, self.subjects, timeout_s=ASSIGN_TIMEOUT_S)
+        while (reply := await self._ask(tracker, request)) is None:
             await asyncio.sleep(self.config.retry_s)
+        assert reply.layers is not None
+        log.info("assigned layers %s (%s): %s", reply.layers, reply.reason, reply.detail)
+        lease = RangeLease(node_id=request.node_id, model_id=manifest.model_id, start=reply.layers.start,
+                           end=reply.layers.end, slot=int(reply.lease_key.rsplit(".", 1)[-1]))
+        self._keep(lease, reply.lease_key, reply.lease_revision)
+        return reply
 
-    async def _ask(self, request: AssignmentRequest) -> AssignmentReply | None:
+    async def _ask(self, tracker: TrackerClient, request: AssignmentRequest) -> AssignmentReply | None:
+        """The tracker's assignment; None when asking again may get one, ``ProvisionError`` when it cannot."""
         try:
-            msg = await self.nc.request(self.subjects.assign_request, codec.encode(request), timeout=30.0)
-        except (NoRespondersError, NatsTimeoutError, TimeoutError):
-            log.warning("no tracker answers on %s; asking again in %gs", self.subjects.assign_request,
-                        self.config.retry_s)
-            return None
-        try:
-            reply = codec.decode(msg.data, AssignmentReply)
+            return await tracker.assign(request)
         except codec.DecodeError as exc:
             log.warning("unreadable assignment reply: %s", exc)
-            return None
-        if reply.layers is None:
-            log.warning("assignment refused (%d): %s", reply.status, reply.error)
-        return reply
+        except SwarmrouteError as exc:
+            if exc.status not in RETRY_STATUSES:
+                raise ProvisionError(f"no layer assignment for node {self.config.node_id}: {exc.message}") from None
+            log.warning("no tracker answers with an assignment yet (%d: %s); asking again in %gs", exc.status,
+                        exc.message, self.config.retry_s)
+        return None
 
     def _keep(self, lease: RangeLease, key: str, revision: int) -> None:
         assert self.leases is not None and key == lease_key(lease.model_id, lease.start, lease.end, lease.slot)

@@ -27,9 +27,10 @@ from actors.tracker.routes import (
 )
 from bus import capability, codec
 from bus.actor import NatsActor
+from bus.nats_edge import endpoint, error_reply
 from bus.subjects import Subjects
 from schemas.assignment import AssignmentReply, AssignmentRequest
-from schemas.errors import CapacityError, SwarmrouteError
+from schemas.errors import BadRequestError, CapacityError, PeerStatusError, SwarmrouteError
 from schemas.node import NODE_FETCHING, LayerRange
 from schemas.route import FetchingNode, ModelsReply, RepairRequest, Route, RouteReply, RouteRequest, ServedModel
 from schemas.settings import Settings
@@ -65,8 +66,10 @@ class Tracker(NatsActor):
         # discovery lists every tracker and $SRV.STATS counts its requests.
         self.assigner = await self._open_assigner()
         self.service = await tracker_service(self.nc, self.subjects, member=self.settings.member_name or "tracker",
-                                              route=self._handle_route, models=self._handle_models,
-                                              assign=self._handle_assign, repair=self._handle_repair)
+                                              route=endpoint(RouteRequest, RouteReply, self._handle_route),
+                                              models=self._handle_models,
+                                              assign=endpoint(AssignmentRequest, AssignmentReply, self._handle_assign),
+                                              repair=endpoint(RepairRequest, RouteReply, self._handle_repair))
         log.info("tracker ready on %s", self.subjects.route_request)
 
     async def _on_stop(self) -> None:
@@ -103,12 +106,12 @@ class Tracker(NatsActor):
                                  exclude=frozenset(request.exclude), pending=self._pending_counts(),
                                  prefix_keys=request.prefix_keys)
         except CapacityError as exc:
-            return RouteReply(error=exc.message, status=exc.status, code=exc.code)
+            return error_reply(RouteReply, exc)
         except SwarmrouteError as exc:
             gaps: list[LayerRange] = []
             with contextlib.suppress(SwarmrouteError):  # the same nodes the route could use, so gaps match the message
                 gaps = uncovered_layers(*routable(self.registry.live(), request.model, frozenset(request.exclude)))
-            return RouteReply(error=exc.message, status=exc.status, code=exc.code, uncovered=gaps)
+            return error_reply(RouteReply, exc, uncovered=gaps)
         if request.standby:
             route = with_standbys(route, self.registry.live(), exclude=frozenset(request.exclude))
         return RouteReply(route=self._hand_out(route))
@@ -128,38 +131,30 @@ class Tracker(NatsActor):
         assert self.registry is not None
         route = request.route
         if request.lost >= len(route.hops):
-            return RouteReply(error=f"the route has no hop {request.lost}", status=400)
+            return error_reply(RouteReply, BadRequestError(f"the route has no hop {request.lost}"))
         exclude = frozenset([*request.exclude, route.hops[request.lost].node_id])
         try:
             repaired = replace_hop(self.registry.live(), route, request.lost, exclude=exclude,
                                    pending=self._pending_counts())
         except SwarmrouteError as exc:
-            return RouteReply(error=exc.message, status=exc.status, code=exc.code)
+            return error_reply(RouteReply, exc)
         repaired = with_standbys(repaired, self.registry.live(), exclude=exclude)
         if self._signer is not None and not request.session_token:
-            return RouteReply(error="a repair needs the session's token when the swarm signs capabilities",
-                              status=400)
+            return error_reply(RouteReply, BadRequestError("a repair needs the session's token when the swarm "
+                                                           "signs capabilities"))
         return RouteReply(route=self._hand_out(repaired, link=request.session_token))
 
-    async def _handle_repair(self, data: bytes) -> bytes:
-        try:
-            request = codec.decode(data, RepairRequest)
-        except codec.DecodeError as exc:
-            return codec.encode(RouteReply(error=str(exc), status=400))
+    async def _handle_repair(self, request: RepairRequest) -> RouteReply:
         reply = self.repair(request)
         if reply.route:
             log.info("session %s repaired: %s", request.route.session_id, reply.route.describe())
-        return codec.encode(reply)
+        return reply
 
-    async def _handle_route(self, data: bytes) -> bytes:
-        try:
-            request = codec.decode(data, RouteRequest)
-        except codec.DecodeError as exc:
-            return codec.encode(RouteReply(error=str(exc), status=400))
+    async def _handle_route(self, request: RouteRequest) -> RouteReply:
         reply = self.route(request)
         if reply.route:
             log.info("session %s routed: %s", request.session_id, reply.route.describe())
-        return codec.encode(reply)
+        return reply
 
     def models(self) -> ModelsReply:
         assert self.registry is not None
@@ -196,17 +191,12 @@ class Tracker(NatsActor):
                                    replicas=self.settings.registry_replicas)
         return Assigner(self.nc, self.subjects, self.registry, leases)
 
-    async def _handle_assign(self, data: bytes) -> bytes:
-        try:
-            request = codec.decode(data, AssignmentRequest)
-        except codec.DecodeError as exc:
-            return codec.encode(AssignmentReply(error=str(exc), status=400))
+    async def _handle_assign(self, request: AssignmentRequest) -> AssignmentReply:
         if self.assigner is None:
-            return codec.encode(AssignmentReply(error=self.assigner_missing or "tracker not started", status=501))
+            # 501, which the tree has no class for: a joining node asks again (another tracker may assign)
+            raise PeerStatusError(501, self.assigner_missing or "tracker not started")
         try:
-            reply = await self.assigner.assign(request)
+            return await self.assigner.assign(request)
         except Exception as exc:  # noqa: BLE001 - a NATS or JetStream failure: the node asks again, told why
             log.warning("assignment for node %s failed: %s: %s", request.node_id, type(exc).__name__, exc)
-            reply = AssignmentReply(error=f"the tracker could not assign layers: {type(exc).__name__}: {exc}",
-                                    status=500)
-        return codec.encode(reply)
+            raise SwarmrouteError(f"the tracker could not assign layers: {type(exc).__name__}: {exc}") from None

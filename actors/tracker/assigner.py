@@ -25,9 +25,10 @@ from artifacts.arch_support import check_cut
 from artifacts.gguf_shape import shape_from_manifest
 from artifacts.layer_split import PlanSettings, cut_points, range_costs
 from artifacts.shard import manifest_cut_request
+from bus.nats_edge import error_reply
 from bus.subjects import Subjects
 from schemas.assignment import AssignmentReply, AssignmentRequest, RangeLease
-from schemas.errors import BadRequestError, NotFoundError
+from schemas.errors import BadRequestError, NoRouteError, NotFoundError
 from schemas.manifest import ModelManifest
 from schemas.node import NODE_FETCHING, NODE_SERVING, LayerRange, NodeAdvertisement
 
@@ -98,7 +99,7 @@ class Assigner:
         try:
             manifest = await self.manifest(request)
         except NotFoundError as exc:
-            return AssignmentReply(error=f"cannot assign layers: {exc.message}", status=exc.status)
+            return error_reply(AssignmentReply, NotFoundError(f"cannot assign layers: {exc.message}"))
         fit_key = (manifest.manifest_id, request.context, request.max_sessions, request.allow_unproven)
         fit = self._fits.get(fit_key)
         if fit is None:
@@ -117,7 +118,7 @@ class Assigner:
                 try:
                     decision = decide(fit, claims, budget, prefer=prefer)
                 except AssignmentImpossible as exc:
-                    return AssignmentReply(error=exc.message, status=exc.status)
+                    return error_reply(AssignmentReply, exc)
                 reply = await self._lease(request, decision, held)
                 if reply is not None:
                     log.info("node %s assigned layers [%d, %d) of %s (%s): %s", request.node_id, decision.start,
@@ -125,8 +126,8 @@ class Assigner:
                     return reply
                 log.info("lease on [%d, %d) went to another node first; deciding again", decision.start,
                          decision.end)
-        return AssignmentReply(error="cannot assign layers: other nodes kept taking the chosen ranges first; retry",
-                               status=503)
+        return error_reply(AssignmentReply, NoRouteError("cannot assign layers: other nodes kept taking the chosen "
+                                                         "ranges first; retry"))
 
     async def _lease(self, request: AssignmentRequest, decision: Decision,
                      held: dict[str, tuple[RangeLease, int]]) -> AssignmentReply | None:
