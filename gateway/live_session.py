@@ -12,6 +12,10 @@ A session keeps its own state: the opener tells it what it was routed to and ope
 what it needs from the gateway around it (the route's nodes, publishing a snapshot of its own, being forgotten once
 freed) it is given at construction (``SessionLinks``), the same for every session (``gateway.session_manager``
 keeps the set of them).
+
+Why one module of ~370 lines: the events the session checks as they arrive and the failures it finds itself (a lost
+or silent head, a client gone) end it through the same fields (``end``, the tokens seen), read by one loop; apart,
+each half would reach into the other's state.
 """
 
 from __future__ import annotations
