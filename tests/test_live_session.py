@@ -225,7 +225,7 @@ async def test_a_silent_route_fails_after_its_timeout_naming_the_head_that_stopp
     session = await rig.session()
     *_, last = await drain(session)
     assert isinstance(last, SessionEnd) and last.failure is not None and last.failure.kind == "timeout"
-    assert last.failure.node_id == "a" and "node a stopped answering during prefill" in last.failure.message
+    assert last.failure.node_id == "a" and "node a stopped answering during routing" in last.failure.message  # no snapshot of the head yet
     assert [p.failure for p in rig.published] == [last.failure]
     await session.close()
 
@@ -237,7 +237,7 @@ async def test_a_silent_route_whose_head_answers_went_silent(nc: NATS, module_na
     session = await rig.session()
     *_, last = await drain(session)
     assert isinstance(last, SessionEnd) and last.failure is not None and last.failure.node_id is None
-    assert last.failure.message.startswith("the route went silent during prefill")
+    assert last.failure.message.startswith("the route went silent during routing")
     await session.close()
 
 

@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator
 import nats
 import pytest
 import pytest_asyncio
-from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from bus import codec

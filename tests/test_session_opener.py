@@ -129,7 +129,7 @@ def opener(**settings: object) -> SessionOpener:
     return SessionOpener(None, None, Settings(**settings))  # type: ignore[arg-type]
 
 
-def test_only_plain_single_choice_sessions_on_several_hops_speculate() -> None:
+async def test_only_plain_single_choice_sessions_on_several_hops_speculate() -> None:
     on = opener(speculation="ngram", speculative_max_k=4)
     plain = SamplingParams(temperature=0.0)
     speculation = on._speculation(plain, 1, 2)
