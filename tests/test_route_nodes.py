@@ -22,6 +22,7 @@ from tests.support.gateway import MESSAGES, MODEL, prompt_tokens, stub_swarm
 from tests.support.swarm import Swarm
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
+CHAT: list[dict[str, object]] = [dict(m) for m in MESSAGES]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -56,8 +57,8 @@ def gone(route: Route) -> Route:
 
 async def test_the_head_tokenizes_a_prompt(swarm: Swarm, nodes: RouteNodes) -> None:
     route = await routed(swarm, "tok")
-    reply = await nodes.tokenize(route, Prompt(messages=MESSAGES))
-    assert len(reply.tokens) == prompt_tokens(swarm, messages=MESSAGES) and reply.tool_format is None
+    reply = await nodes.tokenize(route, Prompt(messages=CHAT))
+    assert len(reply.tokens) == prompt_tokens(swarm, messages=CHAT) and reply.tool_format is None
 
 
 async def test_a_head_that_answers_is_neither_unresponsive_nor_lost_while_it_holds_the_session(

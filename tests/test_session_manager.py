@@ -27,6 +27,7 @@ from tests.support.swarm import Swarm
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
+CHAT: list[dict[str, object]] = [dict(m) for m in MESSAGES]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -72,7 +73,7 @@ class Tap:
 
 
 def request(*, n: int = 1, temperature: float = 0.0, model: str = MODEL) -> GenerationRequest:
-    return GenerationRequest(model=model, prompt=Prompt(messages=MESSAGES), prompt_tokens=None, max_tokens=3,
+    return GenerationRequest(model=model, prompt=Prompt(messages=CHAT), prompt_tokens=None, max_tokens=3,
                              sampling=SamplingParams(temperature=temperature), stop=[], n=n)
 
 

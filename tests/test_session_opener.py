@@ -28,6 +28,7 @@ from tests.support.gateway import MESSAGES, MODEL, prompt_tokens, stub_swarm
 from tests.support.swarm import Swarm
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
+CHAT: list[dict[str, object]] = [dict(m) for m in MESSAGES]
 GREEDY = SamplingParams(temperature=0.0)
 
 
@@ -64,19 +65,19 @@ async def opening(swarm: Swarm) -> AsyncIterator[Opening]:
 
 def request(prompt: Prompt | None = None, *, n: int = 1, sampling: SamplingParams = GREEDY,
             model: str = MODEL) -> GenerationRequest:
-    return GenerationRequest(model=model, prompt=prompt or Prompt(messages=MESSAGES), prompt_tokens=None,
+    return GenerationRequest(model=model, prompt=prompt or Prompt(messages=CHAT), prompt_tokens=None,
                              max_tokens=5, sampling=sampling, stop=[], n=n)
 
 
 async def test_a_session_is_routed_over_the_swarm_and_opened_with_the_heads_count(swarm: Swarm,
                                                                                      opening: Opening) -> None:
-    session = opening.session(Prompt(messages=MESSAGES))
+    session = opening.session(Prompt(messages=CHAT))
     await opening.opener.open(session, request())
     try:
         assert session.route is not None
         assert [h.node_id for h in session.route.hops] == [n.config.node_id for n in swarm.nodes]
         assert session.telemetry is not None and [h.node_id for h in session.telemetry.route] == ["n1", "n2"]
-        assert session.n_prompt == prompt_tokens(swarm, messages=MESSAGES) and session.max_tokens == 5
+        assert session.n_prompt == prompt_tokens(swarm, messages=CHAT) and session.max_tokens == 5
         assert (session.n, session.fan_out) == (1, 1) and session.opened_at is not None
         assert {"route", "open"} <= set(session.setup) and "tokenize" not in session.setup  # the head tokenized
         assert set(swarm.held()) == {"n1", "n2"}
@@ -113,7 +114,7 @@ async def test_a_prompt_with_tools_is_tokenized_first_and_the_heads_refusal_reac
     tools = ToolSet(tools=[FunctionSpec(name="get_time")])
     session = opening.session(None)
     with pytest.raises(BadRequestError) as refused:  # the stub backend renders no tools: a 400 naming them
-        await opening.opener.open(session, request(Prompt(messages=MESSAGES, tools=tools)))
+        await opening.opener.open(session, request(Prompt(messages=CHAT, tools=tools)))
     assert refused.value.param == "tools" and "tokenize" in session.setup and "open" not in session.setup
 
 
