@@ -36,11 +36,12 @@ from bus.subjects import Subjects
 from bus.tracker_client import TrackerClient
 from gateway import sse
 from gateway.limits import ConcurrencyCounter, ConcurrencyLimitMiddleware, ConcurrencyLimits
-from gateway.live_session import SessionManager
+from gateway.live_session import LiveSession
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import RequestCounter
 from gateway.response_stream import ResponsesServing
 from gateway.serving import OpenAIServing
+from gateway.session_manager import SessionManager
 from schemas.errors import AuthenticationError, NotFoundError
 from schemas.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from schemas.openai_responses import ResponsesRequest
@@ -136,7 +137,7 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-async def _telemetry_events(nc: NATS, subjects: Subjects, sid: str, live: object,
+async def _telemetry_events(nc: NATS, subjects: Subjects, sid: str, live: LiveSession | None,
                             final: GenerationTelemetry | None) -> AsyncIterator[bytes]:
     if live is None and final is not None:
         yield sse.data(final)
@@ -150,7 +151,7 @@ async def _telemetry_events(nc: NATS, subjects: Subjects, sid: str, live: object
 
     sub = await nc.subscribe(subjects.telemetry(sid), cb=on_msg)
     try:
-        last: GenerationTelemetry | None = getattr(live, "telemetry", None)
+        last = live.telemetry if live is not None else None
         sent = -1
         if last is not None:
             yield sse.data(last)

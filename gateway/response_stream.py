@@ -14,9 +14,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from gateway import sse
-from gateway.live_session import GenerationRequest, LiveSession
+from gateway.live_session import LiveSession
 from gateway.responses import ResponseBuilder, chat_messages, request_logprobs, request_tools, sse_event, text_format
 from gateway.serving import OpenAIServing, StreamState, constrain_hook, refuse_unsupported, telemetry_extra
+from gateway.session_opener import GenerationRequest
 from gateway.tools import ContentDelta, ReplyDelta, ToolCallParser
 from schemas.errors import BadRequestError
 from schemas.openai_responses import ResponseEvent, ResponsesRequest

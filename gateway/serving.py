@@ -23,10 +23,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from gateway import sse
 from gateway.constraints import FormatKind, chat_tools, constraint_for, response_format_of
 from gateway.constraints import chat_logprobs as logprobs_asked
-from gateway.live_session import Constrain, Event, GenerationRequest, LiveSession, SessionManager
+from gateway.live_session import Event, LiveSession
 from gateway.messages import head_messages
 from gateway.metrics import GatewayMetrics, RequestClock
 from gateway.replies import Replies
+from gateway.session_manager import SessionManager
+from gateway.session_opener import Constrain, GenerationRequest
 from schemas.errors import BadRequestError, RouteFailedError
 from schemas.openai import (
     TELEMETRY_KEY,

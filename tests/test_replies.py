@@ -95,7 +95,7 @@ def test_completion_choices_echo_and_offsets() -> None:
 
 
 def test_a_gap_is_found_per_choice() -> None:
-    session = LiveSession(None, "s")  # type: ignore[arg-type]  # the manager is not used by _absorb
+    session = LiveSession(None, "s")  # type: ignore[arg-type]  # the links are not used by _absorb
     session.n, session.seen = 2, [0, 0]
     assert session._absorb(event(0, 0, "a")) is not None
     assert session._absorb(event(1, 0, "b")) is not None
