@@ -1,6 +1,7 @@
 """What every role of a Route Session on one node shares: its place in the route, its KV position, computing a step,
 and sending frames on through its outbox. The roles are ``HopSession`` (every hop but the head: receive, compute,
-forward) and ``HeadSession`` (the head: it drives prefill and decode and owns the session's fate).
+forward) and ``HeadSession`` (the head: it owns the session's fate; its prefill and decode strategy drive it
+through its port, ``head_port``). Each is built once what its open settled is known (``SessionStart``).
 
 The ring: the head embeds and runs its layers, then sends the hidden state to the next hop; each hop appends the
 positions to its own KV and forwards; the tail samples and posts the token straight back to the head, which starts
