@@ -21,12 +21,12 @@ from actors.backend import StepInput
 from actors.node.decode.local_chain import LocalChain
 from actors.node.decode.relay import Relay
 from actors.node.decode.rounds import Rounds
-from actors.node.head_session import HeadSession
+from actors.node.head_session import HeadSession, decode_strategy
 from actors.node.prefill import prefill
 from actors.node.speculation.verify_loop import VerifyWindows
 from schemas.errors import FrameError
 from schemas.frame import FrameKind, HopStamp, SampledToken
-from schemas.session import FailureReason, FinishReason, SessionPhase, Speculation
+from schemas.session import FailureReason, FinishReason, SessionOpen, SessionPhase, Speculation
 from schemas.telemetry import GenerationTelemetry
 from tests.support.head_port import FakePort, Frame
 from tests.support.sessions import Rig, header, hidden_rows, new_session_id, reference, rig, route, stub
@@ -330,3 +330,22 @@ async def test_verify_windows_send_drafts_announce_verdicts_and_cut_back_what_th
     assert port.completed is port.announced[-1] and port.completed.finish_reason == "stop"
     assert port.kept == w3.start + 1  # the window's first position came true; its drafts did not
     assert len(port.computed) == 4 and [i.start_position for i in port.computed[1:]] == [w1.start, w2.start, w3.start]
+
+
+@pytest.mark.parametrize(("ranges", "kw", "strategy"), [
+    (((0, 3), (3, 8)), {}, Relay),
+    (((0, 8),), {}, LocalChain),
+    (((0, 3), (3, 8)), {"n": 2}, Rounds),
+    (((0, 8),), {"n": 2}, Rounds),
+    (((0, 3), (3, 8)), {"speculate": Speculation(source="ngram", max_k=2, windows=1)}, VerifyWindows),
+    (((0, 8),), {"speculate": Speculation(source="ngram", max_k=2, windows=1)}, LocalChain),  # no ring to verify on
+])
+def test_the_open_settles_the_decode_strategy(ranges: tuple[tuple[int, int], ...], kw: dict[str, Any],
+                                              strategy: type) -> None:
+    sid = new_session_id()
+    request = SessionOpen(session_id=sid, route=route(sid, *ranges), hop_index=0, prompt_tokens=PROMPT,
+                          max_tokens=4, **kw)
+    chosen = decode_strategy(request, is_tail=len(ranges) == 1)
+    assert type(chosen) is strategy
+    if isinstance(chosen, Rounds):
+        assert chosen.local == (len(ranges) == 1)  # head and tail on one node: the round's steps sample
