@@ -188,7 +188,9 @@ async def opened_port(r: Rig, *ranges: tuple[int, int], prompt: list[int] = PROM
     port = FakePort(r, route(new_session_id(), *ranges), prompt, **kw)
     await r.engine.call(lambda: r.backend.open_session(port.id, prompt_tokens=prompt,
                                                        sampling=port.request.sampling))
-    port.put_events(await prefill(port))  # head and tail on one node: the first tokens, sampled here
+    first = await prefill(port)
+    assert first is not None, "every later hop opened"
+    port.put_events(first)  # head and tail on one node: the first tokens, sampled here (else none)
     return port
 
 
