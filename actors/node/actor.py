@@ -105,7 +105,7 @@ class Node(NatsActor):
                                     hidden_shape=self.hidden_shape, on_closed=self._session_closed)
         control = ControlApi(node_id=config.node_id, backend=backend, engine=self.engine, admission=self.admission,
                              reuse=self.reuse, metrics=self.metrics, standby=self.standby, sessions=self.sessions,
-                             open_session=lambda request: self.open_session(request),
+                             open_session=lambda request: self.open_session(request),  # a wrapper set later counts
                              advertisement=self.advertisement, prefix_moved=self._beat_soon.set,
                              max_body_bytes=settings.max_body_bytes)
         hop_api = HopApi(control.app(), control.session_for, max_frame_bytes=settings.max_frame_bytes,
