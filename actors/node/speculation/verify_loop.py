@@ -14,12 +14,12 @@ verdict comes back:
   tail's own token; every other hop cuts back when the next window starts below its position, and the tail drops
   stale windows unread (a window is good only if it starts where the tail's KV ends, with the tail's last token).
 
-Windows are numbered; hops compute them in number order (``actors.node.speculation.windows``), so HTTP reordering
-two of them cannot matter. The window sizer (``speculation.WindowSizer``) picks each window's length from the
-acceptance, the passes' cost (``speculation.CostModel``) and the ring time measured: a window's round trip from the
-moment the head sent it, less the other hops' passes, taken only from windows sent with none ahead of them (one
-behind another also waits for that one at every hop). It goes down to plain decoding (one position, no drafts) where
-drafts do not pay.
+Windows are numbered; hops compute them in number order (``actors.node.speculation.windows``), so HTTP reordering two
+of them
+cannot matter. The window sizer (``speculation.WindowSizer``) picks each window's length from the acceptance, the
+passes' cost (``speculation.CostModel``) and the ring time measured: a window's round trip from the moment the head
+sent it, less the other hops' passes, taken only from windows sent with none ahead of them (one behind another also
+waits for that one at every hop). It goes down to plain decoding (one position, no drafts) where drafts do not pay.
 """
 
 from __future__ import annotations
