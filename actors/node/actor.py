@@ -1,61 +1,37 @@
 """The node actor: serves one shard over binary HTTP, keeps each session's Hot KV State, heartbeats on NATS.
 
-HTTP API (docs/protocol.md has the full contract)::
-
-    GET    /health                          liveness
-    GET    /v1/info                         this node's advertisement
-    POST   /v1/tokenize                     head: Prompt -> token ids
-    POST   /v1/sessions                     open (SessionOpen); the head starts prefill at once
-    GET    /v1/sessions/{id}                position and counters of one session
-    POST   /v1/sessions/{id}/frames         binary activation frame (every hop but the head)
-    POST   /v1/sessions/{id}/tokens         head: the tail's sampled token (token frame or TokenEvent)
-    POST   /v1/sessions/{id}/failure        head: a downstream hop reports a failure (FailureReason)
-    POST   /v1/sessions/{id}/route          a repaired route: go on as its hop (RouteUpdate -> HopPosition)
-    POST   /v1/sessions/{id}/replay         resend the journal to the new successor (ReplayRequest)
-    DELETE /v1/sessions/{id}                free the session (idempotent)
-    POST   /v1/snapshots                    standby: keep one snapshot segment (bus.snapshot body)
-    GET    /v1/snapshots/{id}?layers=A:B    standby: the chain held for a session's hop (SnapshotList)
-    GET    /v1/snapshots/{id}/{digest}      standby: one segment's body
-    DELETE /v1/snapshots/{id}               standby: forget a session's chains
-
-Why one module of ~560 lines: the actor's lifecycle, heartbeats and every control endpoint of a session (open with
-its reuse or rebuild, status, repair updates and replays, close with keep) share its sessions, engine and admission;
-the per-token endpoints (``hop_api``), the standby's (``standby``) and the KV bookkeeping (``reuse``) live beside it.
+``Node`` holds the parts and runs the lifecycle: the step engine over its backend, the HTTP server (the per-token
+endpoints, ``hop_api``, in front of the control endpoints, ``control_api``, which list the whole API), the
+registry heartbeats and the idle sweep, and what a head asks of NATS (its client's presence, the trackers'
+repairs). Opening a session is ``opener``'s; freeing one (and keeping its KV for prefix reuse, ``reuse``) is here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import sys
 import time
-from typing import TypeVar
 
 from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route as HttpRoute
 
-from actors.backend import Backend, ForkingBackend, KvBackend
+from actors.backend import Backend
 from actors.node.admission import Admission
+from actors.node.config import NodeConfig
+from actors.node.control_api import ControlApi
 from actors.node.engine import StepEngine
-from actors.node.head_session import HeadSession
 from actors.node.hop_api import HopApi
-from actors.node.hop_session import HopSession
-from actors.node.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from actors.node.metrics import NodeMetrics
+from actors.node.opener import SessionOpener
 from actors.node.prefix_cache import PrefixCache
 from actors.node.recovery.snapshot_store import SnapshotStore
-from actors.node.recovery.standby import StandbyApi, fetch_chain
+from actors.node.recovery.standby import StandbyApi
 from actors.node.reuse import Reuse
 from actors.node.ring import RingGroups
-from actors.node.route_open import RouteOpening
 from actors.node.runtime import NodeRuntime
 from actors.node.session import NodeSession
 from actors.node.speculation.drafts import DraftSource, ModelDraft, NgramDraft
@@ -64,11 +40,9 @@ from actors.registry import open_registry
 from actors.selfcheck import warm_up
 from actors.services import node_service
 from bus import codec
-from bus import frame as frames
 from bus.actor import NatsActor
-from bus.capability import HEADER_CAPABILITY, HEADER_SESSION_TOKEN, verifier_from_settings
+from bus.capability import verifier_from_settings
 from bus.connection import keep_cancellation
-from bus.http_edge import EXCEPTION_HANDLERS, read_model
 from bus.httpserver import HttpServer
 from bus.nats_edge import error_reply
 from bus.nodeclient import NodeClient
@@ -76,66 +50,23 @@ from bus.subjects import Subjects
 from bus.tracker_client import TrackerClient
 from schemas.errors import (
     BadRequestError,
-    CapacityError,
-    ContextLengthError,
     NoRouteError,
     RouteFailedError,
-    SessionNotFoundError,
     SwarmrouteError,
 )
 from schemas.frame import WireDType
 from schemas.node import Capacity, NodeAdvertisement
-from schemas.route import RepairRequest, ReplayRequest, RouteReply, RouteUpdate
-from schemas.session import (
-    CONTEXT_CAP,
-    FailureReason,
-    Prompt,
-    Resume,
-    SessionOpen,
-    SessionOpened,
-    TokenizeReply,
-    session_budget,
-)
+from schemas.route import RepairRequest, RouteReply
+from schemas.session import CONTEXT_CAP, SessionOpen, SessionOpened
 from schemas.settings import Settings
 
 log = logging.getLogger(__name__)
-M = TypeVar("M", bound=BaseModel)
 SWITCH_INTERVAL_S = 0.0001
 """``sys.setswitchinterval`` of a node process (see ``Node._on_start``)."""
 MIN_BEAT_SPACING_S = 0.05
 """Heartbeats triggered by freed sessions are coalesced to at most one per this interval."""
 CLIENT_PROBE_TIMEOUT_S = 2.0
 """How long a head waits for its client's answer to a presence probe; silence counts as "unknown"."""
-
-
-@dataclasses.dataclass
-class NodeConfig:
-    node_id: str
-    """Unique in the swarm; also the registry key."""
-
-    model_id: str
-    """What the tracker matches route requests against (content-derived id for GGUF artifacts)."""
-
-    host: str = "127.0.0.1"
-    """Listen address of the node's HTTP API."""
-
-    port: int = 0
-    """Listen port; 0 picks a free one."""
-
-    advertise_url: str | None = None
-    """Base URL peers should use, when it differs from the listen address (NAT, containers)."""
-
-    wire_dtype: str = "f32"
-    """Activation dtype this node sends: f32 (bit-exact) or f16 (half the bytes)."""
-
-    manifest_id: str = ""
-    """Artifact manifest this node's shard was verified against."""
-
-    verified: bool = True
-    """Whether the shard passed verification; unverified nodes are never routed to."""
-
-    aliases: tuple[str, ...] = ()
-    """Other names clients may use for the model (the id stays content-derived for GGUF artifacts)."""
 
 
 class Node(NatsActor):
@@ -153,9 +84,6 @@ class Node(NatsActor):
         """Other nodes' snapshot chains this node holds as their standby (issue #18)."""
         self.standby = StandbyApi(self.snapshots, self.admission, config.node_id,
                                   max_body_bytes=settings.max_frame_bytes)
-        hop_api = HopApi(self._app(), self._session_for, max_frame_bytes=settings.max_frame_bytes,
-                         max_body_bytes=settings.max_body_bytes)
-        self.server = HttpServer(hop_api, config.host, config.port, hot=hop_api)
         self._client = NodeClient(timeout_s=settings.hop_timeout_s)
         self._tasks: list[asyncio.Task[None]] = []
         self._rebinding: asyncio.Task[None] | None = None
@@ -170,7 +98,6 @@ class Node(NatsActor):
         self.metrics.bind(live_sessions=lambda: len(self.sessions), max_sessions=lambda: self.backend.max_sessions,
                           kv_bytes=self.backend.kv_bytes_in_use)
         self._beat_soon = asyncio.Event()
-        self._opened_total = 0
         self.metrics.snapshots_held.set_function(lambda: float(self.snapshots.bytes_used))
         self.reuse = Reuse(self.engine, PrefixCache(max_entries=settings.prefix_cache_sessions,
                                                     max_bytes=int(settings.prefix_cache_mb * 2**20)),
@@ -179,6 +106,18 @@ class Node(NatsActor):
         self.metrics.prefix_cache_sessions.set_function(lambda: float(len(self.reuse.cache)))
         self.draft_engine = StepEngine(draft) if draft is not None else None
         """The draft model's engine, on a head that was given one (``speculation = model``, issue #20)."""
+        self.opener = SessionOpener(node_id=config.node_id, model_id=config.model_id, backend=backend,
+                                    engine=self.engine, client=self._client, admission=self.admission,
+                                    reuse=self.reuse, metrics=self.metrics, sessions=self.sessions,
+                                    hidden_shape=self.hidden_shape, on_closed=self._session_closed)
+        control = ControlApi(node_id=config.node_id, backend=backend, engine=self.engine, admission=self.admission,
+                             reuse=self.reuse, metrics=self.metrics, standby=self.standby, sessions=self.sessions,
+                             open_session=lambda request: self.open_session(request),  # a wrapper set later counts
+                             advertisement=self.advertisement, prefix_moved=self._beat_soon.set,
+                             max_body_bytes=settings.max_body_bytes)
+        hop_api = HopApi(control.app(), control.session_for, max_frame_bytes=settings.max_frame_bytes,
+                         max_body_bytes=settings.max_body_bytes)
+        self.server = HttpServer(hop_api, config.host, config.port, hot=hop_api)
 
     @property
     def endpoint(self) -> str:
@@ -254,7 +193,7 @@ class Node(NatsActor):
         capacity = Capacity(max_sessions=self.backend.max_sessions,
                             active_sessions=min(self.sequences_in_use(), self.backend.max_sessions),
                             max_context=min(info.context_length, CONTEXT_CAP),
-                            kv_bytes_in_use=self.backend.kv_bytes_in_use(), sessions_opened=self._opened_total,
+                            kv_bytes_in_use=self.backend.kv_bytes_in_use(), sessions_opened=self.opener.opened_total,
                             snapshot_free_bytes=max(0, self.snapshots.budget_bytes - self.snapshots.bytes_used),
                             prefix_keys=self.reuse.cache.keys())
         return NodeAdvertisement(node_id=self.config.node_id, endpoint=self.endpoint, model_id=self.config.model_id,
@@ -384,243 +323,10 @@ class Node(NatsActor):
         self._beat_soon.set()
 
     async def open_session(self, request: SessionOpen) -> SessionOpened:
-        grant = self.admission.admit_open(request)
-        try:
-            frames.session_bytes(request.session_id)  # frames carry it as 16 bytes
-        except ValueError as exc:
-            raise BadRequestError(str(exc), param="session_id") from exc
-        if request.session_id in self.sessions:
-            raise BadRequestError(f"session {request.session_id} is already open on node {self.config.node_id}")
-        hops = request.route.hops
-        if request.hop_index >= len(hops) or hops[request.hop_index].node_id != self.config.node_id:
-            raise BadRequestError(f"hop {request.hop_index} of the route is not node {self.config.node_id}")
-        if hops[request.hop_index].layers != self.backend.layers:
-            raise BadRequestError(f"route expects layers {hops[request.hop_index].layers} from node "
-                                  f"{self.config.node_id}, which serves {self.backend.layers}")
-        if request.n > self.backend.max_sessions:
-            raise BadRequestError(f"n={request.n} choices need as many sequences; node {self.config.node_id} holds "
-                                  f"{self.backend.max_sessions}", param="n")
-        if request.n > 1 and not isinstance(self.backend, ForkingBackend):
-            raise BadRequestError(f"node {self.config.node_id}'s backend cannot fork a session into choices",
-                                  param="n")
-        if self.sequences_in_use() + request.n > self.backend.max_sessions:
-            # Every choice forks into a sequence of its own after prefill: all of them are reserved now.
-            raise CapacityError(f"node {self.config.node_id} is full ({self.backend.max_sessions} sequences, "
-                                f"{self.sequences_in_use()} in use; this session needs {request.n})",
-                                retry_after=1.0)
-        if request.prompt is not None:  # issue #20: the head tokenizes what the gateway did not
-            request = await self._tokenized(request)
-        n_ctx = min(self.backend.info.context_length, CONTEXT_CAP)
-        if len(request.prompt_tokens) + request.max_tokens > n_ctx:
-            raise ContextLengthError(f"prompt ({len(request.prompt_tokens)} tokens) + max_tokens "
-                                     f"({request.max_tokens}) exceed the context of {n_ctx} tokens")
-        n_vocab = self.backend.info.n_vocab
-        if request.hop_index == 0 and n_vocab and any(not 0 <= t < n_vocab for t in request.prompt_tokens):
-            raise BadRequestError(f"prompt token ids must lie in [0, {n_vocab}) for this model", param="prompt")
-        session_token = grant.session_token if grant else None
-        # The head opens the hops after it now, while it opens its own backend session and prefills (issue #20).
-        opening = RouteOpening(self._client, request, session_token) if request.downstream else None
-        try:
-            await self.engine.call(lambda: self.backend.open_session(
-                request.session_id, prompt_tokens=request.prompt_tokens, sampling=request.sampling))
-        except BaseException:
-            if opening is not None:
-                await opening.cancel()
-            raise
+        """Open a session here (``opener``); a head's answer waits until the hops after it have opened."""
         assert self.runtime is not None
-        role = HeadSession if request.hop_index == 0 else HopSession
-        session = role(self.runtime, request, hidden_shape=self.hidden_shape, on_closed=self._session_closed)
-        session.session_token = session_token
-        reused = 0
-        try:
-            if request.resume is not None:
-                await self._rebuild(session, request.resume)
-            elif request.n == 1:
-                limit = request.reuse_limit
-                if opening is not None and self.reuse.reusable(request.prompt_tokens, request.prefill_chunk):
-                    # Prefix reuse: the head reuses no more than every hop after it holds (issue #18).
-                    limit = min(o.reused for o in await opening.result())
-                reused = await self.reuse.start(request.session_id, request.prompt_tokens, request.prefill_chunk,
-                                                limit)
-        except BaseException:
-            await self.engine.close_session(request.session_id)
-            if opening is not None:
-                await opening.cancel()
-            raise
-        if reused:
-            session.choices.first.position = session.reused = reused
-            self.metrics.prefix_reused.inc(reused)
-        self.admission.record(grant)
-        self.sessions[request.session_id] = session
-        self._opened_total += 1
-        self.metrics.session_opened(request.hop_index, len(hops))
-        if opening is not None and isinstance(session, HeadSession):
-            session.opening = opening  # its first frame waits for the later hops' answers
-        session.start()
-        if opening is not None:
-            try:
-                await opening.result()
-            except BaseException:
-                await session.close()  # it has published nothing yet: the answer below says what failed
-                raise
-        return SessionOpened(session_id=request.session_id, node_id=self.config.node_id,
-                             prompt_tokens=len(request.prompt_tokens), reused=reused,
-                             max_tokens=request.max_tokens if request.fit_max_tokens else None)
-
-    async def _tokenized(self, request: SessionOpen) -> SessionOpen:
-        """A head's open with a prompt instead of tokens (issue #20): tokenized here, checked against the route's
-        context as the gateway checks it, the generation budget settled."""
-        assert request.prompt is not None
-        if not self.backend.is_head:
-            raise BadRequestError(f"node {self.config.node_id} is not a head: it has no tokenizer input")
-        tokens = await self.engine.call(self.backend.tokenize, request.prompt)
-        budget = session_budget(len(tokens), None if request.fit_max_tokens else request.max_tokens,
-                                default=request.max_tokens,
-                                context=min(request.route.context_length, CONTEXT_CAP))
-        return request.model_copy(update={"prompt_tokens": tokens, "max_tokens": budget, "prompt": None})
-
-    async def _rebuild(self, session: NodeSession, resume: Resume) -> None:
-        """A replacement for a lost hop (issue #18): import the lost hop's snapshot chain from its standby (every
-        segment checked against its digest and linked to the one before), then, on a tail, start the sampler and
-        stop rules over from the tokens generated so far. The journal replay that follows brings the KV up to
-        the route's position."""
-        if not isinstance(session, HopSession):
-            raise BadRequestError("the head is never replaced")
-        if resume.segments:
-            kv = await fetch_chain(self._client, resume, session.id, self.backend.layers, self.config.model_id,
-                                   session_token=session.session_token)
-            backend = self.backend
-            if not isinstance(backend, KvBackend):
-                raise BadRequestError(f"node {self.config.node_id}'s backend cannot import KV")
-            await self.engine.call(backend.import_kv, session.id, kv, resume.start)
-        session.choices.first.position = resume.start
-        session.recovery.tokens = [*session.request.prompt_tokens, *resume.generated]
-        if session.is_tail:
-            await session.restart_generation(resume.generated)
+        return await self.opener.open(self.runtime, request)
 
     def sequences_in_use(self) -> int:
         """Backend sequences the open sessions hold or have reserved: one per choice."""
-        return sum(s.request.n for s in self.sessions.values())
-
-    def _get(self, session_id: str) -> NodeSession:
-        session = self.sessions.get(session_id)
-        if session is None:
-            raise SessionNotFoundError(f"session {session_id} is not open on node {self.config.node_id}")
-        return session
-
-    def _member(self, request: Request) -> NodeSession:
-        return self._session_for(request.path_params["sid"], request.headers.get(HEADER_SESSION_TOKEN))
-
-    def _session_for(self, session_id: str, session_token: str | None) -> NodeSession:
-        """The session a request is about, if the request proves membership (session token, when admission is on)."""
-        session = self._get(session_id)
-        Admission.check_session_token(session.session_token, session_token)
-        return session
-
-    # ---- HTTP --------------------------------------------------------------------------------------------------
-
-    def _app(self) -> Starlette:
-        routes = [
-            HttpRoute("/health", self._health, methods=["GET"]),
-            HttpRoute("/metrics", self._metrics, methods=["GET"]),
-            HttpRoute("/v1/info", self._info, methods=["GET"]),
-            HttpRoute("/v1/tokenize", self._tokenize, methods=["POST"]),
-            HttpRoute("/v1/sessions", self._open, methods=["POST"]),
-            HttpRoute("/v1/sessions/{sid}", self._status, methods=["GET"]),
-            HttpRoute("/v1/sessions/{sid}", self._close, methods=["DELETE"]),
-            # POST .../frames and .../tokens, the per-token path, are served by HopApi in front of this app.
-            HttpRoute("/v1/sessions/{sid}/failure", self._failure, methods=["POST"]),
-            HttpRoute("/v1/sessions/{sid}/route", self._route_update, methods=["POST"]),
-            HttpRoute("/v1/sessions/{sid}/replay", self._replay, methods=["POST"]),
-            *self.standby.routes(),
-        ]
-        return Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS)
-
-    async def _json(self, request: Request, model: type[M]) -> M:
-        return await read_model(request, model, self.settings.max_body_bytes)
-
-    async def _metrics(self, request: Request) -> Response:
-        return Response(self.metrics.render(), media_type=METRICS_CONTENT_TYPE)
-
-    async def _health(self, request: Request) -> Response:
-        return JSONResponse({"status": "ok", "node_id": self.config.node_id, "sessions": len(self.sessions)})
-
-    async def _info(self, request: Request) -> Response:
-        return JSONResponse(self.advertisement().model_dump(mode="json"))
-
-    async def _tokenize(self, request: Request) -> Response:
-        prompt = await self._json(request, Prompt)
-        self.admission.check_capability(request.headers.get(HEADER_CAPABILITY))
-        if not self.backend.is_head:
-            raise BadRequestError(f"node {self.config.node_id} is not a head: it has no tokenizer input")
-        tokens = await self.engine.call(self.backend.tokenize, prompt)
-        # With tools the head tells the gateway how it asked the model to write calls (the tail constrains, the
-        # gateway parses that format); a backend that renders no tools refused them in ``tokenize`` already.
-        tool_format = getattr(self.backend, "tool_format", None)
-        if prompt.tools is not None and tool_format is None:
-            raise BadRequestError(f"node {self.config.node_id}'s backend does not render tools", param="tools")
-        reply = TokenizeReply(tokens=tokens,
-                              tool_format=tool_format() if prompt.tools is not None and tool_format else None)
-        return JSONResponse(reply.model_dump(mode="json"))
-
-    async def _open(self, request: Request) -> Response:
-        open_request = await self._json(request, SessionOpen)
-        opened = await self.open_session(open_request)
-        return JSONResponse(opened.model_dump(mode="json"), status_code=201)
-
-    async def _status(self, request: Request) -> Response:
-        s = self._member(request)
-        return JSONResponse({"session_id": s.id, "position": s.position, "phase": s.phase.value,
-                             "frames_received": s.frames_received, "bytes_received": s.bytes_received,
-                             "positions_received": s.positions_received})
-
-    async def _close(self, request: Request) -> Response:
-        sid = request.path_params["sid"]
-        session = self.sessions.get(sid)
-        token = request.headers.get(HEADER_SESSION_TOKEN)
-        if session is not None:
-            Admission.check_session_token(session.session_token, token)
-            if isinstance(session, HeadSession) and request.query_params.get("cancel") == "1":
-                await session.cancel("its client went away")
-            else:
-                session.keep = _positions(request.query_params.get("keep"), session.position)
-                await session.close()
-        keys = [k for k in request.query_params.get("keys", "").split(",") if k]
-        kept = self.reuse.cache.get(sid)
-        if keys and kept is not None:
-            Admission.check_session_token(kept.token, token)
-            self.reuse.cache.attach_keys(sid, keys)
-            self._beat_soon.set()  # trackers learn at once where the next turn's prefix is
-        return JSONResponse({"closed": session is not None})
-
-    async def _failure(self, request: Request) -> Response:
-        session = self._member(request)
-        reason = await self._json(request, FailureReason)
-        session.on_failure_report(reason)
-        return Response(status_code=204)
-
-    # ---- repair and snapshots (issue #18) ----------------------------------------------------------------------
-
-    async def _route_update(self, request: Request) -> Response:
-        session = self._member(request)
-        update = await self._json(request, RouteUpdate)
-        if update.session_id != session.id or not isinstance(session, HopSession):
-            raise BadRequestError(f"a route update for session {update.session_id} reaches the heads of none")
-        hops = update.route.hops
-        if update.hop_index >= len(hops) or hops[update.hop_index].node_id != self.config.node_id:
-            raise BadRequestError(f"hop {update.hop_index} of the repaired route is not node {self.config.node_id}")
-        self.admission.check_update(update, session.session_token)
-        position = await session.update_route(update)
-        return JSONResponse(position.model_dump(mode="json"))
-
-    async def _replay(self, request: Request) -> Response:
-        session = self._member(request)
-        replay = await self._json(request, ReplayRequest)
-        return JSONResponse({"positions": session.replay(replay)})
-
-
-def _positions(keep: str | None, held: int) -> int:
-    """``keep`` of a DELETE: ``1`` (before issue #20) or how many positions are confirmed; 0 when absent."""
-    if not keep or not keep.isdigit():
-        return 0
-    return held if keep == "1" else min(int(keep), held)
+        return self.opener.sequences_in_use()

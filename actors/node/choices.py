@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from actors.backend import StepOutput
+from actors.backend import StepInput, StepOutput
 from actors.node.engine import StepTiming
 from actors.node.generation import Generation
 from schemas.errors import FrameError
@@ -47,6 +47,10 @@ class Choice:
     tokens: int = 0
     """Head: tokens generated (announced) so far."""
     ended: bool = False
+
+    def decode_step(self, token: int, *, sample: bool = False) -> StepInput:
+        """Head: the step that feeds ``token`` to this choice's KV at its position."""
+        return StepInput(self.backend_id, self.position, tokens=[token], sample=sample)
 
     def end(self, finish_reason: FinishReason, tokens: int) -> None:
         self.ended, self.finish_reason, self.tokens = True, finish_reason, tokens

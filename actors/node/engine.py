@@ -32,6 +32,10 @@ closed is waited for no more. On a head, decode steps of routes of several hops 
 (``enqueue(ring=h)``), and ``actors.node.ring.RingGroups`` says how many of them one pass may carry: all (one group:
 every hop computes the same batch in turn) or a share, so that groups follow each other around the ring and the hops
 compute different sessions at the same time, whichever it measured to be faster.
+
+Why one module of ~510 lines: one worker thread and the one lock (``_cond``) over its queues, which the batching,
+the cohort wait, the inline runs, the chains and the hand-offs all read and write; split, that lock's rules (which
+state it guards, who may wake the worker) would span modules. The ring grouping it consults lives in ``ring``.
 """
 
 from __future__ import annotations

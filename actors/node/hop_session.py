@@ -228,8 +228,8 @@ class HopSession(NodeSession):
         except SessionFailed as failed:
             asyncio.create_task(self._report(failed.reason))
             raise BackendError(failed.reason.message) from None
-        forks = self._fork(choice.position) if item.forks else []
-        stamps = (*header.stamps, self._stamp(timing))
+        forks = self.fork(choice.position) if item.forks else []
+        stamps = (*header.stamps, self.stamp(timing))
         if self.is_tail and header.kind is FrameKind.VERIFY:
             self._judge(choice, header, out, stamps)
         elif self.is_tail:
@@ -239,14 +239,14 @@ class HopSession(NodeSession):
                     self._send_token(fork, first, stamps)
         else:
             assert out.hidden is not None
-            self._queue_frame(header.kind, header.start_position, out.hidden, header.sample, header.step, stamps,
-                              choice.index, header.group, header.tokens)
+            self.queue_frame(header.kind, header.start_position, out.hidden, header.sample, header.step, stamps,
+                             choice.index, header.group, header.tokens)
         if header.kind is FrameKind.DECODE and self.phase is SessionPhase.DECODE:
             self._spinner.idle()
         return choice.position
 
     def _send_token(self, choice: Choice, out: StepOutput, stamps: tuple[HopStamp, ...]) -> None:
-        sampled = self._sampled(choice, out, stamps)
+        sampled = self.sampled(choice, out, stamps)
         head = self.route.head
         timeout = self.rt.settings.hop_timeout_s
         data = frames.encode_token(sampled)
@@ -288,7 +288,7 @@ class HopSession(NodeSession):
                                   f"{self.recovery.epoch}", code="stale_epoch")
         if update.epoch > self.recovery.epoch:
             self.recovery.epoch = update.epoch
-            self._retarget(update.route, update.hop_index)
+            self.retarget(update.route, update.hop_index)
             if update.truncate_to is not None and update.truncate_to < choice.position:
                 await self.rt.engine.call(self._kv().truncate, self.id, update.truncate_to)
                 choice.position = update.truncate_to

@@ -63,7 +63,9 @@ async def open_downstream(client: NodeClient, head: SessionOpen, session_token: 
 
 class RouteOpening:
     """The later hops' opens, under way: ``done`` for a session's first frame (False: they failed, and the head's
-    open answers why), ``result`` for the open's answer."""
+    open answers why), ``result`` for the open's answer. Started by ``actors.node.opener`` before the head's own
+    backend session opens (a reusing head needs their answers before it is built), then the head's alone
+    (``SessionStart.opening``): it awaits them for its first frame and for its open's answer."""
 
     def __init__(self, client: NodeClient, head: SessionOpen, session_token: str | None) -> None:
         self._client, self._head, self._token = client, head, session_token

@@ -1,6 +1,7 @@
 """What every role of a Route Session on one node shares: its place in the route, its KV position, computing a step,
 and sending frames on through its outbox. The roles are ``HopSession`` (every hop but the head: receive, compute,
-forward) and ``HeadSession`` (the head: it drives prefill and decode and owns the session's fate).
+forward) and ``HeadSession`` (the head: it owns the session's fate; its prefill and decode strategy drive it
+through its port, ``head_port``). Each is built once what its open settled is known (``SessionStart``).
 
 The ring: the head embeds and runs its layers, then sends the hidden state to the next hop; each hop appends the
 positions to its own KV and forwards; the tail samples and posts the token straight back to the head, which starts
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 from typing import Literal
@@ -23,6 +25,7 @@ from actors.node.generation import Generation
 from actors.node.outbox import Outbound, Outbox
 from actors.node.recovery.journal import Entry
 from actors.node.recovery.record import Recovery
+from actors.node.route_open import RouteOpening
 from actors.node.runtime import NodeRuntime
 from actors.node.spin import ArrivalSpinner
 from bus import frame as frames
@@ -40,11 +43,28 @@ class SessionFailed(Exception):
         self.reason = reason
 
 
+@dataclasses.dataclass(frozen=True)
+class SessionStart:
+    """What the node settled while opening a session (``actors.node.opener``), handed to its role in one piece. What
+    a replacement hop resumes from (issue #18) comes in the open itself (``SessionOpen.resume``)."""
+
+    session_token: str | None = None
+    """The capability's session token (admission on): sent on every request to this session's other hops."""
+    reused: int = 0
+    """Prompt positions taken from kept KV (prefix reuse, issue #18): the session prefills from there."""
+    opening: RouteOpening | None = None
+    """Head: the hops after it, still opening (issue #20); its first frame and the open's answer wait for them."""
+
+
+PLAIN_START = SessionStart()
+"""No admission, nothing reused, no hops to open (the session roles' tests open sessions so)."""
+
+
 class NodeSession:
     """One Route Session as one node sees it. ``close()`` is idempotent and safe from the session's own tasks."""
 
     def __init__(self, rt: NodeRuntime, request: SessionOpen, *, hidden_shape: tuple[int, ...],
-                 on_closed: Callable[[NodeSession], Awaitable[None]]) -> None:
+                 on_closed: Callable[[NodeSession], Awaitable[None]], start: SessionStart = PLAIN_START) -> None:
         self.rt = rt
         self.request = request
         self.id = request.session_id
@@ -60,11 +80,11 @@ class NodeSession:
         self.frames_received = 0
         self.bytes_received = 0
         self.positions_received = 0
-        self.session_token: str | None = None
+        self.session_token = start.session_token
         """Bound at open when the node checks capabilities; sent on every request to this session's other hops."""
         self.keep = 0
         """It completed: the first ``keep`` positions of its KV are kept for prefix reuse when it closes."""
-        self.reused = 0
+        self.reused = start.reused
         """Prompt positions it took from kept KV at open (it then prefills from there)."""
         self._on_closed = on_closed
         self._next: Hop | None = None if self.is_tail else self.route.hops[self.hop_index + 1]
@@ -73,12 +93,18 @@ class NodeSession:
         self.choices = Choices(self.id, request.n, self._new_generation())
         """Choice 0 is the session itself; n > 1 adds the forks after the last prefill chunk."""
         self._round_sends: set[asyncio.Task[None]] = set()
-        """n > 1: a round's frames, each sent at once (``_queue_frame``)."""
+        """n > 1: a round's frames, each sent at once (``queue_frame``)."""
         self._spinner = ArrivalSpinner(rt.poller, rt.settings.hop_spin_grace_s)
         """Polls the loop until this session's next decode frame or token (multi-node routes)."""
         self.recovery = Recovery(rt, request, self.route.hops[self.hop_index], is_tail=self.is_tail,
                                  session_token=lambda: self.session_token)
         """Tokens, journal, snapshots and epoch: what lets the session survive a lost node (issue #18)."""
+        resume = request.resume
+        if resume is not None:  # a replacement for a lost hop: the node imported the KV up to ``resume.start``
+            self.choices.first.position = resume.start
+            self.recovery.tokens = [*request.prompt_tokens, *resume.generated]
+        elif start.reused:
+            self.choices.first.position = start.reused
 
     @property
     def position(self) -> int:
@@ -99,7 +125,7 @@ class NodeSession:
                           token_bytes=backend.token_bytes, is_eog=backend.is_end_of_generation,
                           context_length=backend.info.context_length)
 
-    def _fork(self, position: int) -> list[Choice]:
+    def fork(self, position: int) -> list[Choice]:
         """After the last prefill chunk forked the backend session: choices 1..n-1 at ``position``."""
         return self.choices.add_forks(position, [self._new_generation() for _ in range(self.request.n - 1)])
 
@@ -110,7 +136,7 @@ class NodeSession:
         return Outbox(self.id[:8], self._outbox_failed,
                       lambda seconds: self.rt.metrics.hop(peer.node_id, kind, seconds))
 
-    def _retarget(self, route: Route, hop_index: int) -> None:
+    def retarget(self, route: Route, hop_index: int) -> None:
         """A repaired route (issue #18): the session goes on as hop ``hop_index`` of ``route``. A new successor (or
         an outbox that stopped on the lost node) gets a fresh outbox; what the old one still held is dropped, and
         the journal has it."""
@@ -180,8 +206,8 @@ class NodeSession:
 
     # ---- computing ---------------------------------------------------------------------------------------------
 
-    async def _compute(self, choice: Choice, item: StepInput,
-                       queued: StepFuture | None = None) -> tuple[StepOutput, StepTiming]:
+    async def compute(self, choice: Choice, item: StepInput,
+                      queued: StepFuture | None = None) -> tuple[StepOutput, StepTiming]:
         """Run ``item`` (or await ``queued``, the same step already queued) and advance the choice's position."""
         step = queued if queued is not None else self.rt.engine.enqueue(item, handoff=True)
         await settled(step)
@@ -196,18 +222,18 @@ class NodeSession:
         except SwarmrouteError:
             raise
         except Exception as exc:
-            raise self._backend_failed(exc) from exc
-        self._advance(choice, item, timing, tokens)
+            raise self.backend_failed(exc) from exc
+        self.advance(choice, item, timing, tokens)
         return out, timing
 
-    def _backend_failed(self, exc: Exception) -> SessionFailed:
-        return self._failed_here("backend_error", f"backend failed on node {self.rt.node_id}: {exc!r}")
+    def backend_failed(self, exc: Exception) -> SessionFailed:
+        return self.failed_here("backend_error", f"backend failed on node {self.rt.node_id}: {exc!r}")
 
-    def _failed_here(self, kind: Literal["timeout", "backend_error"], message: str) -> SessionFailed:
+    def failed_here(self, kind: Literal["timeout", "backend_error"], message: str) -> SessionFailed:
         return SessionFailed(FailureReason(node_id=self.rt.node_id, phase=self.phase, kind=kind, message=message))
 
-    def _advance(self, choice: Choice, item: StepInput, timing: StepTiming,
-                 tokens: tuple[int, ...] | None = None) -> None:
+    def advance(self, choice: Choice, item: StepInput, timing: StepTiming,
+                tokens: tuple[int, ...] | None = None) -> None:
         """The step of ``item`` ran: the choice's KV grew by its positions (whose tokens are ``item.tokens`` on the
         head, ``tokens`` from the frame elsewhere)."""
         start = choice.position
@@ -219,10 +245,10 @@ class NodeSession:
         asyncio.get_running_loop().call_soon(self.rt.metrics.step, "decode" if self.phase is SessionPhase.DECODE
                                              else "prefill", timing.compute_ms, timing.queue_ms)
 
-    def _stamp(self, timing: StepTiming) -> HopStamp:
+    def stamp(self, timing: StepTiming) -> HopStamp:
         return HopStamp(self.hop_index, int(timing.compute_ms * 1000), int(timing.queue_ms * 1000))
 
-    def _sampled(self, choice: Choice, out: StepOutput, stamps: tuple[HopStamp, ...]) -> SampledToken:
+    def sampled(self, choice: Choice, out: StepOutput, stamps: tuple[HopStamp, ...]) -> SampledToken:
         """The tail's record of one sampled token: its text and, if it ends the choice's generation, why; its
         logprobs when the session asked for them."""
         assert out.token is not None
@@ -239,9 +265,9 @@ class NodeSession:
 
     # ---- sending on --------------------------------------------------------------------------------------------
 
-    def _queue_frame(self, kind: FrameKind, start: int, hidden: Hidden, sample: bool, step: int,
-                     stamps: tuple[HopStamp, ...], choice: int = 0, group: int = 0,
-                     tokens: tuple[int, ...] | None = None) -> None:
+    def queue_frame(self, kind: FrameKind, start: int, hidden: Hidden, sample: bool, step: int,
+                    stamps: tuple[HopStamp, ...], choice: int = 0, group: int = 0,
+                    tokens: tuple[int, ...] | None = None) -> None:
         """Send one computed frame on (journaled first, so a replacement of the successor can be rebuilt)."""
         if choice == 0:
             self.recovery.record(Entry(kind, start, hidden, sample, step, tokens))

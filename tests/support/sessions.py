@@ -3,7 +3,7 @@ the stub backend, and fakes of their collaborators only. ``Peers`` stands for ev
 ``NodeClient`` calls a session makes: frames, tokens, failure reports, closes, probes; each request is recorded as
 it is written and answered at once unless the test holds it), ``Published`` for NATS.
 
-``Rig`` opens a session on one node as ``Node.open_session`` does (the backend session first, the role by hop
+``Rig`` opens a session on one node as ``actors.node.opener`` does (the backend session first, the role by hop
 index), and frees its backend session when it closes. What a session computed is checked against ``reference``:
 the stub backend is deterministic per layer, so a fresh backend of the same layers fed the same input computes the
 same thing.
@@ -151,7 +151,7 @@ class Rig:
 
     async def open(self, rt_route: Route, hop_index: int, prompt: list[int], *, max_tokens: int = 8, n: int = 1,
                    prefill_chunk: int = 512, seed: int | None = None) -> NodeSession:
-        """Open and start the session as ``Node.open_session`` does; greedy unless ``seed`` is given."""
+        """Open and start the session as ``actors.node.opener`` does; greedy unless ``seed`` is given."""
         request = SessionOpen(session_id=rt_route.session_id, route=rt_route, hop_index=hop_index,
                               prompt_tokens=prompt, max_tokens=max_tokens, n=n, prefill_chunk=prefill_chunk,
                               ignore_eos=True,

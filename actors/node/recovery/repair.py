@@ -1,6 +1,7 @@
 """A head repairing its route after losing a hop (issue #18): the session goes on with the same tokens.
 
-The head owns the session's fate, so it drives the repair, step by step:
+The head owns the session's fate, so it drives the repair (through its port, ``actors.node.head_port.HeadPort``),
+step by step:
 
 1. *quiesce*: its own step under way is settled (a step whose frame never left is undone); the tokens the tail
    sent before the loss stay valid. ``H`` is where the head's KV ends; the frame of position ``sample_from`` (the
@@ -27,9 +28,10 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 from actors.backend import KvBackend
+from actors.node.head_port import HeadPort
 from actors.node.session import settled
 from bus import capability
 from schemas.errors import HopError, SnapshotError, SwarmrouteError
@@ -47,9 +49,6 @@ from schemas.session import (
 from schemas.snapshot import SnapshotSegment
 from schemas.telemetry import RepairSource, RepairView
 
-if TYPE_CHECKING:
-    from actors.node.head_session import HeadSession
-
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 REPLACEMENT_POLL_S = 0.5
@@ -61,14 +60,19 @@ class RepairFailed(Exception):
 
 
 class RouteRepair:
-    def __init__(self, head: HeadSession, lost: int, reason: FailureReason) -> None:
+    """One repair of ``head``'s route around hop ``lost``; ``repairs``: the session's repairs before this one,
+    ``lost_nodes``: the nodes it lost before (never routed to again)."""
+
+    def __init__(self, head: HeadPort, lost: int, reason: FailureReason, *, repairs: int,
+                 lost_nodes: list[str]) -> None:
         self.head = head
         self.rt = head.rt
         self.lost = lost
         self.reason = reason
         self.old = head.route
+        self.lost_nodes = lost_nodes
         self.view = RepairView(lost_node=self.old.hops[lost].node_id, layers=self.old.hops[lost].layers,
-                               repairs=head.repairs + 1)
+                               repairs=repairs + 1)
         self.deadline = time.monotonic() + self.rt.settings.repair_timeout_s
 
     async def run(self) -> RepairView:
@@ -89,7 +93,7 @@ class RouteRepair:
         await self._cut_downstream(route, epoch, cut, state.generated, state.sample_from)
         await self._open_replacement(route, epoch, segments, cut, state)
         head.recovery.epoch = epoch  # tokens of older epochs are dropped from now on
-        head._retarget(route, 0)  # the head sends to its (maybe new) successor
+        head.retarget(route, 0)  # the head sends to its (maybe new) successor
         replayed = await self._replay(route, epoch, start)
         source: RepairSource = "snapshot" if segments else "journal"
         self.view = self.view.model_copy(update={"source": source, "snapshot_positions": start,
@@ -135,7 +139,7 @@ class RouteRepair:
     async def _replacement(self) -> Route:
         """Ask the trackers until one names a node for the lost layers (or the repair's time is up)."""
         head = self.head
-        excluded = [self.view.lost_node, *head.lost_nodes]
+        excluded = [self.view.lost_node, *self.lost_nodes]
         while True:
             reply = await self.rt.ask_repair(RepairRequest(route=capability.strip(self.old), lost=self.lost,
                                                            exclude=excluded, session_token=head.session_token))
@@ -260,7 +264,7 @@ class RouteRepair:
 
 
 class Quiesced:
-    """Where the head stands once its steps under way are settled (``HeadSession.quiesce``)."""
+    """Where the head stands once its steps under way are settled (``RouteRepair._quiesce``)."""
 
     def __init__(self, position: int, generated: list[int], sample_from: int) -> None:
         self.position = position
@@ -270,6 +274,17 @@ class Quiesced:
         self.sample_from = sample_from
         """The first position whose frame the tail must sample again (its token never came); ``position`` when
         every frame sent has its token."""
+
+
+def replaceable(request: SessionOpen, route: Route, reason: FailureReason, *, repairs: int, limit: int) -> int | None:
+    """The index of the hop ``reason`` names if the session repairs and that hop may be replaced (never the head);
+    None when a repair cannot even be tried. Only a node that is gone or silent is replaced: one that answers with
+    an error would answer a replacement's frames the same way (its input, not the node, is the problem)."""
+    lost = next((i for i, h in enumerate(route.hops) if h.node_id == reason.node_id), 0)
+    if (reason.kind not in ("unreachable", "timeout") or not request.repair or request.n > 1 or lost == 0
+            or repairs >= limit):
+        return None
+    return lost
 
 
 def phase_after(generated: list[int]) -> SessionPhase:

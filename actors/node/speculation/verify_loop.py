@@ -1,5 +1,6 @@
-"""The head's decode loop in verify windows (issue #20): each ring carries the last sampled token and up to ``k``
-drafts, so a window that the tail accepts whole emits ``k + 1`` tokens for one trip around the route.
+"""The head's decode strategy in verify windows (issue #20): each ring carries the last sampled token and up to
+``k`` drafts, so a window that the tail accepts whole emits ``k + 1`` tokens for one trip around the route. It
+drives the head through its port (``actors.node.head_port.HeadPort``) like every decode strategy.
 
 The loop keeps up to ``Speculation.windows`` windows in flight: the next one starts, before the one ahead of it has
 come back, on the assumption that it will be accepted whole (its first input is the draft source's guess at that
@@ -27,18 +28,36 @@ import collections
 import dataclasses
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from actors.backend import KvBackend, StepInput
+from actors.node.head_port import HeadPort
 from actors.node.session import SessionFailed, StepFuture
 from actors.node.speculation.drafts import DraftSource, propose_safely
 from actors.node.speculation.policy import CostModel, WindowSizer, worth_optimism
 from schemas.frame import FrameKind, SampledToken, SampledWindow
-from schemas.session import FailureReason, SessionPhase, TokenEvent
+from schemas.session import FailureReason, SessionPhase, Speculation, TokenEvent
 from schemas.telemetry import SpeculationView
 
-if TYPE_CHECKING:
-    from actors.node.head_session import HeadSession
+
+class VerifyWindows:
+    """The decode strategy (``actors.node.head_port.DecodeStrategy``) of a speculative session on several hops: each
+    run decodes with a draft source of its own (``NodeRuntime.drafts``), closed when the run ends."""
+
+    def __init__(self, speculation: Speculation) -> None:
+        self.speculation = speculation
+
+    def stop(self) -> None:
+        """Nothing of its own runs: the windows' steps are awaited by its task."""
+
+    async def run(self, port: HeadPort) -> None:
+        spec = self.speculation
+        decoder = SpeculativeDecode(port, port.rt.drafts(port.id, spec.source), max_k=spec.max_k,
+                                    windows=spec.windows)
+        try:
+            await decoder.run()
+        finally:
+            await decoder.source.close()
+
 
 @dataclasses.dataclass
 class Window:
@@ -59,7 +78,9 @@ class Window:
 
 
 class SpeculativeDecode:
-    def __init__(self, head: HeadSession, source: DraftSource, *, max_k: int, windows: int) -> None:
+    """One run of the verify windows on the head (``head``, the port), from the prefill's token to the end."""
+
+    def __init__(self, head: HeadPort, source: DraftSource, *, max_k: int, windows: int) -> None:
         self.head = head
         self.source = source
         self.max_windows = windows
@@ -87,7 +108,7 @@ class SpeculativeDecode:
 
     async def _run(self) -> None:
         head = self.head
-        first = await head._next_event()  # the prefill's token comes as a plain token frame
+        first = await head.next_event()  # the prefill's token comes as a plain token frame
         if not await self._emitted([first], None):
             return
         while True:
@@ -112,16 +133,16 @@ class SpeculativeDecode:
             await self._send(*started)
             started = None
         for t in tokens:
-            event = t if isinstance(t, TokenEvent) else head._event_of(t)
+            event = t if isinstance(t, TokenEvent) else head.event_of(t)
             head.phase = SessionPhase.DECODE
-            await head._announce(event, None)
+            await head.announce(event, None)
             if event.finish_reason is not None:
                 head.choices.first.end(event.finish_reason, event.seq + 1)
                 await head.telemetry.speculating(self.view())  # the last figures go with the completion
                 # Positions whose inputs came true: the window's first and the drafts emitted (none was rejected).
                 keep = head.position if judged is None else \
                     judged[0].start + 1 + min(judged[1].accepted, len(judged[1].tokens))
-                await head._complete(event, keep_positions=keep)
+                await head.complete(event, keep_positions=keep)
                 return False
         await head.telemetry.speculating(self.view())
         if started is not None:
@@ -174,13 +195,13 @@ class SpeculativeDecode:
         """Once the head has computed the window ``_start`` queued, send it as a verify frame."""
         head = self.head
         alone = not self.in_flight
-        out, timing = await head._compute(head.choices.first, item, step)
+        out, timing = await head.compute(head.choices.first, item, step)
         assert out.hidden is not None and item.tokens is not None
         window = Window(self._next_id, item.start_position, list(item.tokens), time.perf_counter(), timing.compute_ms,
                         alone)
         self._next_id += 1
         self._head_ms = timing.compute_ms if self._head_ms is None else 0.7 * self._head_ms + 0.3 * timing.compute_ms
-        head._queue_frame(FrameKind.VERIFY, item.start_position, out.hidden, True, window.id, (head._stamp(timing),),
+        head.queue_frame(FrameKind.VERIFY, item.start_position, out.hidden, True, window.id, (head.stamp(timing),),
                           tokens=tuple(item.tokens))
         self.in_flight.append(window)
         head.rt.metrics.spec_windows.labels(source=self.source.name).inc()
@@ -188,7 +209,7 @@ class SpeculativeDecode:
     async def _verdict(self, window_id: int) -> SampledWindow:
         """The tail's verdict on window ``window_id`` (verdicts of later windows that came first wait)."""
         while window_id not in self._verdicts:
-            item = await self.head._next_message()
+            item = await self.head.next_message()
             if isinstance(item, SampledWindow):
                 self._verdicts[item.window] = item
             elif isinstance(item, FailureReason):
