@@ -136,8 +136,9 @@ async def test_each_role_does_its_job_with_no_violation(auth_server: EmbeddedNat
         await anext(aiter(running))
         assert gateway.serving is not None
         [sid] = gateway.serving.sessions.live
-        assert await head._client_present(sid) is True
-        assert await head._client_present(uuid.uuid4().hex) is False  # nobody listens for that session
+        assert head.runtime is not None
+        assert await head.runtime.client_present(sid) is True
+        assert await head.runtime.client_present(uuid.uuid4().hex) is False  # nobody listens for that session
         await running.close()
     violations = [line for line in auth_server.log_tail(500) if "Violation" in line]
     assert violations == []
