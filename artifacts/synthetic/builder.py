@@ -8,6 +8,7 @@ generator seeded by (seed, tensor name): adding or reordering tensors never chan
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import zlib
 from collections.abc import Iterator
@@ -19,6 +20,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWrit
 from gguf.quants import quantize
 
 from artifacts.synthetic.vocab import Vocabulary, build_vocabulary, write_vocabulary
+
+logging.getLogger("gguf.gguf_writer").setLevel(logging.WARNING)  # it logs every file it writes at INFO
 
 TensorKind = Literal["weight", "embedding", "norm", "bias", "router", "positive", "small", "expert_ids"]
 """How values are drawn: ``weight`` ~ N(0, 1/ne0) and quantized; ``embedding`` likewise; ``norm`` ~ 1 + N(0, 0.1);
@@ -139,7 +142,7 @@ class ModelBuilder:
         writer.write_ti_data_to_file()
         assert writer.fout is not None
         out = writer.fout[0]
-        for spec, qtype in zip(self.tensors, types, strict=True):
+        for spec in self.tensors:
             out.write(b"\0" * (-out.tell() % writer.data_alignment))
             for chunk in _chunks(spec, quant, seed):
                 chunk.tofile(out)

@@ -12,6 +12,7 @@ import dataclasses
 
 from artifacts.synthetic.architectures import BUILDERS, Dims
 from artifacts.synthetic.builder import ModelBuilder
+from schemas.errors import BadRequestError
 
 Bounds = tuple[int, ...]
 """Cut points of a route, ``(0, a, b, n)`` for three ranges."""
@@ -46,7 +47,8 @@ _EIGHT = Dims(n_layers=8, n_nextn=0)
 _STANDARD = {"2-way": (0, 4, 8), "3-way": (0, 3, 6, 8)}
 
 
-TINY_V4 = Dims(n_layers=10, n_nextn=1, head_dim=128, qk_rope_dim=16, indexer_head_dim=64, sliding_window=128, n_ctx=1024,
+TINY_V4 = Dims(n_layers=10, n_nextn=1, head_dim=128, qk_rope_dim=16, indexer_head_dim=64, sliding_window=128,
+               n_ctx=1024,
                compress_ratios=(0, 0, 4, 128, 4, 128, 4, 128, 4), n_hash=3)
 """Every part of DeepSeek V4 at width 64: 4 hyper-connection streams; layers 0-1 sliding window only, then CSA
 (ratio 4, lightning indexer top-16) and HCA (ratio 128) alternating and a CSA layer last, as in V4-Flash
@@ -122,6 +124,28 @@ MATRIX: tuple[MatrixCase, ...] = (
     MatrixCase("glm4moe", "glm4moe", Dims(n_layers=8, n_dense_lead=1, n_nextn=1),
                refused_splits={"2-way": (0, 4, 8)}, quants=("F16",), why_refused="abort"),
 )
+
+
+REAL_WIDTH: dict[str, Dims] = {"deepseek4": REAL_V4}
+"""Architectures with a real-width synthetic model (``swarmroute artifact synthetic --width real``)."""
+
+
+def synthetic_model(arch: str, *, width: str = "tiny", quant: str | None = None) -> tuple[ModelBuilder, str]:
+    """The builder and weight type of ``arch``'s synthetic model: the matrix's case of that name (its first
+    quantization), or the real-width model. Raises ``BadRequestError`` naming what exists."""
+    if arch not in BUILDERS:
+        raise BadRequestError(f"no synthetic model for architecture {arch!r}; known: {', '.join(sorted(BUILDERS))}")
+    if width == "real":
+        if arch not in REAL_WIDTH:
+            raise BadRequestError(f"no real-width synthetic model for {arch!r}; real width exists for "
+                                  f"{', '.join(sorted(REAL_WIDTH))}")
+        return BUILDERS[arch](REAL_WIDTH[arch], f"real-width-{arch}"), quant or "Q8_0"
+    if width != "tiny":
+        raise BadRequestError(f"width must be tiny or real, not {width!r}")
+    matrix_case = next((c for c in MATRIX if c.name == arch), None)
+    if matrix_case is None:
+        return BUILDERS[arch](Dims(), f"tiny-{arch}"), quant or "F16"
+    return matrix_case.builder(), quant or matrix_case.quants[0]
 
 
 def case(name: str) -> MatrixCase:

@@ -157,10 +157,11 @@ class RouteHarness:
     _ids: itertools.count[int] = dataclasses.field(default_factory=itertools.count)
 
     @classmethod
-    async def start(cls, server: EmbeddedNats, home: Path) -> RouteHarness:
+    async def start(cls, server: EmbeddedNats, home: Path, **overrides: object) -> RouteHarness:
         # Generous timeouts: the two cores are shared with other test processes.
-        settings = make_settings(server.url, home, namespace="archmatrix", token_timeout_s=60.0,
-                                 first_token_timeout_s=120.0, hop_timeout_s=60.0)
+        options: dict[str, object] = dict(namespace="archmatrix", token_timeout_s=60.0, first_token_timeout_s=120.0,
+                                          hop_timeout_s=60.0)
+        settings = make_settings(server.url, home, **{**options, **overrides})
         async with Swarms() as starting:
             tracker = await starting.actor(Tracker(settings))
             gateway = await starting.actor(Gateway(settings, port=0))

@@ -144,7 +144,8 @@ class LlamaCppBackend:
             raise ModelLoadError(f"llama.cpp could not create a context for {self._path} "
                                  f"({self.config.max_sessions} x {self._n_ctx} tokens)")
         self._memory = llama_cpp.llama_get_memory(self._ctx)
-        self._kv = KvCells(self._ctx, self._memory, scratch=self.config.n_seq_max - 1, n_swa=self._sliding_window())
+        self._kv = KvCells(self._ctx, self._memory, scratch=self.config.n_seq_max - 1, n_swa=self._sliding_window(),
+                           whole_sequences=self._streams.whole_sequence_kv)
         # A hop that takes its streams through the injected node is fed token ids (see ``_fill``).
         self._batch = Batch(self.config.n_batch, 0 if self.is_head or self._inject else self._n_embd)
         self._info = self._make_info()
@@ -365,6 +366,8 @@ class LlamaCppBackend:
             if not 0 <= start < end <= session.position:
                 raise BadRequestError(f"session {session_id} holds positions [0, {session.position}); cannot "
                                       f"export [{start}, {end})")
+            if self._kv.whole_sequences:
+                return self._kv.export_whole(session.seq_id, start, end, session.position)
             return self._kv.export(session.seq_id, start, end)
 
     def import_kv(self, session_id: str, blobs: list[bytes], end: int) -> None:
@@ -373,7 +376,9 @@ class LlamaCppBackend:
             session = self._session(session_id)
             before = session.position
             try:
-                for blob in blobs:
+                if self._kv.whole_sequences:
+                    self._kv.load_whole(session.seq_id, blobs, before)
+                for blob in blobs if not self._kv.whole_sequences else ():
                     self._kv.load(session.seq_id, blob)
                 low, high = self._kv.span(session.seq_id)
                 if high != end - 1:

@@ -1,5 +1,6 @@
 """What crosses a layer boundary in a llama.cpp graph, per architecture: how many residual streams per position, the
-graph node a shard's last layer leaves them in, and the node a later shard must overwrite to take them in.
+graph node a shard's last layer leaves them in, and the node a later shard must overwrite to take them in; and
+whether the architecture's cache moves only whole sequences.
 
 Most architectures keep one ``n_embd`` residual stream, left in ``l_out-<il>`` and taken in through
 ``llama_batch.embd``. deepseek4 keeps ``hc_mult`` hyper-connection streams (``[n_embd, hc_mult, n_tokens]``),
@@ -23,6 +24,8 @@ class StreamLayout:
     input_node: str = ""
     """The node a non-head shard overwrites with the previous shard's streams; "" when ``llama_batch.embd`` takes
     them as they are."""
+    whole_sequence_kv: bool = False
+    """The architecture's llama.cpp cache copies only whole sequences (``kv_state.KvCells.whole_sequences``)."""
 
     @property
     def one_sequence_per_decode(self) -> bool:
@@ -37,5 +40,5 @@ class StreamLayout:
 def stream_layout(architecture: str, value: Callable[[str, Any], Any]) -> StreamLayout:
     """The layout of a GGUF of ``architecture``; ``value(key, default)`` reads its metadata."""
     if architecture == "deepseek4":
-        return StreamLayout(int(value("deepseek4.hyper_connection.count", 4)), "l_last", "hc_init")
+        return StreamLayout(int(value("deepseek4.hyper_connection.count", 4)), "l_last", "hc_init", True)
     return StreamLayout()
