@@ -170,13 +170,13 @@ class RouteHarness:
     async def stop(self) -> None:
         await self.started.aclose()
 
-    async def route(self, hops: Sequence[LlamaCppBackend], tokens: list[int], n: int = N_DECODE
-                    ) -> tuple[Run, list[str]]:
+    async def route(self, hops: Sequence[LlamaCppBackend], tokens: list[int], n: int = N_DECODE,
+                    tail: RecordingBackend | None = None) -> tuple[Run, list[str]]:
         """Greedy completion of ``tokens`` through real nodes serving ``hops`` (in order): the tail's run and the
-        node ids the gateway reported as the route."""
+        node ids the gateway reported as the route. ``tail``: the recording wrapper of ``hops[-1]`` to use."""
         run_id = next(self._ids)
         model = f"m{run_id}"
-        tail = RecordingBackend(hops[-1])
+        tail = tail or RecordingBackend(hops[-1])
         backends: list[Any] = [*hops[:-1], tail]
         async with Swarms() as started:  # the nodes, stopped again after the run
             for i, backend in enumerate(backends):

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from actors.backend import StepInput, StepOutput
 from actors.backends import load_backend
 from actors.backends.llamacpp.backend import LlamaCppBackend
+from actors.selfcheck import WARM_UP_SESSION
 from artifacts.synthetic.matrix import Bounds, ranges
 from schemas.session import Prompt
+from tests.support.arch_matrix import RecordingBackend
 
 N_CTX = 1024
 PREFILL_CHUNK = 512
@@ -50,3 +53,22 @@ def close_all(hops: list[LlamaCppBackend]) -> None:
 
 def prompt_tokens(head: LlamaCppBackend) -> list[int]:
     return head.tokenize(Prompt(text=PROMPT))
+
+
+class PayloadRecorder(RecordingBackend):
+    """The tail of a route, recording besides its picks the hidden-state payload it was handed: the frames' decoded
+    arrays (f32 on the wire is f32 here, byte for byte), per position."""
+
+    def __init__(self, inner: LlamaCppBackend) -> None:
+        super().__init__(inner)
+        self.positions = 0
+        self.payload_bytes = 0
+        self.shapes: set[tuple[int, ...]] = set()
+
+    def step(self, batch: list[StepInput]) -> list[StepOutput]:
+        for item in batch:
+            if item.hidden is not None and item.session_id != WARM_UP_SESSION:
+                self.positions += item.n_positions
+                self.payload_bytes += item.hidden.nbytes
+                self.shapes.add(tuple(item.hidden.shape[1:]))
+        return super().step(batch)
