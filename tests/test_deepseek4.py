@@ -28,7 +28,7 @@ from actors.backend import StepInput  # noqa: E402
 from actors.backends.llamacpp.backend import LlamaCppBackend  # noqa: E402
 from artifacts.synthetic.matrix import case, ranges  # noqa: E402
 from bus.server import EmbeddedNats  # noqa: E402
-from schemas.errors import BadRequestError  # noqa: E402
+from schemas.errors import BadRequestError, SnapshotError  # noqa: E402
 from tests.support.arch_matrix import GREEDY, RouteHarness, Run, build, greedy  # noqa: E402
 from tests.support.deepseek4 import (  # noqa: E402
     HCA_RATIO,
@@ -158,3 +158,67 @@ def test_a_shard_without_a_csa_layer_is_refused(models: Path) -> None:
         open_hop(build(V4, "F16", models), models / "refused", 3, 4).close()
     assert "no CSA (compress ratio 4) layer" in refused.value.message
     assert "layers 3..3" in refused.value.message
+
+
+def _step(hops: list[LlamaCppBackend], session: str, item: StepInput) -> tuple[int, np.ndarray[Any, Any]]:
+    outs = hops[0].step([item])
+    for hop in hops[1:]:
+        outs = hop.step([StepInput(session, item.start_position, hidden=outs[0].hidden, sample=True)])
+    token = outs[0].token
+    assert token is not None
+    return token, hops[-1].last_logits(session)
+
+
+def _decode(hops: list[LlamaCppBackend], session: str, start: int, tokens: list[int]) -> list[np.ndarray[Any, Any]]:
+    return [_step(hops, session, StepInput(session, start + i, tokens=[t], sample=True))[1]
+            for i, t in enumerate(tokens)]
+
+
+def test_rejected_positions_roll_back_within_the_ring_and_deeper_cuts_are_refused(models: Path) -> None:
+    """Speculation's rollback (issue #20) on V4: the backend gives the cache a rollback ring as deep as a verify
+    window; dropping the last 3 positions and computing them again gives the same logits, bit for bit."""
+    tokens, whole = reference("F16", models)
+    hops = open_hops(build(V4, "F16", models), models / "F16.shards", V4.splits["2-way"])
+    try:
+        for h in hops:
+            h.open_session("r", prompt_tokens=tokens, sampling=GREEDY)
+        _step(hops, "r", StepInput("r", 0, tokens=tokens, sample=True))
+        first = _decode(hops, "r", len(tokens), whole.picks[:5])
+        end = len(tokens) + 5
+        for h in hops:
+            h.truncate("r", end - 3)
+        again = _decode(hops, "r", end - 3, whole.picks[2:5])
+        with pytest.raises(SnapshotError) as refused:
+            hops[0].truncate("r", 10)
+        assert "drops at most the last" in refused.value.message
+    finally:
+        close_all(hops)
+    assert all(np.array_equal(a, b) for a, b in zip(first[2:], again, strict=True))
+    assert np.array_equal(first[0], whole.logits[1])
+
+
+def test_a_whole_sequence_snapshot_rebuilds_every_hop_exactly(models: Path) -> None:
+    """Snapshots and repair on V4: each hop exports its session's whole KV (compressor state included), fresh
+    sessions import it and decode on with the logits of the uninterrupted run; a range after 0 is refused."""
+    tokens, whole = reference("F16", models)
+    hops = open_hops(build(V4, "F16", models), models / "F16.shards", V4.splits["3-way"])
+    try:
+        for h in hops:
+            h.open_session("a", prompt_tokens=tokens, sampling=GREEDY)
+        _step(hops, "a", StepInput("a", 0, tokens=tokens, sample=True))
+        _decode(hops, "a", len(tokens), whole.picks[:2])
+        end = len(tokens) + 2
+        blobs = [h.export_kv("a", 0, end) for h in hops]
+        with pytest.raises(SnapshotError) as refused:
+            hops[1].export_kv("a", 8, end)
+        assert "exports only a whole sequence" in refused.value.message
+        for h, blob in zip(hops, blobs, strict=True):
+            h.close_session("a")
+            h.open_session("b", prompt_tokens=tokens, sampling=GREEDY)
+            h.import_kv("b", [blob], end)
+            assert h.kv_continues("b")
+        hops[-1].replay_sampled("b", whole.picks[:3])
+        rebuilt = _decode(hops, "b", end, whole.picks[2:5])
+    finally:
+        close_all(hops)
+    assert all(np.array_equal(a, b) for a, b in zip(whole.logits[3:6], rebuilt, strict=True))

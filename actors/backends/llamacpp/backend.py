@@ -168,6 +168,10 @@ class LlamaCppBackend:
         # llama.cpp reserves at least one output row per sequence (the scratch one included).
         p.n_outputs_max = c.n_seq_max + c.max_sessions * c.max_draft if self.is_tail else c.n_batch
         p.no_perf = True
+        if self._streams.whole_sequence_kv:
+            # The V4 cache drops trailing positions only from its rollback ring (llama_kv_cache_dsv4::seq_rm): room
+            # for a verify window's rejected positions (issue #20), the most a session ever gives back at once.
+            p.n_rs_seq = c.max_draft + 1
         if self._capture is not None:
             self._capture.install(p)
         return p

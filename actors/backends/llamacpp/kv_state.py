@@ -19,7 +19,9 @@ deepseek4 (``whole_sequences``): llama.cpp's V4 cache (``llama_kv_cache_dsv4``) 
 within its rollback ring (``seq_rm``). Its compressor frontier (the unfinished 4- and 128-position blocks) cannot be
 cut at an arbitrary position either. So a V4 export is the whole sequence, ``[0, position)``, serialized straight
 from the session's own sequence, and an import restores it into an empty session; a range starting after 0 is
-refused with ``SnapshotError`` (a snapshot chain then restarts from position 0).
+refused with ``SnapshotError`` (a snapshot chain then restarts from position 0). The backend gives the V4 context a
+rollback ring (``n_rs_seq``) as deep as a verify window, so speculation's rejected positions can be dropped; a
+deeper cut (prefix reuse of a shorter prefix) is refused with ``SnapshotError``.
 
 Not thread-safe: the backend calls these under its lock, on its worker thread.
 """
@@ -139,6 +141,11 @@ class KvCells:
     def truncate(self, seq: int, position: int) -> None:
         """Drop every cell of ``seq`` at ``position`` or later."""
         if not llama_cpp.llama_memory_seq_rm(self._memory, seq, position, -1):
+            if self.whole_sequences:
+                ring = int(llama_cpp.llama_n_rs_seq(self._ctx))
+                raise SnapshotError(f"this model's KV cache (llama.cpp's deepseek4 cache) drops at most the last "
+                                    f"{ring} positions, once between two decodes (its rollback ring), or all of "
+                                    f"them; not the positions from {position} on")
             raise BackendError(f"llama.cpp could not drop positions from {position} on")
 
     def span(self, seq: int) -> tuple[int, int]:
@@ -155,4 +162,8 @@ class KvCells:
         low, high = self.span(seq)
         if high != held - 1:
             return False
+        if self.whole_sequences:
+            # A whole-sequence import brings every cell and compressor row the sequence had; the V4 cache reports
+            # only its newest raw cell as the lowest position.
+            return True
         return low <= 0 or (self.n_swa > 0 and low <= held - self.n_swa + 1)
