@@ -78,7 +78,10 @@ def rss_bytes(pid: int) -> int:
 
 def routed(path: Path, threads: int, n: int, home: Path) -> tuple[float, float, list[int]]:
     """(decode tok/s, frame bytes the tail received, RSS of each node) through the route."""
-    route = ProcessRoute(path, [threads, threads], home, max_sessions=1, ctx=CTX, layers=CUTS)
+    # Seconds per step at this width on shared cores: the default 10 s hop timeout would call a busy node dead.
+    env = {"SWARMROUTE_HOP_TIMEOUT_S": "900", "SWARMROUTE_TOKEN_TIMEOUT_S": "900",
+           "SWARMROUTE_FIRST_TOKEN_TIMEOUT_S": "1800", "SWARMROUTE_PREFILL_CHUNK": "512"}
+    route = ProcessRoute(path, [threads, threads], home, max_sessions=1, ctx=CTX, layers=CUTS, env=env)
     try:
         client = openai.OpenAI(base_url=route.url, api_key="unused", max_retries=0, timeout=1800)
         before = scrape(route.node_urls[1])
