@@ -483,13 +483,22 @@ def _v4_moe(b: ModelBuilder, d: Dims, il: int) -> None:
     _shared_expert(b, d, il)
 
 
+def _v4_flash_ratios(n_trunk: int) -> list[int]:
+    """V4-Flash's schedule cut to ``n_trunk`` layers: two sliding-only layers, CSA/HCA alternating, a CSA layer
+    last (``[0, 0] + [4, 128] x 20 + [4]`` for its 43)."""
+    ratios = [0 if il < 2 else (4 if il % 2 == 0 else 128) for il in range(n_trunk)]
+    if n_trunk > 2:
+        ratios[-1] = 4
+    return ratios
+
+
 def deepseek4(d: Dims, name: str) -> ModelBuilder:
     """models/deepseek4.cpp (DeepSeek V4 Flash / Pro): ``hc_mult`` hyper-connection residual streams mixed by
     Sinkhorn-normalised matrices around every sublayer, a 128-position sliding window in every layer plus, per
     ``compress_ratios``, CSA (ratio 4, lightning-indexer top-k) or HCA (ratio 128) compressed KV, sqrt-softplus
     routed experts with a shared one, the first ``n_hash`` layers routing by token id, trailing MTP blocks, YaRN."""
     b = _start("deepseek4", d, name)
-    ratios = list(d.compress_ratios) + [0] * d.n_nextn
+    ratios = list(d.compress_ratios or _v4_flash_ratios(d.n_trunk)) + [0] * d.n_nextn
     if len(ratios) != d.n_layers:
         raise ValueError(f"deepseek4 needs one compress ratio per trunk layer ({d.n_trunk}), got {d.compress_ratios}")
     b.u32("vocab_size", b.n_vocab)
