@@ -80,6 +80,8 @@ class ArchSupport:
     """llama.cpp requires ``output.weight`` (no fallback to the tied embedding): non-tail shards get a zero one."""
     always_swa: bool = False
     """Sliding-window attention is on whatever the metadata says (otherwise: when ``attention.sliding_window`` > 0)."""
+    range_check: Callable[[CutRequest], list[KV]] | None = None
+    """Refuses ranges the architecture cannot run (raises ``Unfixable``), or returns pins for the shard."""
 
 
 # --- layer-count rules ---------------------------------------------------------------------------------------------
@@ -148,6 +150,40 @@ def _deepseek2_gating(whole: View, shard: View) -> list[KV]:
     return [KV(f"{whole.arch}.expert_gating_func", GGUFValueType.UINT32, want)]
 
 
+def _deepseek4_hash_layers(req: CutRequest) -> list[KV]:
+    """deepseek4's first ``hash_layer_count`` layers route experts by token id (``ffn_gate_tid2eid``, looked up
+    from the ubatch's tokens), which only the head has: a shard fed the residual streams would route those layers
+    by the router instead (models/deepseek4.cpp takes the non-hash path whenever the input is not token ids). The
+    rule: every hash layer stays on the head. The head's shard declares them all, every other shard none."""
+    n_hash = int(req.value("hash_layer_count", 0) or 0)
+    if not n_hash:
+        return []
+    if req.start == 0 and req.end < min(n_hash, req.n_trunk):
+        raise Unfixable(f"layers 0..{n_hash - 1} route experts by token id (hash routing) and must all stay on "
+                        f"the head, which alone receives token ids; layers {req.end}..{n_hash - 1} would go to a "
+                        f"shard fed hidden states. Cut at layer {n_hash} or later")
+    if 0 < req.start < n_hash:
+        raise Unfixable(f"layers 0..{n_hash - 1} route experts by token id (hash routing) and must all stay on "
+                        f"the head, which alone receives token ids; this shard would take layers "
+                        f"{req.start}..{min(req.end, n_hash) - 1} of them. Cut at layer {n_hash} or later")
+    _deepseek4_needs_csa(req)
+    return [KV(f"{req.arch}.hash_layer_count", GGUFValueType.UINT32, n_hash if req.start == 0 else 0)]
+
+
+def _deepseek4_needs_csa(req: CutRequest) -> None:
+    """llama.cpp always rotates the lightning indexer's keys (a Hadamard matrix sized from the cache's head width);
+    a shard without a ratio-4 layer gets an indexer cache of no layers, head width 0, and
+    ``llama_kv_cache::build_input_k_rot`` divides by zero (SIGFPE) building the first graph (seen on the tiny
+    model: a lone HCA layer)."""
+    ratios = req.value("attention.compress_ratios")
+    if not isinstance(ratios, list) or 4 not in ratios[:req.n_trunk]:
+        return
+    if 4 not in ratios[req.start:min(req.end, req.n_trunk)]:
+        raise Unfixable(f"layers {req.start}..{min(req.end, req.n_trunk) - 1} hold no CSA (compress ratio 4) layer; "
+                        "llama.cpp's lightning-indexer cache then has no layers and divides by zero on load "
+                        "(llama_kv_cache::build_input_k_rot); widen the range")
+
+
 _GEMMA3_27B = LayerCountRule(
     "f_attention_scale", "models/gemma3.cpp load_arch_hparams: type = LLM_TYPE_27B when n_layer == 62",
     _attention_scale_27b(62),
@@ -204,10 +240,13 @@ SUPPORT: dict[str, ArchSupport] = {a.arch: a for a in (
     ArchSupport("glm4moe", "refused", "GLM-4.5, GLM-4.6, GLM-4.7",
                 reason="models/glm4-moe.cpp aborts (GGML_ABORT) when fed embeddings without M-RoPE sections: a "
                 "shard after the head cannot take hidden states"),
-    ArchSupport("deepseek4", "refused", "DeepSeek V4",
-                reason="layers exchange hyper-connection streams of hc_mult x n_embd values, but llama.cpp's "
-                "embedding input takes one n_embd stream and copies it hc_mult times (models/deepseek4.cpp "
-                "hc_init); hash-routed layers need token ids; a shard cannot resume the residual"),
+    ArchSupport("deepseek4", "proven", "DeepSeek V4 Flash / Pro", output_required=True,
+                range_check=_deepseek4_hash_layers,
+                cut_rules="any boundary at or after the last hash-routed layer (they stay on the head, which has "
+                "the token ids); MTP layers stay with the last trunk layer",
+                limits="hops carry all hc_mult x n_embd hyper-connection values per position (l_last of the "
+                "last layer, written into hc_init of the next shard by the eval callback); CSA/HCA compressor "
+                "state stays on each layer's node"),
 )}
 """Architecture -> support. Proven entries are exactly the architectures of the matrix test."""
 
@@ -318,6 +357,11 @@ def check_cut(req: CutRequest, *, allow_unproven: bool = False) -> tuple[KV, ...
                            f"last cut must be at or before layer {req.n_trunk - 1}")
     _check_swa(req, support)
     pins: list[KV] = []
+    if support is not None and support.range_check is not None:
+        try:
+            pins += support.range_check(req)
+        except Unfixable as exc:
+            raise _refuse(req, str(exc)) from None
     whole, shard = req.whole(), req.shard()
     for rule in support.rules if support is not None else ():
         try:

@@ -1,7 +1,6 @@
-"""``swarmroute artifact build|verify|shard|fetch|seed``: the model artifact commands. The work is done by
-``artifacts`` (manifests, shards, verification) and ``actors.provisioning.artifact_sync`` (the swarm on NATS); this
-module only
-reads command lines and prints."""
+"""``swarmroute artifact build|verify|shard|fetch|seed|synthetic``: the model artifact commands. The work is done
+by ``artifacts`` (manifests, shards, verification, synthetic models) and ``actors.provisioning.artifact_sync`` (the
+swarm on NATS); this module only reads command lines and prints."""
 
 from __future__ import annotations
 
@@ -140,6 +139,16 @@ def _cmd_shard(args: argparse.Namespace) -> int:
     verdict = verify_shard(manifest, out, a, b, allow_unproven=args.allow_unproven_architecture)
     print(verdict.describe())
     return 0 if verdict.ok else 1
+
+
+def _cmd_synthetic(args: argparse.Namespace) -> int:
+    from artifacts.synthetic.matrix import synthetic_model
+
+    out = Path(args.out)
+    builder, quant = synthetic_model(args.arch, width=args.width, quant=args.quant)
+    path = builder.write(out, quant=quant, seed=args.seed)
+    print(f"{path}  {builder.arch} {builder.name} ({quant}, seed {args.seed}, {path.stat().st_size:,} bytes)")
+    return 0
 
 
 def guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -281,6 +290,18 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         p.add_argument("--download-limit", type=argtypes.at_least(0), default=0, help="bytes/s, 0 for unlimited")
         p.add_argument("--upload-limit", type=argtypes.at_least(0), default=0, help="bytes/s, 0 for unlimited")
         p.set_defaults(func=guarded(lambda args: asyncio.run(_run(args))))
+    synthetic = commands.add_parser(
+        "synthetic", help="write the seeded synthetic GGUF the shard matrix uses for an architecture (no download), "
+                          "to check a llama.cpp build against the matrix")
+    synthetic.add_argument("--arch", required=True, help="GGUF architecture (llama, gemma3, deepseek4, ...)")
+    synthetic.add_argument("--out", required=True, help="output GGUF path")
+    synthetic.add_argument("--seed", type=argtypes.at_least(0), default=16,
+                           help="weight seed (default 16, the matrix's)")
+    synthetic.add_argument("--width", choices=("tiny", "real"), default="tiny",
+                           help="tiny (the matrix model) or real (the real model's widths, few layers and experts)")
+    synthetic.add_argument("--quant", choices=("F16", "Q8_0", "Q4_0"),
+                           help="weight type (default F16 tiny, Q8_0 real)")
+    synthetic.set_defaults(func=guarded(_cmd_synthetic))
     for p in (shard, fetch, verify, seed):
         add_unproven_option(p)
     for p in (build, verify, shard, fetch, seed):

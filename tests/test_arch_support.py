@@ -5,6 +5,7 @@ llama.cpp is not needed here: ``tests/test_arch_matrix.py`` proves what the tabl
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import pytest
 from artifacts import arch_support
 from artifacts.arch_support import KNOWN_HAZARDS, SUPPORT, CutRequest, check_cut, proven_architectures
 from artifacts.fetch import fetch_range
-from artifacts.gguf_layout import read_layout
+from artifacts.gguf_layout import KV, read_layout
 from artifacts.manifest import build_manifest
 from artifacts.shard import ShardSource, manifest_plan, write_shard
 from artifacts.store import Store
@@ -45,7 +46,7 @@ def test_the_table_is_the_matrix() -> None:
     refused = {a for a, s in SUPPORT.items() if s.status == "refused"}
     shown = {c.arch for c in MATRIX if c.why_refused and c.name == c.arch}
     assert shown <= refused
-    assert refused - shown == {"gemma", "deepseek4"}  # refused from the source alone: no tiny model
+    assert refused - shown == {"gemma"}  # refused from the source alone: no tiny model (deepseek4 is proven now)
     assert set(BUILDERS) <= set(SUPPORT)
     for support in SUPPORT.values():
         assert support.families
@@ -71,7 +72,7 @@ def test_an_unproven_architecture_is_refused_unless_the_user_accepts_the_risk() 
     assert check_cut(request("llama4", 48, 0, 24), allow_unproven=True) == ()
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma", "glm4", "glm4moe", "deepseek4"])
+@pytest.mark.parametrize("arch", ["gemma2", "gemma", "glm4", "glm4moe"])
 def test_a_refused_architecture_stays_refused_with_the_override(arch: str) -> None:
     with pytest.raises(BadRequestError, match=SUPPORT[arch].reason[:30].replace("(", r"\(")):
         check_cut(request(arch, 8, 0, 4), allow_unproven=True)
@@ -200,3 +201,19 @@ def test_the_fetch_refuses_before_downloading(tmp_path: Path) -> None:
     assert not store.model_dir(manifest.model_id).exists()
     source = ShardSource.from_manifest(manifest, tmp_path / "absent.gguf")
     assert source.n_vocab == manifest.n_vocab > 0
+
+
+def test_deepseek4_keeps_its_hash_layers_on_the_head_and_a_csa_layer_on_every_shard() -> None:
+    meta = {"deepseek4.hash_layer_count": 3, "deepseek4.attention.compress_ratios": [0, 0, 4, 128, 4, 128, 4]}
+
+    def cut(a: int, b: int) -> tuple[KV, ...]:
+        return check_cut(CutRequest("deepseek4", 7, 100, meta, a, b, where="v4.gguf"))
+
+    assert [(kv.key, kv.value) for kv in cut(0, 3)] == [("deepseek4.hash_layer_count", 3)]
+    assert [(kv.key, kv.value) for kv in cut(3, 7)] == [("deepseek4.hash_layer_count", 0)]
+    for a, b, says in ((0, 2, "layers 2..2 would go to a shard fed hidden states"),
+                       (1, 7, "this shard would take layers 1..2 of them"),
+                       (3, 4, "layers 3..3 hold no CSA (compress ratio 4) layer")):
+        with pytest.raises(BadRequestError, match=re.escape(says)) as refused:
+            cut(a, b)
+        assert "v4.gguf" in refused.value.message and f"[{a}, {b})" in refused.value.message

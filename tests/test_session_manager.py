@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 import nats
 import pytest
 import pytest_asyncio
+from gateway.tracker_client import TrackerClient
 from nats.aio.msg import Msg
 
 from bus import codec
@@ -18,7 +19,6 @@ from bus.server import EmbeddedNats
 from bus.subjects import Subjects
 from gateway.session_manager import SessionManager
 from gateway.session_opener import GenerationRequest
-from gateway.tracker_client import TrackerClient
 from schemas.errors import BadRequestError, SwarmrouteError
 from schemas.session import Prompt, SamplingParams, SessionEnd, SessionPhase
 from schemas.telemetry import GenerationTelemetry

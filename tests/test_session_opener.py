@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 import nats
 import pytest
 import pytest_asyncio
+from gateway.tracker_client import TrackerClient
 from nats.aio.client import Client as NATS
 
 from bus.nodeclient import NodeClient
@@ -18,7 +19,6 @@ from bus.subjects import Subjects
 from gateway.live_session import LiveSession, SessionLinks
 from gateway.route_nodes import RouteNodes
 from gateway.session_opener import GenerationRequest, SessionOpener
-from gateway.tracker_client import TrackerClient
 from schemas.errors import BadRequestError, SwarmrouteError
 from schemas.session import Prompt, SamplingParams
 from schemas.settings import Settings

@@ -40,7 +40,9 @@ def test_each_architecture_writes_a_consistent_gguf(arch: str, tmp_path: Path) -
         spec = next(s for s in b.tensors if s.name == t.name)
         assert t.shape == spec.shape  # GGML order, as llama.cpp's create_tensor lists it
         matrix = spec.kind in ("weight", "embedding") and len(spec.shape) > 1
-        if not matrix:  # norms, biases, routers, rope factors: F32 as in real files
+        if spec.kind == "expert_ids":  # deepseek4's token -> experts table: I32, as llama.cpp reads it
+            assert t.ggml_type == GGMLQuantizationType.I32, t.name
+        elif not matrix:  # norms, biases, routers, rope factors: F32 as in real files
             assert t.ggml_type == GGMLQuantizationType.F32, t.name
         elif spec.shape[0] % 32 == 0:
             assert t.ggml_type == GGMLQuantizationType.Q8_0, t.name

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from gguf import GGUFValueType
+
 from artifacts.synthetic.builder import ModelBuilder
 from artifacts.synthetic.vocab import build_vocabulary
 
@@ -47,6 +49,18 @@ class Dims:
     """llama with routed experts in every layer (Mixtral's layout: experts of ``n_ff``)."""
     expert_gating_func: int | None = 2
     """deepseek2/glm4moe ``expert_gating_func`` (1 softmax, 2 sigmoid); None leaves the key out."""
+    compress_ratios: tuple[int, ...] = ()
+    """deepseek4: per trunk layer 0 (sliding window only), 4 (CSA + lightning indexer) or 128 (HCA); the MTP
+    blocks slide."""
+    n_hash: int = 3
+    """deepseek4: leading layers that route experts by token id (``ffn_gate_tid2eid``)."""
+    hc_mult: int = 4
+    """deepseek4: hyper-connection residual streams (llama.cpp asserts 4)."""
+    o_groups: int = 2
+    o_lora_rank: int = 32
+    indexer_heads: int = 4
+    indexer_head_dim: int = 32
+    indexer_top_k: int = 16
 
     @property
     def n_trunk(self) -> int:
@@ -420,8 +434,119 @@ def glm4moe(d: Dims, name: str) -> ModelBuilder:
     return b
 
 
+def _v4_attention(b: ModelBuilder, d: Dims, il: int, ratio: int) -> None:
+    """One deepseek4 layer's attention: q LoRA, one shared K=V head, grouped low-rank output, sinks, and the
+    compressor (plus the lightning indexer at ratio 4) of a compressed layer."""
+    hd = d.head_dim
+    b.block(il, "attn_norm.weight", d.n_embd, kind="norm")
+    b.block(il, "attn_sinks.weight", d.n_head, kind="small")
+    b.block(il, "attn_q_a.weight", d.n_embd, d.q_lora_rank)
+    b.block(il, "attn_q_a_norm.weight", d.q_lora_rank, kind="norm")
+    b.block(il, "attn_q_b.weight", d.q_lora_rank, d.n_head * hd)
+    b.block(il, "attn_kv.weight", d.n_embd, hd)
+    b.block(il, "attn_kv_a_norm.weight", hd, kind="norm")
+    # As the converter writes it: (n_head * head_dim / groups, o_lora_rank * groups); llama.cpp reshapes on load.
+    b.block(il, "attn_output_a.weight", d.n_head * hd // d.o_groups, d.o_lora_rank * d.o_groups)
+    b.block(il, "attn_output_b.weight", d.o_groups * d.o_lora_rank, d.n_embd)
+    if not ratio:
+        return
+    coff = 2 if ratio == 4 else 1  # CSA blocks overlap: two rows per position
+    b.block(il, "attn_compressor_kv.weight", d.n_embd, coff * hd)
+    b.block(il, "attn_compressor_gate.weight", d.n_embd, coff * hd)
+    b.block(il, "attn_compressor_ape.weight", coff * hd, ratio, kind="small")
+    b.block(il, "attn_compressor_norm.weight", hd, kind="norm")
+    if ratio == 4:
+        ih = d.indexer_head_dim
+        b.block(il, "indexer.proj.weight", d.n_embd, d.indexer_heads, kind="router")
+        b.block(il, "indexer.attn_q_b.weight", d.q_lora_rank, d.indexer_heads * ih)
+        b.block(il, "indexer_compressor_kv.weight", d.n_embd, 2 * ih)
+        b.block(il, "indexer_compressor_gate.weight", d.n_embd, 2 * ih)
+        b.block(il, "indexer_compressor_ape.weight", 2 * ih, ratio, kind="small")
+        b.block(il, "indexer_compressor_norm.weight", ih, kind="norm")
+
+
+def _v4_hyper_connections(b: ModelBuilder, d: Dims, il: int) -> None:
+    hc_dim, mix = d.hc_mult * d.n_embd, (2 + d.hc_mult) * d.hc_mult
+    for part in ("attn", "ffn"):
+        b.block(il, f"hc_{part}_fn.weight", hc_dim, mix, kind="router")
+        b.block(il, f"hc_{part}_base.weight", mix, kind="small")
+        b.block(il, f"hc_{part}_scale.weight", 3, kind="small")
+
+
+def _v4_moe(b: ModelBuilder, d: Dims, il: int) -> None:
+    if il < d.n_hash:
+        b.block(il, "ffn_gate_tid2eid.weight", d.n_expert_used, b.n_vocab, kind="expert_ids", bound=d.n_expert)
+    else:
+        b.block(il, "exp_probs_b.bias", d.n_expert, kind="small")
+    b.block(il, "ffn_norm.weight", d.n_embd, kind="norm")
+    _experts(b, d, il)
+    _shared_expert(b, d, il)
+
+
+def _v4_flash_ratios(n_trunk: int) -> list[int]:
+    """V4-Flash's schedule cut to ``n_trunk`` layers: two sliding-only layers, CSA/HCA alternating, a CSA layer
+    last (``[0, 0] + [4, 128] x 20 + [4]`` for its 43)."""
+    ratios = [0 if il < 2 else (4 if il % 2 == 0 else 128) for il in range(n_trunk)]
+    if n_trunk > 2:
+        ratios[-1] = 4
+    return ratios
+
+
+def deepseek4(d: Dims, name: str) -> ModelBuilder:
+    """models/deepseek4.cpp (DeepSeek V4 Flash / Pro): ``hc_mult`` hyper-connection residual streams mixed by
+    Sinkhorn-normalised matrices around every sublayer, a 128-position sliding window in every layer plus, per
+    ``compress_ratios``, CSA (ratio 4, lightning-indexer top-k) or HCA (ratio 128) compressed KV, sqrt-softplus
+    routed experts with a shared one, the first ``n_hash`` layers routing by token id, trailing MTP blocks, YaRN."""
+    b = _start("deepseek4", d, name)
+    ratios = list(d.compress_ratios or _v4_flash_ratios(d.n_trunk)) + [0] * d.n_nextn
+    if len(ratios) != d.n_layers:
+        raise ValueError(f"deepseek4 needs one compress ratio per trunk layer ({d.n_trunk}), got {d.compress_ratios}")
+    b.u32("vocab_size", b.n_vocab)
+    b.u32("attention.head_count_kv", 1)
+    b.u32("attention.key_length", d.head_dim)
+    b.u32("attention.value_length", d.head_dim)
+    b.u32("rope.dimension_count", d.qk_rope_dim)
+    b.u32("attention.q_lora_rank", d.q_lora_rank)
+    b.u32("attention.sliding_window", d.sliding_window)
+    b.u32("attention.output_group_count", d.o_groups)
+    b.u32("attention.output_lora_rank", d.o_lora_rank)
+    b.f32("attention.compress_rope_freq_base", 160000.0)
+    b.array("attention.compress_ratios", ratios, GGUFValueType.UINT32)
+    b.u32("attention.indexer.head_count", d.indexer_heads)
+    b.u32("attention.indexer.key_length", d.indexer_head_dim)
+    b.u32("attention.indexer.top_k", d.indexer_top_k)
+    b.u32("nextn_predict_layers", d.n_nextn)
+    _moe_keys(b, d)
+    b.u32("expert_shared_count", d.n_expert_shared)
+    b.f32("expert_weights_scale", 1.5)
+    b.boolean("expert_weights_norm", True)
+    b.u32("expert_gating_func", 4)  # sqrt(softplus): the only scoring the loader accepts
+    b.array("swiglu_clamp_exp", [10.0] * d.n_layers, GGUFValueType.FLOAT32)
+    b.u32("hyper_connection.count", d.hc_mult)
+    b.u32("hyper_connection.sinkhorn_iterations", 20)
+    b.f32("hyper_connection.epsilon", 1e-6)
+    b.u32("hash_layer_count", d.n_hash)
+    b.string("rope.scaling.type", "yarn")
+    b.f32("rope.scaling.factor", 4.0)
+    b.u32("rope.scaling.original_context_length", 128)
+    b.tensor("token_embd.weight", d.n_embd, b.n_vocab, kind="embedding")
+    hc_dim = d.hc_mult * d.n_embd
+    b.tensor("output_hc_fn.weight", hc_dim, d.hc_mult, kind="router")
+    b.tensor("output_hc_base.weight", d.hc_mult, kind="small")
+    b.tensor("output_hc_scale.weight", 1, kind="small")
+    for il in range(d.n_layers):
+        _v4_attention(b, d, il, ratios[il])
+        _v4_hyper_connections(b, d, il)
+        _v4_moe(b, d, il)
+        if il >= d.n_trunk:
+            _nextn(b, d, il)
+    _output(b, d, tied=False)
+    return b
+
+
 BUILDERS: dict[str, ArchBuilder] = {
     "llama": llama, "mistral3": mistral3, "qwen2": qwen2, "qwen3": qwen3, "qwen3moe": qwen3moe, "phi3": phi3,
     "gemma2": gemma2, "gemma3": gemma3, "gpt-oss": gpt_oss, "deepseek2": deepseek2, "glm4": glm4, "glm4moe": glm4moe,
+    "deepseek4": deepseek4,
 }
 """GGUF architecture name -> the function building its tiny model."""

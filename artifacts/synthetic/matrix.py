@@ -12,6 +12,7 @@ import dataclasses
 
 from artifacts.synthetic.architectures import BUILDERS, Dims
 from artifacts.synthetic.builder import ModelBuilder
+from schemas.errors import BadRequestError
 
 Bounds = tuple[int, ...]
 """Cut points of a route, ``(0, a, b, n)`` for three ranges."""
@@ -44,6 +45,24 @@ class MatrixCase:
 
 _EIGHT = Dims(n_layers=8, n_nextn=0)
 _STANDARD = {"2-way": (0, 4, 8), "3-way": (0, 3, 6, 8)}
+
+
+TINY_V4 = Dims(n_layers=10, n_nextn=1, head_dim=128, qk_rope_dim=16, indexer_head_dim=64, sliding_window=128,
+               n_ctx=1024,
+               compress_ratios=(0, 0, 4, 128, 4, 128, 4, 128, 4), n_hash=3)
+"""Every part of DeepSeek V4 at width 64: 4 hyper-connection streams; layers 0-1 sliding window only, then CSA
+(ratio 4, lightning indexer top-16) and HCA (ratio 128) alternating and a CSA layer last, as in V4-Flash
+(``[0, 0] + [4, 128] x 20 + [4]``); layers 0-2 hash-routed; 8 routed experts (2 used) plus a shared one; layer 9
+the MTP block. Head width 128 and indexer width 64 differ, as in V4 (512 and 128): llama.cpp forces a key rotation
+on every cache when they are equal."""
+
+REAL_V4 = Dims(n_layers=5, n_nextn=0, n_embd=4096, n_head=64, head_dim=512, qk_rope_dim=64, q_lora_rank=1024,
+               o_groups=8, o_lora_rank=1024, sliding_window=128, n_ctx=4096, n_expert=4, n_expert_used=2,
+               n_ff_exp=2048, indexer_heads=64, indexer_head_dim=128, indexer_top_k=512, vocab_pad_to=129280,
+               compress_ratios=(0, 0, 4, 128, 4), n_hash=3)
+"""DeepSeek-V4-Flash's widths (hidden 4096, 64 heads x 512, q LoRA 1024, 8 x 1024 output groups, 4 streams,
+indexer 64 x 128 top-512, 129,280 tokens, experts of 2048) with 5 layers and 4 experts: hop bytes, per-layer
+attention and KV shapes are the real model's."""
 
 
 def _dense(arch: str) -> MatrixCase:
@@ -92,6 +111,12 @@ MATRIX: tuple[MatrixCase, ...] = (
                Dims(n_layers=48, n_dense_lead=1, n_nextn=1, vocab_pad_to=154880, expert_gating_func=None),
                {"2-way": (0, 24, 48)}, quants=("F16",),
                about="47 trunk layers, 154880 tokens, no expert_gating_func key"),
+    # Layers 0-2 hash-routed (0-1 sliding only, 2 CSA), 3..8 HCA/CSA alternating, 9 the MTP block. Cut 3 is right
+    # after the hash layers (between CSA 2 and HCA 3), 7 between CSA 6 and HCA 7, 5 and 6 HCA/CSA and CSA/HCA.
+    MatrixCase("deepseek4", "deepseek4", TINY_V4,
+               {"2-way": (0, 5, 10), "3-way": (0, 3, 6, 10), "unaligned": (0, 3, 7, 10)},
+               refused_splits={"hash layer off the head": (0, 2, 10), "HCA layer alone": (0, 3, 4, 10)},
+               unaligned="right after the hash layers (CSA/HCA), and CSA/HCA before a tail of HCA, CSA and MTP"),
     MatrixCase("gemma2", "gemma2", _EIGHT, refused_splits={"2-way": (0, 4, 8)}, quants=("F16",),
                why_refused="scale"),
     MatrixCase("glm4", "glm4", Dims(n_layers=8, n_nextn=1), refused_splits={"2-way": (0, 4, 8)}, quants=("F16",),
@@ -99,6 +124,28 @@ MATRIX: tuple[MatrixCase, ...] = (
     MatrixCase("glm4moe", "glm4moe", Dims(n_layers=8, n_dense_lead=1, n_nextn=1),
                refused_splits={"2-way": (0, 4, 8)}, quants=("F16",), why_refused="abort"),
 )
+
+
+REAL_WIDTH: dict[str, Dims] = {"deepseek4": REAL_V4}
+"""Architectures with a real-width synthetic model (``swarmroute artifact synthetic --width real``)."""
+
+
+def synthetic_model(arch: str, *, width: str = "tiny", quant: str | None = None) -> tuple[ModelBuilder, str]:
+    """The builder and weight type of ``arch``'s synthetic model: the matrix's case of that name (its first
+    quantization), or the real-width model. Raises ``BadRequestError`` naming what exists."""
+    if arch not in BUILDERS:
+        raise BadRequestError(f"no synthetic model for architecture {arch!r}; known: {', '.join(sorted(BUILDERS))}")
+    if width == "real":
+        if arch not in REAL_WIDTH:
+            raise BadRequestError(f"no real-width synthetic model for {arch!r}; real width exists for "
+                                  f"{', '.join(sorted(REAL_WIDTH))}")
+        return BUILDERS[arch](REAL_WIDTH[arch], f"real-width-{arch}"), quant or "Q8_0"
+    if width != "tiny":
+        raise BadRequestError(f"width must be tiny or real, not {width!r}")
+    matrix_case = next((c for c in MATRIX if c.name == arch), None)
+    if matrix_case is None:
+        return BUILDERS[arch](Dims(), f"tiny-{arch}"), quant or "F16"
+    return matrix_case.builder(), quant or matrix_case.quants[0]
 
 
 def case(name: str) -> MatrixCase:

@@ -157,10 +157,11 @@ class RouteHarness:
     _ids: itertools.count[int] = dataclasses.field(default_factory=itertools.count)
 
     @classmethod
-    async def start(cls, server: EmbeddedNats, home: Path) -> RouteHarness:
+    async def start(cls, server: EmbeddedNats, home: Path, **overrides: object) -> RouteHarness:
         # Generous timeouts: the two cores are shared with other test processes.
-        settings = make_settings(server.url, home, namespace="archmatrix", token_timeout_s=60.0,
-                                 first_token_timeout_s=120.0, hop_timeout_s=60.0)
+        options: dict[str, object] = dict(namespace="archmatrix", token_timeout_s=60.0, first_token_timeout_s=120.0,
+                                          hop_timeout_s=60.0)
+        settings = make_settings(server.url, home, **{**options, **overrides})
         async with Swarms() as starting:
             tracker = await starting.actor(Tracker(settings))
             gateway = await starting.actor(Gateway(settings, port=0))
@@ -169,13 +170,13 @@ class RouteHarness:
     async def stop(self) -> None:
         await self.started.aclose()
 
-    async def route(self, hops: Sequence[LlamaCppBackend], tokens: list[int], n: int = N_DECODE
-                    ) -> tuple[Run, list[str]]:
+    async def route(self, hops: Sequence[LlamaCppBackend], tokens: list[int], n: int = N_DECODE,
+                    tail: RecordingBackend | None = None) -> tuple[Run, list[str]]:
         """Greedy completion of ``tokens`` through real nodes serving ``hops`` (in order): the tail's run and the
-        node ids the gateway reported as the route."""
+        node ids the gateway reported as the route. ``tail``: the recording wrapper of ``hops[-1]`` to use."""
         run_id = next(self._ids)
         model = f"m{run_id}"
-        tail = RecordingBackend(hops[-1])
+        tail = tail or RecordingBackend(hops[-1])
         backends: list[Any] = [*hops[:-1], tail]
         async with Swarms() as started:  # the nodes, stopped again after the run
             for i, backend in enumerate(backends):

@@ -9,7 +9,9 @@ Layer ranges: a shard GGUF (``artifacts.shard``) holds layers ``[start, end)`` r
 tokens up itself; every other hop is fed the previous hop's hidden states through ``llama_batch.embd``. A non-tail
 hop asks for every row as an output (llama.cpp prunes the last layer to output rows) and copies its last layer's
 output ``l_out-<n-1>`` out of the graph with ``ggml_capture.LayerCapture``, which also stops the graph there so the
-lm_head never runs. The tail samples with each session's llama.cpp sampler chain.
+lm_head never runs. The tail samples with each session's llama.cpp sampler chain. deepseek4 hops carry its
+``hc_mult`` hyper-connection streams (``streams.StreamLayout``): the capture reads ``l_last-<n-1>`` and a later
+hop, fed token id 0, has its ``hc_init`` node overwritten with them (see ``ggml_capture``).
 
 Every public method takes ``_lock``: the node drives ``step`` from one worker thread, but a close arriving from
 elsewhere must never run ``llama_memory_seq_rm`` in the middle of a decode.
@@ -42,6 +44,7 @@ from actors.backends.llamacpp.ggml_capture import LayerCapture
 from actors.backends.llamacpp.kv_state import KvCells
 from actors.backends.llamacpp.placement import file_sha256, place
 from actors.backends.llamacpp.sampling import Sampler
+from actors.backends.llamacpp.streams import stream_layout
 from actors.backends.llamacpp.vocabulary import Vocabulary
 from actors.backends.session_table import HoldsSessions, SessionTable, Wording, choice_seed
 from schemas.errors import (
@@ -140,15 +143,21 @@ class LlamaCppBackend(HoldsSessions[_Session]):
         self._n_vocab = self._text.n_vocab
         self._n_ctx = min(self.config.n_ctx, int(llama_cpp.llama_model_n_ctx_train(self._model)), CONTEXT_CAP)
         self._threads = self.config.threads or os.cpu_count() or 1
-        self._capture = None if self.is_tail else LayerCapture(
-            int(llama_cpp.llama_model_n_layer(self._model)) - 1, self._n_embd, native_dir=self.config.native_dir)
+        self._streams = stream_layout(facts.architecture, facts.layout.value)
+        self._inject = "" if self.is_head else self._streams.input_node
+        last = None if self.is_tail else int(llama_cpp.llama_model_n_layer(self._model)) - 1
+        self._capture = None if last is None and not self._inject else LayerCapture(
+            last, self._n_embd, native_dir=self.config.native_dir, node=self._streams.output_node,
+            streams=self._streams.streams, inject=self._inject)
         self._ctx = llama_cpp.llama_init_from_model(self._model, self._context_params())
         if not self._ctx:
             raise ModelLoadError(f"llama.cpp could not create a context for {self._path} "
                                  f"({self.config.max_sessions} x {self._n_ctx} tokens)")
         self._memory = llama_cpp.llama_get_memory(self._ctx)
-        self._kv = KvCells(self._ctx, self._memory, scratch=self.config.n_seq_max - 1, n_swa=self._sliding_window())
-        self._batch = Batch(self.config.n_batch, 0 if self.is_head else self._n_embd)
+        self._kv = KvCells(self._ctx, self._memory, scratch=self.config.n_seq_max - 1, n_swa=self._sliding_window(),
+                           whole_sequences=self._streams.whole_sequence_kv)
+        # A hop that takes its streams through the injected node is fed token ids (see ``_fill``).
+        self._batch = Batch(self.config.n_batch, 0 if self.is_head or self._inject else self._n_embd)
         self._info = self._make_info()
 
     def _context_params(self) -> llama_cpp.llama_context_params:
@@ -169,6 +178,10 @@ class LlamaCppBackend(HoldsSessions[_Session]):
         # llama.cpp reserves at least one output row per sequence (the scratch one included).
         p.n_outputs_max = c.n_seq_max + c.max_sessions * c.max_draft if self.is_tail else c.n_batch
         p.no_perf = True
+        if self._streams.whole_sequence_kv:
+            # The V4 cache drops trailing positions only from its rollback ring (llama_kv_cache_dsv4::seq_rm): room
+            # for a verify window's rejected positions (issue #20), the most a session ever gives back at once.
+            p.n_rs_seq = c.max_draft + 1
         if self._capture is not None:
             self._capture.install(p)
         return p
@@ -178,7 +191,8 @@ class LlamaCppBackend(HoldsSessions[_Session]):
         version = llama_cpp.llama_version().decode()
         return BackendInfo(
             kind="llamacpp", model_name=facts.name, architecture=facts.architecture, file_type=facts.file_type,
-            n_layers=self._placement.n_layers_total, hidden_size=self._n_embd, hidden_shape=[self._n_embd],
+            n_layers=self._placement.n_layers_total, hidden_size=self._n_embd,
+            hidden_shape=self._streams.hidden_shape(self._n_embd),
             n_vocab=self._n_vocab, context_length=self._n_ctx, threads=self._threads,
             version=f"llama.cpp {version} (llama-cpp-python {llama_cpp.__version__}; CPU buffers: "
                     f"{', '.join(self._cpu_buffers) or 'plain'})",
@@ -344,6 +358,8 @@ class LlamaCppBackend(HoldsSessions[_Session]):
         with self._lock:
             self._require_open()
             session = self._sessions.exporting(session_id, start, end)
+            if self._kv.whole_sequences:
+                return self._kv.export_whole(session.seq_id, start, end, session.position)
             return self._kv.export(session.seq_id, start, end)
 
     def import_kv(self, session_id: str, blobs: list[bytes], end: int) -> None:
@@ -352,7 +368,9 @@ class LlamaCppBackend(HoldsSessions[_Session]):
             session = self._sessions[session_id]
             before = session.position
             try:
-                for blob in blobs:
+                if self._kv.whole_sequences:
+                    self._kv.load_whole(session.seq_id, blobs, before)
+                for blob in blobs if not self._kv.whole_sequences else ():
                     self._kv.load(session.seq_id, blob)
                 low, high = self._kv.span(session.seq_id)
                 if high != end - 1:
@@ -415,22 +433,31 @@ class LlamaCppBackend(HoldsSessions[_Session]):
     def step(self, batch: list[StepInput]) -> list[StepOutput]:
         with self._lock:
             self._require_open()
-            sessions = self._check(batch)
-            spans = self._fill(batch, sessions)
-            if self._capture is not None:
-                self._capture.arm(self._batch.n)
-            rc = llama_cpp.llama_decode(self._ctx, self._batch.struct())
-            self._decodes += 1
-            if rc != 0:
-                self._after_failed_decode(rc, sessions, batch)
-            outputs = self._collect(batch, sessions, spans)
-            for item, session in zip(batch, sessions, strict=True):
-                session.position = item.start_position + item.n_positions
-            for item, session, output in zip(batch, sessions, outputs, strict=True):
-                if item.forks:
-                    output.forks = self._fork(session, item.forks)
-            self._refresh_kv_bytes()
-            return outputs
+            if self._streams.one_sequence_per_decode and len(batch) > 1:
+                self._check(batch)  # the whole step is refused before any of it runs
+                return [out for item in batch for out in self._step([item])]
+            return self._step(batch)
+
+    def _step(self, batch: list[StepInput]) -> list[StepOutput]:
+        sessions = self._check(batch)
+        spans = self._fill(batch, sessions)
+        if self._capture is not None and self._capture.copies_out:
+            self._capture.arm(self._batch.n)
+        rc = llama_cpp.llama_decode(self._ctx, self._batch.struct())
+        self._decodes += 1
+        if rc != 0:
+            self._after_failed_decode(rc, sessions, batch)
+        if self._inject:
+            assert self._capture is not None
+            self._capture.fed()
+        outputs = self._collect(batch, sessions, spans)
+        for item, session in zip(batch, sessions, strict=True):
+            session.position = item.start_position + item.n_positions
+        for item, session, output in zip(batch, sessions, outputs, strict=True):
+            if item.forks:
+                output.forks = self._fork(session, item.forks)
+        self._refresh_kv_bytes()
+        return outputs
 
     def _check(self, batch: list[StepInput]) -> list[_Session]:
         if not batch:
@@ -466,13 +493,28 @@ class LlamaCppBackend(HoldsSessions[_Session]):
     def _fill(self, batch: list[StepInput], sessions: list[_Session]) -> list[tuple[int, int]]:
         self._batch.clear()
         spans = []
+        fed = []
         for item, session in zip(batch, sessions, strict=True):
             # Non-tail hops hand on every row's hidden state; the tail needs logits only where it samples.
             output = "all" if not self.is_tail or item.rows else ("last" if item.sample else "none")
             hidden = None if item.hidden is None else np.asarray(item.hidden, dtype=np.float32)
-            spans.append(self._batch.add(session.seq_id, item.start_position, tokens=item.tokens, hidden=hidden,
+            tokens = item.tokens
+            if self._inject and hidden is not None:
+                fed.append(self._stream_rows(hidden))
+                tokens, hidden = [0] * fed[-1].shape[0], None
+            spans.append(self._batch.add(session.seq_id, item.start_position, tokens=tokens, hidden=hidden,
                                          output=output))
+        if fed:
+            assert self._capture is not None
+            self._capture.feed(np.concatenate(fed) if len(fed) > 1 else fed[0])
         return spans
+
+    def _stream_rows(self, hidden: Hidden) -> Hidden:
+        row = self._streams.streams * self._n_embd
+        if hidden.ndim < 1 or hidden.shape[0] == 0 or hidden.size != hidden.shape[0] * row:
+            raise BadRequestError(f"hidden states of shape {hidden.shape} do not have {self._streams.streams} x "
+                                  f"{self._n_embd} values per row")
+        return hidden.reshape(hidden.shape[0], row)
 
     def _after_failed_decode(self, rc: int, sessions: list[_Session], batch: list[StepInput]) -> None:
         # llama.cpp rolls back what the failed call wrote; cells past each session's position are dropped here
@@ -486,9 +528,10 @@ class LlamaCppBackend(HoldsSessions[_Session]):
 
     def _collect(self, batch: list[StepInput], sessions: list[_Session],
                  spans: list[tuple[int, int]]) -> list[StepOutput]:
-        if self._capture is not None:
+        if self._capture is not None and self._capture.copies_out:
             hidden: Hidden = self._capture.take()
-            return [StepOutput(hidden=hidden[lo:hi]) for lo, hi in spans]
+            shape = tuple(self._info.hidden_shape)
+            return [StepOutput(hidden=hidden[lo:hi].reshape(hi - lo, *shape)) for lo, hi in spans]
         outputs = []
         for item, session, (lo, hi) in zip(batch, sessions, spans, strict=True):
             token, logprobs = None, None

@@ -32,6 +32,16 @@ Cost: the scheduler calls back for every graph node (about 40 per layer for gemm
 runs in C (``capture_eval.c``, compiled at first use with the system C compiler and cached); only the claimed node
 calls into Python, once per ubatch, to copy its rows. Without a working C compiler the Python callback is used,
 with a warning (same results, slower). ``tests/bench/bench_ggml_capture.py`` measures both.
+
+Several residual streams (deepseek4): V4's layers exchange ``hc_mult`` hyper-connection streams (``l_last-<il>`` is
+``[n_embd, hc_mult, n_tokens]``), but llama.cpp's only input is one ``n_embd`` row per token, which the graph
+repeats ``hc_mult`` times (``hc_init``). So a shard after the head claims ``hc_init`` too (``inject``): once the
+scheduler has computed it, the ``ask=False`` call overwrites its rows with the previous shard's streams
+(``feed``), before layer 0 reads them. On the CPU backend a computed node's buffer is the one later nodes read;
+``ggml_backend_tensor_set`` works for device buffers as well, but then only if the node is not fused into its
+consumers (the scheduler never fuses across a claimed node). The shard is fed token id 0 for every row (any id:
+its value is overwritten), which keeps llama.cpp on its token path (``ubatch.embd`` would take deepseek4's media
+path).
 """
 
 from __future__ import annotations
@@ -97,7 +107,8 @@ NATIVE_SOURCE = Path(__file__).with_name("capture_eval.c")
 class _NativeCapture(ctypes.Structure):
     """``struct swarmroute_capture`` of capture_eval.c: the callback's user data."""
 
-    _fields_ = [("name_offset", ctypes.c_int64), ("copy", _COPY_FN), ("key", ctypes.c_char * _GGML_MAX_NAME)]
+    _fields_ = [("name_offset", ctypes.c_int64), ("copy", _COPY_FN), ("key", ctypes.c_char * _GGML_MAX_NAME),
+                ("inject_key", ctypes.c_char * _GGML_MAX_NAME)]
 
 
 def native_library_path(directory: Path) -> Path:
@@ -145,6 +156,8 @@ class _Ggml:
 
     tensor_get: Callable[[int, int, int, int], None]
     """``ggml_backend_tensor_get(tensor, dst, offset, size)``: works for host and device buffers alike."""
+    tensor_set: Callable[[int, int, int, int], None]
+    """``ggml_backend_tensor_set(tensor, src, offset, size)``."""
 
 
 def _library_path() -> Path:
@@ -164,8 +177,10 @@ def _ggml() -> _Ggml:
     lib.ggml_get_name.argtypes, lib.ggml_get_name.restype = [ctypes.c_void_p], ctypes.c_void_p
     lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
     lib.ggml_backend_tensor_get.restype = None
+    lib.ggml_backend_tensor_set.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+    lib.ggml_backend_tensor_set.restype = None
     _check_layout(lib)
-    return _Ggml(tensor_get=lib.ggml_backend_tensor_get)
+    return _Ggml(tensor_get=lib.ggml_backend_tensor_get, tensor_set=lib.ggml_backend_tensor_set)
 
 
 def _check_layout(lib: ctypes.CDLL) -> None:
@@ -206,41 +221,56 @@ class CaptureStats:
     """Time spent in the ``ask=False`` path (shape checks + copy), not the per-node name checks."""
     ask_calls: int = 0
     """Name checks (``ask=True`` calls); counted only when the capture was made with ``count_asks=True``."""
+    injected_rows: int = 0
+    """Input rows written into the graph (``inject``)."""
 
 
 class LayerCapture:
-    """Claims the ``l_out-<layer_index>`` node of every graph a llama.cpp context computes and copies it out.
+    """Claims the ``<node>-<layer_index>`` node (``l_out``) of every graph a llama.cpp context computes and copies
+    it out; with ``inject``, also overwrites that input node with rows given to ``feed``.
 
     One instance per context, used from the thread that calls ``llama_decode``. The ``callback`` must stay
     referenced for as long as the context lives (ctypes frees the trampoline with the object).
     """
 
-    def __init__(self, layer_index: int, n_embd: int, *, stop_after: bool = True, count_asks: bool = False,
-                 native_dir: Path | None = None) -> None:
-        """``layer_index`` is numbered as the loaded model numbers its layers (a shard GGUF counts from 0).
+    def __init__(self, layer_index: int | None, n_embd: int, *, stop_after: bool = True, count_asks: bool = False,
+                 native_dir: Path | None = None, node: str = "l_out", streams: int = 1, inject: str = "") -> None:
+        """``layer_index`` is numbered as the loaded model numbers its layers (a shard GGUF counts from 0); ``None``
+        copies nothing out (a tail that only takes ``inject``ed input).
 
         ``stop_after``: cancel the rest of the graph once the layer is copied (skips ``output_norm`` + lm_head and,
         in a full model, the later layers and their KV writes). ``count_asks``: count name checks in ``stats``,
         at the price of a counter increment per graph node. ``native_dir``: where the C callback is compiled and
-        cached (default ``default_native_dir()``).
+        cached (default ``default_native_dir()``). ``node``: the layer-output name stem (``l_last`` for
+        deepseek4). ``streams``: residual streams per position (a row is ``streams * n_embd`` floats; the node is
+        ``[n_embd, streams, rows]`` when ``streams > 1``). ``inject``: the input node to overwrite (``hc_init``).
         """
-        if layer_index < 0 or n_embd <= 0:
-            raise ValueError(f"bad layer_index {layer_index} or n_embd {n_embd}")
+        if (layer_index is not None and layer_index < 0) or n_embd <= 0 or streams <= 0:
+            raise ValueError(f"bad layer_index {layer_index}, n_embd {n_embd} or streams {streams}")
+        if layer_index is None and not inject:
+            raise ValueError("a LayerCapture must copy a layer out, write an input in, or both")
         self.layer_index = layer_index
         self.n_embd = n_embd
+        self.streams = streams
+        self.row = n_embd * streams
         self.stop_after = stop_after
         self.stats = CaptureStats()
         self._ggml = _ggml()
-        self._key = f"l_out-{layer_index}".encode() + b"\0"
+        self._label = "" if layer_index is None else f"{node}-{layer_index}"
+        self._key = self._label.encode() + b"\0"
+        self._inject = inject.encode()
         self._out: Hidden | None = None
         self._filled = 0
+        self._in: Hidden | None = None
+        self._written = 0
         self._error: str | None = None
         native = None if count_asks else _native(native_dir or default_native_dir())
         self.native = native is not None
         """Whether the name checks run in C (see the module docstring)."""
         if native is not None:
             self._copy_fn = _COPY_FN(self._copy)
-            self._user_data = _NativeCapture(name_offset=_NAME_OFFSET, copy=self._copy_fn, key=self._key)
+            self._user_data = _NativeCapture(name_offset=_NAME_OFFSET, copy=self._copy_fn, key=self._key,
+                                             inject_key=self._inject + b"\0")
             self._callback = native
         else:
             self._callback = llama_cpp.ggml_backend_sched_eval_callback(self._make_callback(count_asks))
@@ -249,6 +279,14 @@ class LayerCapture:
     def callback(self) -> Any:
         """The ctypes function pointer for ``llama_context_params.cb_eval`` (a ``ggml_backend_sched_eval_callback``)."""
         return self._callback
+
+    @property
+    def copies_out(self) -> bool:
+        return self.layer_index is not None
+
+    @property
+    def writes_in(self) -> bool:
+        return bool(self._inject)
 
     def install(self, params: llama_cpp.llama_context_params) -> None:
         """Put the callback into context params (before ``llama_init_from_model``)."""
@@ -264,20 +302,41 @@ class LayerCapture:
         """Expect ``n_rows`` rows (all ubatches of the next decode together); drops any earlier partial capture."""
         if n_rows <= 0:
             raise ValueError(f"n_rows must be positive, got {n_rows}")
-        self._out = np.empty((n_rows, self.n_embd), dtype=np.float32)
+        self._out = np.empty((n_rows, self.row), dtype=np.float32)
         self._filled = 0
         self._error = None
 
+    def feed(self, rows: Hidden) -> None:
+        """The input rows of the next decode (``(n, streams * n_embd)`` float32, batch order), written into the
+        ``inject`` node ubatch by ubatch."""
+        if not self._inject:
+            raise BackendError("this capture writes no input node")
+        self._in = np.ascontiguousarray(rows, dtype=np.float32).reshape(-1, self.row)
+        self._written = 0
+        self._error = None
+
+    def fed(self) -> None:
+        """After the decode: raises ``BackendError`` unless every fed row went into the graph."""
+        rows, written, error = self._in, self._written, self._error
+        self._in, self._written = None, 0
+        if error is not None:
+            self._error = None
+            raise BackendError(f"writing {self._inject.decode()} failed: {error}")
+        if rows is None or written != rows.shape[0]:
+            n = 0 if rows is None else rows.shape[0]
+            raise BackendError(f"wrote {written} of {n} input rows into {self._inject.decode()}")
+
     def take(self) -> Hidden:
-        """The captured rows, shape ``(n_rows, n_embd)``; disarms. Raises ``BackendError`` if incomplete or failed."""
+        """The captured rows, shape ``(n_rows, streams * n_embd)``; disarms. Raises ``BackendError`` if
+        incomplete or failed."""
         out, filled, error = self._out, self._filled, self._error
         self._out, self._filled, self._error = None, 0, None
         if out is None:
             raise BackendError("LayerCapture.take() without arm()")
         if error is not None:
-            raise BackendError(f"capture of l_out-{self.layer_index} failed: {error}")
+            raise BackendError(f"capture of {self._label} failed: {error}")
         if filled != out.shape[0]:
-            raise BackendError(f"captured {filled} of {out.shape[0]} rows of l_out-{self.layer_index} "
+            raise BackendError(f"captured {filled} of {out.shape[0]} rows of {self._label} "
                                "(were all rows requested as outputs, and does the layer exist?)")
         return out
 
@@ -288,32 +347,38 @@ class LayerCapture:
         # Locals, not attributes: this runs for every graph node. One 8-byte load settles almost every node
         # ("l_out-<il>\0" is at least 8 bytes); only names sharing those 8 bytes reach the full compare.
         key, n_key, name_offset = self._key, len(self._key), _NAME_OFFSET
-        prefix = int.from_bytes(key[:8], "little")
+        prefix = int.from_bytes(key[:8].ljust(8, b"\0"), "little") if self.layer_index is not None else -1
+        inject, n_inject = self._inject + b"\0", len(self._inject) + 1
         load_u64, string_at, on_claimed = ctypes.c_uint64.from_address, ctypes.string_at, self._copy
+
+        def claims(name: int) -> bool:
+            return (load_u64(name).value == prefix and string_at(name, n_key) == key) or \
+                (n_inject > 1 and string_at(name, n_inject) == inject)
 
         def on_eval(tensor: int, ask: bool, _user_data: int | None) -> bool:
             if ask:
-                name = tensor + name_offset
-                return load_u64(name).value == prefix and string_at(name, n_key) == key
+                return claims(tensor + name_offset)
             return on_claimed(tensor)
 
         def on_eval_counting(tensor: int, ask: bool, _user_data: int | None) -> bool:
             if ask:
                 self.stats.ask_calls += 1
-                name = tensor + name_offset
-                return load_u64(name).value == prefix and string_at(name, n_key) == key
+                return claims(tensor + name_offset)
             return on_claimed(tensor)
 
         return on_eval_counting if count_asks else on_eval
 
     def _copy(self, tensor: int) -> bool:
         """The ``ask=False`` call: returns whether the scheduler should go on computing the graph."""
+        head = _TensorHead.from_address(tensor)
+        if self._inject and head.name == self._inject:
+            return self._write(tensor, head)
         out = self._out
         if out is None:
             return True
         started = time.perf_counter()
         try:
-            rows = self._check(_TensorHead.from_address(tensor), out.shape[0] - self._filled)
+            rows = self._check(head, out.shape[0] - self._filled, self._label)
             dst = out[self._filled:self._filled + rows]
             self._ggml.tensor_get(tensor, dst.ctypes.data, 0, dst.nbytes)
         except Exception as e:  # noqa: BLE001 - an exception cannot cross the C callback; take() reports it
@@ -325,14 +390,36 @@ class LayerCapture:
         s.copy_seconds += time.perf_counter() - started
         return not self.stop_after
 
-    def _check(self, head: _TensorHead, room: int) -> int:
-        n_embd, rows = head.ne[0], head.ne[1]
+    def _write(self, tensor: int, head: _TensorHead) -> bool:
+        rows_in = self._in
+        try:
+            if rows_in is None:
+                raise BackendError("no input rows were fed for this decode")
+            rows = self._check(head, rows_in.shape[0] - self._written, self._inject.decode())
+            src = rows_in[self._written:self._written + rows]
+            self._ggml.tensor_set(tensor, src.ctypes.data, 0, src.nbytes)
+        except Exception as e:  # noqa: BLE001 - an exception cannot cross the C callback; fed() reports it
+            self._error = f"{type(e).__name__}: {e}"
+            return False  # cancels the rest of the graph: nothing is computed from the repeated input
+        self._written += rows
+        self.stats.injected_rows += rows
+        return True
+
+    def _check(self, head: _TensorHead, room: int, label: str) -> int:
+        n_embd = head.ne[0]
         if head.type != _GGML_TYPE_F32:
-            raise BackendError(f"l_out-{self.layer_index} has ggml type {head.type}, expected F32")
-        if n_embd != self.n_embd or head.ne[2] != 1 or head.ne[3] != 1:
-            raise BackendError(f"l_out-{self.layer_index} has shape {list(head.ne)}, expected [{self.n_embd}, rows]")
-        if head.nb[0] != _F32_BYTES or head.nb[1] != _F32_BYTES * n_embd:
-            raise BackendError(f"l_out-{self.layer_index} is not contiguous (nb={list(head.nb)})")
+            raise BackendError(f"{label} has ggml type {head.type}, expected F32")
+        if self.streams == 1:
+            rows, shape_ok = head.ne[1], head.ne[2] == 1 and head.ne[3] == 1
+            expected = f"[{self.n_embd}, rows]"
+        else:
+            rows, shape_ok = head.ne[2], head.ne[1] == self.streams and head.ne[3] == 1
+            expected = f"[{self.n_embd}, {self.streams}, rows]"
+        if n_embd != self.n_embd or not shape_ok:
+            raise BackendError(f"{label} has shape {list(head.ne)}, expected {expected}")
+        if head.nb[0] != _F32_BYTES or head.nb[1] != _F32_BYTES * n_embd or \
+                (self.streams > 1 and head.nb[2] != _F32_BYTES * self.row):
+            raise BackendError(f"{label} is not contiguous (nb={list(head.nb)})")
         if rows > room:
-            raise BackendError(f"l_out-{self.layer_index} brought {rows} rows with room for {room} (arm() too small)")
+            raise BackendError(f"{label} brought {rows} rows with room for {room} (arm() or feed() too small)")
         return int(rows)

@@ -14,6 +14,15 @@ window's cells of the windowed layers (a piece exports every cell of its positio
 of pieces keeps them all until llama.cpp reuses them). ``continues`` checks that an imported prefix has every cell
 its next position attends to.
 
+deepseek4 (``whole_sequences``): llama.cpp's V4 cache (``llama_kv_cache_dsv4``) copies only whole sequences
+(``seq_cp`` asserts "DSV4 only supports full sequence copies", an abort) and drops only positions past the end or
+within its rollback ring (``seq_rm``). Its compressor frontier (the unfinished 4- and 128-position blocks) cannot be
+cut at an arbitrary position either. So a V4 export is the whole sequence, ``[0, position)``, serialized straight
+from the session's own sequence, and an import restores it into an empty session; a range starting after 0 is
+refused with ``SnapshotError`` (a snapshot chain then restarts from position 0). The backend gives the V4 context a
+rollback ring (``n_rs_seq``) as deep as a verify window, so speculation's rejected positions can be dropped; a
+deeper cut (prefix reuse of a shorter prefix) is refused with ``SnapshotError``.
+
 Not thread-safe: the backend calls these under its lock, on its worker thread.
 """
 
@@ -54,12 +63,40 @@ def _pieces(blob: bytes) -> list[bytes]:
 class KvCells:
     """The KV operations on one context's unified cache, with ``scratch`` a sequence id no session uses."""
 
-    def __init__(self, ctx: Any, memory: Any, scratch: int, n_swa: int) -> None:
+    def __init__(self, ctx: Any, memory: Any, scratch: int, n_swa: int, *, whole_sequences: bool = False) -> None:
         self._ctx = ctx
         self._memory = memory
         self._scratch = scratch
         self.n_swa = n_swa
         """Sliding window of the model's windowed layers; 0 when it has none."""
+        self.whole_sequences = whole_sequences
+        """The cache moves only whole sequences (deepseek4; see the module docstring)."""
+
+    def export_whole(self, seq: int, start: int, end: int, held: int) -> bytes:
+        """``export`` for a cache that moves whole sequences: ``[0, held)`` only."""
+        if start != 0 or end != held:
+            raise SnapshotError(f"this model's KV cache (llama.cpp's deepseek4 cache) exports only a whole sequence "
+                                f"[0, {held}), not [{start}, {end}): its compressor state cannot be cut there")
+        size = int(llama_cpp.llama_state_seq_get_size(self._ctx, seq))
+        buf = (ctypes.c_uint8 * size)()
+        written = int(llama_cpp.llama_state_seq_get_data(self._ctx, buf, size, seq))
+        if written <= 0 or written > size:
+            raise BackendError(f"llama.cpp wrote {written} bytes of state for positions [0, {end})")
+        return _PIECES.pack(1) + _PIECE.pack(written) + bytes(memoryview(buf)[:written])
+
+    def load_whole(self, seq: int, blobs: list[bytes], held: int) -> None:
+        """``load`` for a cache that moves whole sequences: one export into an empty sequence."""
+        if held != 0 or len(blobs) != 1:
+            raise SnapshotError(f"this model's KV cache (llama.cpp's deepseek4 cache) imports one whole-sequence "
+                                f"export into an empty session; got {len(blobs)} blobs for a session at {held}")
+        pieces = _pieces(blobs[0])
+        if len(pieces) != 1:
+            raise SnapshotError(f"a whole-sequence KV export has one piece, this one {len(pieces)}")
+        piece = pieces[0]
+        buf = (ctypes.c_uint8 * len(piece)).from_buffer_copy(piece)
+        if int(llama_cpp.llama_state_seq_set_data(self._ctx, buf, len(piece), seq)) == 0:
+            raise SnapshotError("llama.cpp refused the KV state (another model or layer range, or a cache without "
+                                "room for it)")
 
     def export(self, seq: int, start: int, end: int) -> bytes:
         """llama.cpp's serialized state of positions ``[start, end)`` of sequence ``seq``, in pieces of at most one
@@ -104,6 +141,11 @@ class KvCells:
     def truncate(self, seq: int, position: int) -> None:
         """Drop every cell of ``seq`` at ``position`` or later."""
         if not llama_cpp.llama_memory_seq_rm(self._memory, seq, position, -1):
+            if self.whole_sequences:
+                ring = int(llama_cpp.llama_n_rs_seq(self._ctx))
+                raise SnapshotError(f"this model's KV cache (llama.cpp's deepseek4 cache) drops at most the last "
+                                    f"{ring} positions, once between two decodes (its rollback ring), or all of "
+                                    f"them; not the positions from {position} on")
             raise BackendError(f"llama.cpp could not drop positions from {position} on")
 
     def span(self, seq: int) -> tuple[int, int]:
@@ -120,4 +162,8 @@ class KvCells:
         low, high = self.span(seq)
         if high != held - 1:
             return False
+        if self.whole_sequences:
+            # A whole-sequence import brings every cell and compressor row the sequence had; the V4 cache reports
+            # only its newest raw cell as the lowest position.
+            return True
         return low <= 0 or (self.n_swa > 0 and low <= held - self.n_swa + 1)
