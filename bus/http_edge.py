@@ -191,7 +191,8 @@ def check_json(value: object, max_depth: int = MAX_JSON_DEPTH) -> None:
     while stack:
         node, path = stack.pop()
         if len(path) >= max_depth:
-            raise BadRequestError(f"{_where(path)}: the request body is nested more than {max_depth} levels deep",
+            where = _where(path[:3]) + (".…" if len(path) > 3 else "")
+            raise BadRequestError(f"{where}: the request body is nested more than {max_depth} levels deep",
                                   param=_param(path))
         for key, item in node.items() if isinstance(node, dict) else enumerate(node):
             if isinstance(key, str) and _SURROGATE.search(key):

@@ -187,8 +187,9 @@ class ChatMessage(RequestPart):
 
 
 def _text_part_problem(part: dict[str, Any]) -> str | None:
+    """What is wrong with a text part; other parts are refused as unsupported when rendered (``text``)."""
     if part.get("type") != "text":
-        return f"only text content parts are supported, got type {part.get('type')!r}"
+        return None
     if not isinstance(part.get("text"), str):
         return "a text part needs its text (a string)"
     unknown = sorted(set(part) - _TEXT_PART_KEYS)
