@@ -39,8 +39,8 @@ from schemas.errors import (
     validation_error,
 )
 
-__all__ = ["EXCEPTION_HANDLERS", "MAX_JSON_DEPTH", "ClientGone", "InternalErrors", "answer", "check_json", "error_response",
-           "read_body", "read_model"]
+__all__ = ["EXCEPTION_HANDLERS", "MAX_JSON_DEPTH", "ClientGone", "InternalErrors", "answer", "check_json",
+           "error_response", "parse_json", "read_body", "read_model"]
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)

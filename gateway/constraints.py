@@ -4,14 +4,15 @@ tail to sample under), checked at the edge so that bad input is a 400 naming the
 JSON Schemas (``response_format``, each tool's ``parameters``) are checked here with ``jsonschema`` against their
 own metaschema, for keywords the tail's grammar cannot enforce (``schemas.constraint``), and for what no JSON value
 can satisfy (``unsatisfiable``: the grammar would then admit no complete reply, and the model would write until
-``max_tokens``); the tail turns what passes into a grammar. The tool-call format comes from the head (``TokenizeReply.tool_format``), so the constraint
-is built after tokenizing: ``tools_of`` -> tokenize -> ``constraint_for``.
+``max_tokens``); the tail turns what passes into a grammar. The tool-call format comes from the head
+(``TokenizeReply.tool_format``), so the constraint is built after tokenizing: ``tools_of`` -> tokenize ->
+``constraint_for``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 import jsonschema
 
@@ -188,7 +189,7 @@ def _local_contradiction(schema: Mapping[str, Any]) -> str | None:
     return _missing_required(schema) or _missing_items(schema)
 
 
-def _number(value: object) -> bool:
+def _number(value: object) -> TypeGuard[float]:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 

@@ -272,7 +272,8 @@ class PeerStatusError(SwarmrouteError):
 
 _BY_STATUS: dict[int, type[SwarmrouteError]] = {
     cls.status: cls for cls in (BadRequestError, AuthenticationError, PermissionDeniedError, NotFoundError,
-                                MethodNotAllowedError, PayloadTooLargeError, CapacityError, NoRouteError, RouteFailedError, BackendError)}
+                                MethodNotAllowedError, PayloadTooLargeError, CapacityError, NoRouteError,
+                                RouteFailedError, BackendError)}
 _BY_CODE: dict[tuple[int, str], type[SwarmrouteError]] = {
     (cls.status, cls.code): cls for cls in (ContextLengthError, FrameError, CapabilityError, ModelNotFoundError,
                                             SessionNotFoundError, NodeStoppingError, ModelLoadError,

@@ -115,8 +115,9 @@ GENERATION: dict[str, st.SearchStrategy[Any]] = {
 }
 
 CALL_IDS = st.sampled_from(["call_1", "call_2"])
-tool_calls = st.lists(st.fixed_dictionaries({"id": CALL_IDS, "type": st.just("function"), "function": st.fixed_dictionaries(
-    {"name": st.sampled_from(["f", "g"]), "arguments": st.sampled_from(["{}", '{"a": 1}', "nope"])})}),
+tool_calls = st.lists(st.fixed_dictionaries({
+    "id": CALL_IDS, "type": st.just("function"), "function": st.fixed_dictionaries(
+        {"name": st.sampled_from(["f", "g"]), "arguments": st.sampled_from(["{}", '{"a": 1}', "nope"])})}),
     min_size=1, max_size=2)
 chat_message = st.one_of(
     st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "developer", "assistant"]),
