@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -135,6 +135,8 @@ class InternalErrors:
         try:
             await self.app(scope, receive, sending)
         except Exception as exc:
+            if isinstance(exc, ClientDisconnect) or isinstance(exc.__cause__, ClientDisconnect | ClientGone):
+                return  # the client left mid-answer (an ASGI 2.4 server raises on send): cancelled, no error
             log.exception("unhandled error on %s %s", scope["method"], scope["path"])
             if not started:
                 await error_response(SwarmrouteError(f"internal error: {type(exc).__name__}"))(scope, receive, send)

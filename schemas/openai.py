@@ -74,7 +74,7 @@ class _Lenient(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
-def refusal(model: str, loc: tuple[str | int, ...], message: str, value: object) -> ValidationError:
+def field_error(model: str, loc: tuple[str | int, ...], message: str, value: object) -> ValidationError:
     """A validation error at ``loc`` (relative to where it is raised) with ``message``: raised in a validator, it
     names the field the way pydantic's own errors do."""
     return ValidationError.from_exception_data(model, [InitErrorDetails(
@@ -159,17 +159,17 @@ class ChatMessage(RequestPart):
             raise ValueError("a tool message needs the tool_call_id it answers")
         for name in ("audio", "function_call"):
             if getattr(self, name):
-                raise refusal("ChatMessage", (name,), f"{name} in a message is not supported", getattr(self, name))
+                raise field_error("ChatMessage", (name,), f"{name} in a message is not supported", getattr(self, name))
         if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.refusal is not None)):
             what = "null" if "content" in self.model_fields_set else "missing"
             need = "content or tool_calls" if self.role == "assistant" else "content"
-            raise refusal("ChatMessage", ("content",), f"a {self.role} message needs {need} (a string or a list "
+            raise field_error("ChatMessage", ("content",), f"a {self.role} message needs {need} (a string or a list "
                           f"of text parts); content is {what}", self.content)
         if isinstance(self.content, list):
             for i, part in enumerate(self.content):
                 problem = _text_part_problem(part)
                 if problem:
-                    raise refusal("ChatMessage", ("content", i), problem, part)
+                    raise field_error("ChatMessage", ("content", i), problem, part)
         return self
 
     def text(self) -> str:
@@ -326,19 +326,19 @@ class ChatCompletionRequest(_GenerationRequest):
                     why = (f"answers the call {m.tool_call_id!r}, which the assistant message before it did not "
                            f"make (its calls: {sorted(calls)})") if calls else \
                         "does not follow an assistant message with tool_calls"
-                    raise refusal("ChatCompletionRequest", (i, "tool_call_id"),
+                    raise field_error("ChatCompletionRequest", (i, "tool_call_id"),
                                   f"a tool message must answer a call of the assistant message before it; this "
                                   f"one {why}", m.tool_call_id)
                 pending.pop(m.tool_call_id, None)
                 continue
             if pending:
-                raise refusal("ChatCompletionRequest", (next(iter(pending.values())), "tool_calls"),
+                raise field_error("ChatCompletionRequest", (next(iter(pending.values())), "tool_calls"),
                               f"an assistant message with tool_calls must be followed by a tool message for each "
                               f"call; none answers {sorted(pending)}", sorted(pending))
             calls = {c.id for c in m.tool_calls or []} if m.role == "assistant" else set()
             pending = dict.fromkeys(calls, i)
         if pending:
-            raise refusal("ChatCompletionRequest", (next(iter(pending.values())), "tool_calls"),
+            raise field_error("ChatCompletionRequest", (next(iter(pending.values())), "tool_calls"),
                           f"an assistant message with tool_calls must be followed by a tool message for each call; "
                           f"none answers {sorted(pending)}", sorted(pending))
         return v

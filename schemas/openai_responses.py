@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from schemas.openai import RequestBody, RequestPart, refusal
+from schemas.openai import RequestBody, RequestPart, field_error
 from schemas.session import MAX_TOP_LOGPROBS
 from schemas.tools import FUNCTION_NAME_PATTERN
 
@@ -250,12 +250,12 @@ def _check_calls_answered(items: list[InputItem]) -> None:
             calls.setdefault(item.call_id, i)
         elif isinstance(item, FunctionCallOutputItem):
             if item.call_id not in calls:
-                raise refusal("ResponsesRequest", (i, "call_id"), f"no function_call with call_id "
+                raise field_error("ResponsesRequest", (i, "call_id"), f"no function_call with call_id "
                               f"{item.call_id!r} comes before this function_call_output", item.call_id)
             answered.add(item.call_id)
     unanswered = [call_id for call_id in calls if call_id not in answered]
     if unanswered:
-        raise refusal("ResponsesRequest", (calls[unanswered[0]], "call_id"), f"no function_call_output answers "
+        raise field_error("ResponsesRequest", (calls[unanswered[0]], "call_id"), f"no function_call_output answers "
                       f"the function_call {unanswered[0]!r}", unanswered[0])
 
 

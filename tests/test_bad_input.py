@@ -337,15 +337,17 @@ async def test_a_wrong_method_is_a_405_with_its_own_code(http: httpx.AsyncClient
     assert "GET" in error["message"] and "POST" in r.headers["allow"]
 
 
-def _scope(path: str, body: bytes) -> dict[str, Any]:
-    return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+def _scope(path: str, body: bytes, spec: str = "2.3") -> dict[str, Any]:
+    return {"type": "http", "asgi": {"version": "3.0", "spec_version": spec}, "http_version": "1.1",
             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
             "root_path": "", "client": ("127.0.0.1", 50000), "server": ("gateway", 80),
             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
 
 
-async def leave_midway(app: Starlette, swarm: Swarm, path: str, body: dict[str, Any]) -> list[Message]:
-    """One request by raw ASGI whose client goes away once its session has produced a token; what the app sent."""
+async def leave_midway(app: Starlette, swarm: Swarm, path: str, body: dict[str, Any],
+                       spec: str = "2.3") -> list[Message]:
+    """One request by raw ASGI whose client goes away once its session has produced a token; what the app sent.
+    ASGI 2.3 (uvicorn's): the server says ``http.disconnect``; 2.4: a send after that raises ``OSError``."""
     raw = json.dumps(body).encode()
     gone = asyncio.Event()
     sent: list[Message] = []
@@ -360,11 +362,13 @@ async def leave_midway(app: Starlette, swarm: Swarm, path: str, body: dict[str, 
         return {"type": "http.disconnect"}
 
     async def send(message: Message) -> None:
+        if spec >= "2.4" and gone.is_set():
+            raise OSError("the connection is closed")
         sent.append(message)
 
     assert swarm.gateway.serving is not None
     live = swarm.gateway.serving.sessions.live
-    call = asyncio.create_task(app(_scope(path, raw), receive, send))
+    call = asyncio.create_task(app(_scope(path, raw, spec), receive, send))
     await eventually(lambda: any(s.tokens_seen for s in live.values()), what="a token of the request")
     gone.set()
     await asyncio.wait_for(call, 30)  # the app returns: nothing escapes it for the server to log
@@ -398,11 +402,12 @@ async def test_a_client_that_leaves_a_whole_reply_is_a_cancellation(slow_swarm: 
     assert len(cancelled) == 1 and cancelled[0].levelno == logging.INFO and not cancelled[0].exc_info, caplog.text
 
 
-async def test_a_client_that_leaves_a_stream_is_a_cancellation(slow_swarm: Swarm,
+@pytest.mark.parametrize("spec", ["2.3", "2.4"])
+async def test_a_client_that_leaves_a_stream_is_a_cancellation(slow_swarm: Swarm, spec: str,
                                                                caplog: pytest.LogCaptureFixture) -> None:
     body = {**CHAT, "max_tokens": 500, "ignore_eos": True, "stream": True}
     with caplog.at_level(logging.INFO):
-        sent = await leave_midway(app_of(slow_swarm), slow_swarm, "/v1/chat/completions", body)
+        sent = await leave_midway(app_of(slow_swarm), slow_swarm, "/v1/chat/completions", body, spec)
     assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [200]
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
     cancelled = [r for r in caplog.records if "cancelled" in r.getMessage() and r.name.startswith("gateway")]
