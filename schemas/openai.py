@@ -146,7 +146,8 @@ class ChatMessage(RequestPart):
     tool_call_id: str | None = None
     name: str | None = None
     refusal: str | None = Field(default=None, description="an assistant's refusal, sent back: rendered as its text")
-    # What the SDK's ``message.model_dump()`` holds besides, sent back with a history: accepted when empty.
+    # What the SDK's ``message.model_dump()`` holds besides, sent back with a history: annotations are ignored,
+    # audio and function_call accepted when null.
     annotations: list[Any] | None = None
     audio: dict[str, Any] | None = None
     function_call: dict[str, Any] | None = None
@@ -159,12 +160,13 @@ class ChatMessage(RequestPart):
             raise ValueError("a tool message needs the tool_call_id it answers")
         for name in ("audio", "function_call"):
             if getattr(self, name):
-                raise field_error("ChatMessage", (name,), f"{name} in a message is not supported", getattr(self, name))
+                raise field_error("ChatMessage", (name,), f"{name} in a message is not supported",
+                                  getattr(self, name))
         if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.refusal is not None)):
             what = "null" if "content" in self.model_fields_set else "missing"
             need = "content or tool_calls" if self.role == "assistant" else "content"
-            raise field_error("ChatMessage", ("content",), f"a {self.role} message needs {need} (a string or a list "
-                          f"of text parts); content is {what}", self.content)
+            raise field_error("ChatMessage", ("content",), f"a {self.role} message needs {need} (a string or a "
+                              f"list of text parts); content is {what}", self.content)
         if isinstance(self.content, list):
             for i, part in enumerate(self.content):
                 problem = _text_part_problem(part)
@@ -318,29 +320,22 @@ class ChatCompletionRequest(_GenerationRequest):
     @classmethod
     def _tool_results_answer_calls(cls, v: list[ChatMessage]) -> list[ChatMessage]:
         """As OpenAI requires: tool messages follow the assistant message whose calls they answer, one per call."""
-        pending: dict[str, int] = {}  # the last assistant turn's call ids not answered yet -> that turn's index
-        calls: set[str] = set()
+        calls: set[str] = set()  # the calls of the last assistant message, if tool messages may still follow
+        pending: dict[str, int] = {}  # those not answered yet -> the index of the message that made them
         for i, m in enumerate(v):
             if m.role == "tool":
                 if m.tool_call_id not in calls:
                     why = (f"answers the call {m.tool_call_id!r}, which the assistant message before it did not "
                            f"make (its calls: {sorted(calls)})") if calls else \
                         "does not follow an assistant message with tool_calls"
-                    raise field_error("ChatCompletionRequest", (i, "tool_call_id"),
-                                  f"a tool message must answer a call of the assistant message before it; this "
-                                  f"one {why}", m.tool_call_id)
+                    raise field_error("ChatCompletionRequest", (i, "tool_call_id"), f"a tool message must answer a "
+                                      f"call of the assistant message before it; this one {why}", m.tool_call_id)
                 pending.pop(m.tool_call_id, None)
                 continue
-            if pending:
-                raise field_error("ChatCompletionRequest", (next(iter(pending.values())), "tool_calls"),
-                              f"an assistant message with tool_calls must be followed by a tool message for each "
-                              f"call; none answers {sorted(pending)}", sorted(pending))
+            _all_answered(pending)
             calls = {c.id for c in m.tool_calls or []} if m.role == "assistant" else set()
             pending = dict.fromkeys(calls, i)
-        if pending:
-            raise field_error("ChatCompletionRequest", (next(iter(pending.values())), "tool_calls"),
-                          f"an assistant message with tool_calls must be followed by a tool message for each call; "
-                          f"none answers {sorted(pending)}", sorted(pending))
+        _all_answered(pending)
         return v
 
     @field_validator("top_logprobs")
@@ -369,6 +364,13 @@ class ChatCompletionRequest(_GenerationRequest):
         if isinstance(v, NamedToolChoice) and v.function.name not in names:
             raise ValueError(f"tool_choice names {v.function.name!r}, which is not among the tools {names}")
         return v
+
+
+def _all_answered(pending: dict[str, int]) -> None:
+    if pending:
+        raise field_error("ChatCompletionRequest", (next(iter(pending.values())), "tool_calls"),
+                          f"an assistant message with tool_calls must be followed by a tool message for each call; "
+                          f"none answers {sorted(pending)}", sorted(pending))
 
 
 class CompletionRequest(_GenerationRequest):

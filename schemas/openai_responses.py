@@ -251,12 +251,12 @@ def _check_calls_answered(items: list[InputItem]) -> None:
         elif isinstance(item, FunctionCallOutputItem):
             if item.call_id not in calls:
                 raise field_error("ResponsesRequest", (i, "call_id"), f"no function_call with call_id "
-                              f"{item.call_id!r} comes before this function_call_output", item.call_id)
+                                  f"{item.call_id!r} comes before this function_call_output", item.call_id)
             answered.add(item.call_id)
     unanswered = [call_id for call_id in calls if call_id not in answered]
     if unanswered:
-        raise field_error("ResponsesRequest", (calls[unanswered[0]], "call_id"), f"no function_call_output answers "
-                      f"the function_call {unanswered[0]!r}", unanswered[0])
+        raise field_error("ResponsesRequest", (calls[unanswered[0]], "call_id"), f"no function_call_output "
+                          f"answers the function_call {unanswered[0]!r}", unanswered[0])
 
 
 # ---- response ---------------------------------------------------------------------------------------------------
