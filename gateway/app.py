@@ -28,7 +28,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from bus import codec
 from bus.actor import NatsActor
-from bus.http_edge import EXCEPTION_HANDLERS, error_response, read_model
+from bus.http_edge import EXCEPTION_HANDLERS, InternalErrors, error_response, read_model
 from bus.httpserver import HttpServer
 from bus.nodeclient import NodeClient
 from bus.service import register
@@ -110,6 +110,7 @@ def build_app(serving: OpenAIServing, settings: Settings) -> Starlette:
         HttpRoute("/v1/sessions/{sid}/telemetry", telemetry, methods=["GET"]),
     ], exception_handlers=EXCEPTION_HANDLERS)
 
+    app.add_middleware(InternalErrors)  # innermost: one 500 and one traceback for whatever no handler took
     # Added first = innermost: requests are counted only once their API key passed.
     app.state.concurrency = ConcurrencyCounter(ConcurrencyLimits.from_settings(settings))
     app.add_middleware(ConcurrencyLimitMiddleware, counter=app.state.concurrency)

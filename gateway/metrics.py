@@ -6,7 +6,8 @@ session on every hop and prefill included).
 
 Series (all names prefixed ``swarmroute_gateway_``)::
 
-    requests_total{endpoint,status}       HTTP requests by route template and status
+    requests_total{endpoint,status}       HTTP requests by route template and status (499: the client went away
+                                          before its answer, a cancellation, apart from the 5xx)
     sessions_total{outcome}               generation requests by outcome: complete | failed | cancelled
     live_sessions                         generation requests in flight
     ttft_seconds                          request accepted -> first token

@@ -20,6 +20,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from bus.http_edge import ClientGone
 from gateway import sse
 from gateway.constraints import FormatKind, chat_tools, constraint_for, response_format_of
 from gateway.constraints import chat_logprobs as logprobs_asked
@@ -29,7 +30,7 @@ from gateway.metrics import GatewayMetrics, RequestClock
 from gateway.replies import Replies
 from gateway.session_manager import SessionManager
 from gateway.session_opener import Constrain, GenerationRequest
-from schemas.errors import BadRequestError, RouteFailedError
+from schemas.errors import BadRequestError, RouteFailedError, SwarmrouteError
 from schemas.openai import (
     TELEMETRY_KEY,
     ChatCompletion,
@@ -134,7 +135,11 @@ class OpenAIServing:
     # ---- session helpers ---------------------------------------------------------------------------------------
 
     def close_later(self, session: LiveSession, *, cancelled: bool) -> None:
-        """Cleanup must survive the cancellation of the request task that triggers it."""
+        """Cleanup must survive the cancellation of the request task that triggers it. A session cancelled here
+        (its request ended first: the client went away) is logged once, at info: no error."""
+        if cancelled:
+            log.info("session %s cancelled: its request ended before the session did (the client went away)",
+                     session.id)
         self.clock(session).finish(None if cancelled else session.end, session.telemetry, session.n_prompt)
         self._clocks.pop(session.id, None)
         task = asyncio.get_running_loop().create_task(session.close(cancelled=cancelled))
@@ -142,20 +147,24 @@ class OpenAIServing:
         task.add_done_callback(self._cleanups.discard)
 
     async def collect(self, session: LiveSession, request: Request, replies: Collector) -> SessionEnd:
-        cancelled = True
+        """A whole reply; ``ClientGone`` when the client leaves first (the session is cancelled: no error)."""
+        left = False
         watcher = asyncio.create_task(_wait_disconnect(request))
         try:
             async for event in session.events():
                 if watcher.done():
+                    left = True
                     break
                 if isinstance(event, TokenEvent):
                     self.clock(session).token()
                     replies.collect(event)
-            cancelled = session.end is None
         finally:
             watcher.cancel()
-            self.close_later(session, cancelled=cancelled)
-        assert session.end is not None
+            self.close_later(session, cancelled=session.end is None)
+        if left:
+            raise ClientGone(f"the client went away before session {session.id} ended")
+        if session.end is None:
+            raise SwarmrouteError(f"session {session.id}: its events ended without a SessionEnd")
         return session.end
 
     @staticmethod

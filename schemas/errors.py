@@ -15,6 +15,7 @@ used by the gateway's and the node's HTTP edge, ``bus.http_edge``) and ``error_f
     ├── NotFoundError (404)
     │   ├── ModelNotFoundError
     │   └── SessionNotFoundError
+    ├── MethodNotAllowedError (405, Allow)
     ├── PayloadTooLargeError (413)
     ├── CapacityError (429, Retry-After)
     ├── NoRouteError (503)          no set of live nodes covers every layer
@@ -114,6 +115,21 @@ class ModelNotFoundError(NotFoundError):
 
 class SessionNotFoundError(NotFoundError):
     code = "session_not_found"
+
+
+class MethodNotAllowedError(SwarmrouteError):
+    """The path exists, but not for this method; ``allow`` lists the methods it takes (the ``Allow`` header)."""
+
+    status = 405
+    error_type = "invalid_request_error"
+    code = "method_not_allowed"
+
+    def __init__(self, message: str, *, allow: str = "", code: str | None = None) -> None:
+        super().__init__(message, code=code)
+        self.allow = allow
+
+    def http_headers(self) -> dict[str, str]:
+        return {"allow": self.allow} if self.allow else {}
 
 
 class PayloadTooLargeError(SwarmrouteError):
@@ -256,7 +272,8 @@ class PeerStatusError(SwarmrouteError):
 
 _BY_STATUS: dict[int, type[SwarmrouteError]] = {
     cls.status: cls for cls in (BadRequestError, AuthenticationError, PermissionDeniedError, NotFoundError,
-                                PayloadTooLargeError, CapacityError, NoRouteError, RouteFailedError, BackendError)}
+                                MethodNotAllowedError, PayloadTooLargeError, CapacityError, NoRouteError,
+                                RouteFailedError, BackendError)}
 _BY_CODE: dict[tuple[int, str], type[SwarmrouteError]] = {
     (cls.status, cls.code): cls for cls in (ContextLengthError, FrameError, CapabilityError, ModelNotFoundError,
                                             SessionNotFoundError, NodeStoppingError, ModelLoadError,
@@ -297,7 +314,13 @@ def error_from_body(status: int, body: object) -> SwarmrouteError:
 
 def validation_message(exc: ValidationError) -> str:
     """The first few problems of a pydantic validation error, on one line: ``field: problem; ...``."""
-    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()[:5])
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {_problem(e['type'], e['msg'])}"
+                     for e in exc.errors()[:5])
+
+
+def _problem(kind: str, message: str) -> str:
+    # OpenAI's words for an unknown field ("Unrecognized request argument supplied"), not pydantic's.
+    return "unrecognized argument (no such field)" if kind == "extra_forbidden" else message
 
 
 def validation_error(exc: ValidationError, *, what: str = "") -> BadRequestError:

@@ -1,9 +1,13 @@
 """OpenAI-compatible request, response and stream-chunk types (the subset swarmroute serves).
 
-Requests tolerate unknown fields, as OpenAI's own API does, but a field whose meaning we cannot honour is refused
-with a 400 naming it rather than silently ignored: the parameters in ``UNSUPPORTED_PARAMS`` (checked by
-``unsupported_param``). Field validation errors carry the field in their location (``bus.http_edge`` turns it into
-the error's ``param``); checks across fields are attached to the later field for the same reason.
+Requests are validated as strictly as OpenAI's API validates them (issue #30): an unknown field is a 400 naming it,
+and so is a mistyped one, numbers and booleans included (``"10"``, ``true`` or ``10.5`` is no ``max_tokens``; an
+integer is a valid float), as OpenAI answers them. OpenAI parameters whose meaning we cannot honour are known, but
+refused with a 400 naming them and why rather than silently ignored: the ``UNSUPPORTED_PARAMS`` (checked by
+``unsupported_param``). A ``null`` is the parameter's default, as at OpenAI. Field validation errors carry the field
+in their location (``bus.http_edge`` turns it into the error's ``param``); checks across fields are attached to the
+later field for the same reason. The limits of what is checked, and the few deliberate leniencies, are listed in
+docs/protocol.md (Gateway: request validation).
 
 The Responses API's models are in ``schemas.openai_responses``.
 """
@@ -11,9 +15,18 @@ The Responses API's models are in ``schemas.openai_responses``.
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from schemas.session import MAX_CHOICES, MAX_TOP_LOGPROBS
 from schemas.tools import FunctionSpec
@@ -61,19 +74,61 @@ class _Lenient(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
-class StreamOptions(_Lenient):
+def field_error(model: str, loc: tuple[str | int, ...], message: str, value: object) -> ValidationError:
+    """A validation error at ``loc`` (relative to where it is raised) with ``message``: raised in a validator, it
+    names the field the way pydantic's own errors do."""
+    return ValidationError.from_exception_data(model, [InitErrorDetails(
+        type=PydanticCustomError("invalid_value", message.replace("{", "{{").replace("}", "}}")), loc=loc,
+        input=value)])
+
+
+class RequestPart(BaseModel):
+    """A part of a request body: unknown keys and mistyped values (strict numbers and booleans) are refused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class RequestBody(BaseModel):
+    """A request body: strict like ``RequestPart``, but it keeps, as extras, the parameters of ``KNOWN_EXTRA`` (the
+    ones refused by name, with the reason, once set: ``unsupported_param``); any other unknown field is refused. A
+    ``null`` for a field that takes none is the field's default, as OpenAI reads it."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+    KNOWN_EXTRA: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if v is not None or k not in fields or fields[k].is_required() or fields[k].default is None}
+
+    @model_validator(mode="after")
+    def _no_unknown_fields(self) -> Self:
+        unknown = [(k, v) for k, v in (self.model_extra or {}).items() if k not in self.KNOWN_EXTRA]
+        if unknown:
+            raise ValidationError.from_exception_data(type(self).__name__, [
+                InitErrorDetails(type="extra_forbidden", loc=(k,), input=v) for k, v in unknown])
+        return self
+
+
+class StreamOptions(RequestPart):
     include_usage: bool = False
     include_telemetry: bool = Field(
         default=False, description="swarmroute extension: also send choice-less chunks carrying only telemetry"
     )
+    include_obfuscation: bool | None = Field(default=None, description="accepted and ignored: no obfuscation "
+                                             "padding is sent")
 
 
-class ToolCallFunction(_Lenient):
+class ToolCallFunction(RequestPart):
     name: str
     arguments: str = Field(description="the arguments as a JSON text")
 
 
-class ToolCall(_Lenient):
+class ToolCall(RequestPart):
     """A call in an assistant message (``message.tool_calls``, and sent back in the next request's history)."""
 
     id: str
@@ -81,12 +136,21 @@ class ToolCall(_Lenient):
     function: ToolCallFunction
 
 
-class ChatMessage(_Lenient):
+_TEXT_PART_KEYS = frozenset({"type", "text"})
+
+
+class ChatMessage(RequestPart):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+    refusal: str | None = Field(default=None, description="an assistant's refusal, sent back: rendered as its text")
+    # What the SDK's ``message.model_dump()`` holds besides, sent back with a history: annotations are ignored,
+    # audio and function_call accepted when null.
+    annotations: list[Any] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _tool_fields(self) -> ChatMessage:
@@ -94,12 +158,26 @@ class ChatMessage(_Lenient):
             raise ValueError("only assistant messages carry tool_calls")
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a tool message needs the tool_call_id it answers")
+        for name in ("audio", "function_call"):
+            if getattr(self, name):
+                raise field_error("ChatMessage", (name,), f"{name} in a message is not supported",
+                                  getattr(self, name))
+        if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.refusal is not None)):
+            what = "null" if "content" in self.model_fields_set else "missing"
+            need = "content or tool_calls" if self.role == "assistant" else "content"
+            raise field_error("ChatMessage", ("content",), f"a {self.role} message needs {need} (a string or a "
+                              f"list of text parts); content is {what}", self.content)
+        if isinstance(self.content, list):
+            for i, part in enumerate(self.content):
+                problem = _text_part_problem(part)
+                if problem:
+                    raise field_error("ChatMessage", ("content", i), problem, part)
         return self
 
     def text(self) -> str:
         """Content as plain text; list content must be text parts only."""
         if self.content is None:
-            return ""
+            return self.refusal or ""
         if isinstance(self.content, str):
             return self.content
         parts: list[str] = []
@@ -110,18 +188,48 @@ class ChatMessage(_Lenient):
         return "".join(parts)
 
 
-class FunctionTool(_Lenient):
+def _text_part_problem(part: dict[str, Any]) -> str | None:
+    """What is wrong with a text part; other parts are refused as unsupported when rendered (``text``)."""
+    if part.get("type") != "text":
+        return None
+    if not isinstance(part.get("text"), str):
+        return "a text part needs its text (a string)"
+    unknown = sorted(set(part) - _TEXT_PART_KEYS)
+    return f"unrecognized keys {unknown} in a text part (it takes 'type' and 'text')" if unknown else None
+
+
+class FunctionDefinition(RequestPart):
+    """``tools[].function`` as a client sends it: checked strictly here, carried as ``FunctionSpec``."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class FunctionTool(RequestPart):
     """One entry of ``tools``."""
 
     type: Literal["function"] = "function"
     function: FunctionSpec
 
+    @field_validator("function", mode="before")
+    @classmethod
+    def _strict_definition(cls, v: Any) -> Any:
+        # FunctionSpec is a wire part (tolerant of unknown keys, lax types): the client's definition is held to
+        # the request's rules first.
+        if isinstance(v, dict):
+            FunctionDefinition.model_validate(v)
+            if v.get("parameters", ...) is None:
+                v = {k: x for k, x in v.items() if k != "parameters"}
+        return v
 
-class NamedFunction(_Lenient):
+
+class NamedFunction(RequestPart):
     name: str
 
 
-class NamedToolChoice(_Lenient):
+class NamedToolChoice(RequestPart):
     """``tool_choice: {"type": "function", "function": {"name": ...}}``."""
 
     type: Literal["function"] = "function"
@@ -131,22 +239,22 @@ class NamedToolChoice(_Lenient):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
-class JsonSchemaFormat(_Lenient):
+class JsonSchemaFormat(RequestPart):
     name: str = Field(default="response", pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
     schema_: dict[str, Any] = Field(alias="schema", default_factory=dict)
     strict: bool | None = None
 
 
-class TextFormat(_Lenient):
+class TextFormat(RequestPart):
     type: Literal["text"]
 
 
-class JsonObjectFormat(_Lenient):
+class JsonObjectFormat(RequestPart):
     type: Literal["json_object"]
 
 
-class JsonSchemaResponseFormat(_Lenient):
+class JsonSchemaResponseFormat(RequestPart):
     type: Literal["json_schema"]
     json_schema: JsonSchemaFormat
 
@@ -154,7 +262,9 @@ class JsonSchemaResponseFormat(_Lenient):
 ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaResponseFormat, Field(discriminator="type")]
 
 
-class _GenerationRequest(_Lenient):
+class _GenerationRequest(RequestBody):
+    KNOWN_EXTRA = frozenset(UNSUPPORTED_PARAMS)
+
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
@@ -171,7 +281,13 @@ class _GenerationRequest(_Lenient):
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     repeat_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
     ignore_eos: bool = False
+    # OpenAI parameters that change nothing about the reply: accepted, checked, ignored.
     user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -200,6 +316,28 @@ class ChatCompletionRequest(_GenerationRequest):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
+    @field_validator("messages")
+    @classmethod
+    def _tool_results_answer_calls(cls, v: list[ChatMessage]) -> list[ChatMessage]:
+        """As OpenAI requires: tool messages follow the assistant message whose calls they answer, one per call."""
+        calls: set[str] = set()  # the calls of the last assistant message, if tool messages may still follow
+        pending: dict[str, int] = {}  # those not answered yet -> the index of the message that made them
+        for i, m in enumerate(v):
+            if m.role == "tool":
+                if m.tool_call_id not in calls:
+                    why = (f"answers the call {m.tool_call_id!r}, which the assistant message before it did not "
+                           f"make (its calls: {sorted(calls)})") if calls else \
+                        "does not follow an assistant message with tool_calls"
+                    raise field_error("ChatCompletionRequest", (i, "tool_call_id"), f"a tool message must answer a "
+                                      f"call of the assistant message before it; this one {why}", m.tool_call_id)
+                pending.pop(m.tool_call_id, None)
+                continue
+            _all_answered(pending)
+            calls = {c.id for c in m.tool_calls or []} if m.role == "assistant" else set()
+            pending = dict.fromkeys(calls, i)
+        _all_answered(pending)
+        return v
+
     @field_validator("top_logprobs")
     @classmethod
     def _top_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
@@ -226,6 +364,13 @@ class ChatCompletionRequest(_GenerationRequest):
         if isinstance(v, NamedToolChoice) and v.function.name not in names:
             raise ValueError(f"tool_choice names {v.function.name!r}, which is not among the tools {names}")
         return v
+
+
+def _all_answered(pending: dict[str, int]) -> None:
+    if pending:
+        raise field_error("ChatCompletionRequest", (next(iter(pending.values())), "tool_calls"),
+                          f"an assistant message with tool_calls must be followed by a tool message for each call; "
+                          f"none answers {sorted(pending)}", sorted(pending))
 
 
 class CompletionRequest(_GenerationRequest):

@@ -4,7 +4,10 @@ Shapes follow openai-python's ``openai.types.responses`` (checked with openai 3.
 ``ResponseCreateParams``, the response object as ``Response``, stream events as the members of
 ``ResponseStreamEvent`` named here. Conversion to and from chat turns, and the order of stream events, are the
 gateway's (``gateway/responses.py``). Parameters outside the subset are refused with a 400 naming them
-(``unsupported_param``); nothing is stored, so ``previous_response_id`` is refused too.
+(``unsupported_param``); nothing is stored, so ``previous_response_id`` is refused too. Requests are as strict as
+chat requests (``schemas.openai.RequestBody``: unknown fields and mistyped values are 400s naming them); input items
+take the keys the SDK's own item types have, so that a reply's ``output`` items can be sent back as ``input``; a
+``function_call_output`` answers a ``function_call`` before it, and every call is answered, as OpenAI requires.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from schemas.openai import RequestBody, RequestPart, field_error
 from schemas.session import MAX_TOP_LOGPROBS
 from schemas.tools import FUNCTION_NAME_PATTERN
 
@@ -22,21 +26,27 @@ class _Lenient(BaseModel):
     model_config = ConfigDict(extra="allow", populate_by_name=True)
 
 
+class _Part(RequestPart):
+    model_config = ConfigDict(populate_by_name=True)
+
+
 # ---- request ----------------------------------------------------------------------------------------------------
 
-class InputText(_Lenient):
+class InputText(_Part):
     type: Literal["input_text"]
     text: str
 
 
-class OutputTextIn(_Lenient):
+class OutputTextIn(_Part):
     """An earlier assistant reply's text, sent back as input."""
 
     type: Literal["output_text"]
     text: str
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
 
 
-class RefusalIn(_Lenient):
+class RefusalIn(_Part):
     type: Literal["refusal"]
     refusal: str
 
@@ -44,12 +54,14 @@ class RefusalIn(_Lenient):
 ContentPart = Annotated[InputText | OutputTextIn | RefusalIn, Field(discriminator="type")]
 
 
-class MessageItem(_Lenient):
+class MessageItem(_Part):
     """A turn: ``{"role", "content"}`` (``type: "message"`` optional, as in the SDK's ``EasyInputMessageParam``)."""
 
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[ContentPart]
+    id: str | None = None
+    status: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -57,7 +69,7 @@ class MessageItem(_Lenient):
         return "".join(p.refusal if isinstance(p, RefusalIn) else p.text for p in self.content)
 
 
-class FunctionCallItem(_Lenient):
+class FunctionCallItem(_Part):
     """An earlier reply's call, sent back as input."""
 
     type: Literal["function_call"]
@@ -68,7 +80,7 @@ class FunctionCallItem(_Lenient):
     status: str | None = None
 
 
-class FunctionCallOutputItem(_Lenient):
+class FunctionCallOutputItem(_Part):
     """The caller's result of a call."""
 
     type: Literal["function_call_output"]
@@ -84,7 +96,7 @@ class FunctionCallOutputItem(_Lenient):
 InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem, Field(discriminator="type")]
 
 
-class FunctionToolParam(_Lenient):
+class FunctionToolParam(_Part):
     """A Responses tool: flat, ``{"type": "function", "name", "description", "parameters", "strict"}``."""
 
     type: Literal["function"]
@@ -94,20 +106,20 @@ class FunctionToolParam(_Lenient):
     strict: bool | None = None
 
 
-class FunctionChoice(_Lenient):
+class FunctionChoice(_Part):
     type: Literal["function"]
     name: str
 
 
-class TextFormatText(_Lenient):
+class TextFormatText(_Part):
     type: Literal["text"]
 
 
-class TextFormatJsonObject(_Lenient):
+class TextFormatJsonObject(_Part):
     type: Literal["json_object"]
 
 
-class TextFormatJsonSchema(_Lenient):
+class TextFormatJsonSchema(_Part):
     """Flat, unlike chat's: ``{"type": "json_schema", "name", "schema", "strict", "description"}``."""
 
     type: Literal["json_schema"]
@@ -120,7 +132,7 @@ class TextFormatJsonSchema(_Lenient):
 TextFormat = Annotated[TextFormatText | TextFormatJsonObject | TextFormatJsonSchema, Field(discriminator="type")]
 
 
-class TextConfig(_Lenient):
+class TextConfig(_Part):
     format: TextFormat | None = None
 
 
@@ -140,7 +152,15 @@ INCLUDABLE = frozenset({"message.output_text.logprobs"})
 """``include`` values served (the only one that changes a text reply)."""
 
 
-class ResponsesRequest(_Lenient):
+class StreamOptions(_Part):
+    include_obfuscation: bool | None = Field(default=None, description="accepted and ignored: no obfuscation "
+                                             "padding is sent")
+
+
+class ResponsesRequest(RequestBody):
+    KNOWN_EXTRA = frozenset(UNSUPPORTED_PARAMS)
+    model_config = ConfigDict(populate_by_name=True)
+
     model: str = Field(min_length=1)
     input: str | list[InputItem]
     instructions: str | None = None
@@ -157,6 +177,14 @@ class ResponsesRequest(_Lenient):
     include: list[str] | None = None
     metadata: dict[str, str] | None = None
     seed: int | None = Field(default=None, description="swarmroute extension, as in chat completions")
+    stream_options: StreamOptions | None = None
+    # Parameters that change nothing about the reply: accepted, checked, ignored.
+    store: bool | None = None
+    service_tier: str | None = None
+    user: str | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -172,6 +200,8 @@ class ResponsesRequest(_Lenient):
     def _some_input(cls, v: str | list[InputItem]) -> str | list[InputItem]:
         if isinstance(v, list) and not v:
             raise ValueError("input must not be empty")
+        if isinstance(v, list):
+            _check_calls_answered(v)
         return v
 
     @field_validator("tools")
@@ -209,6 +239,24 @@ class ResponsesRequest(_Lenient):
             if extra.get(name) not in (None, False, "", [], {}):
                 return name, why
         return None
+
+
+def _check_calls_answered(items: list[InputItem]) -> None:
+    """A ``function_call_output`` answers a ``function_call`` before it; every call gets its output."""
+    calls: dict[str, int] = {}
+    answered: set[str] = set()
+    for i, item in enumerate(items):
+        if isinstance(item, FunctionCallItem):
+            calls.setdefault(item.call_id, i)
+        elif isinstance(item, FunctionCallOutputItem):
+            if item.call_id not in calls:
+                raise field_error("ResponsesRequest", (i, "call_id"), f"no function_call with call_id "
+                                  f"{item.call_id!r} comes before this function_call_output", item.call_id)
+            answered.add(item.call_id)
+    unanswered = [call_id for call_id in calls if call_id not in answered]
+    if unanswered:
+        raise field_error("ResponsesRequest", (calls[unanswered[0]], "call_id"), f"no function_call_output "
+                          f"answers the function_call {unanswered[0]!r}", unanswered[0])
 
 
 # ---- response ---------------------------------------------------------------------------------------------------

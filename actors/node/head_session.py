@@ -261,7 +261,7 @@ class HeadSession(NodeSession):
         hop freed. Nothing if it already ended."""
         if self.closed or self.phase.terminal:
             return  # it ended on its own meanwhile
-        log.warning("session %s cancelled: %s", self.id, why)
+        log.info("session %s cancelled: %s", self.id, why)  # a client that leaves is no fault
         await self.close()  # first: the driver stops, so the session cannot also complete or fail meanwhile
         end = self._ended(SessionPhase.CANCELLED, self.telemetry.generated)
         await self.telemetry.cancel()
