@@ -114,7 +114,9 @@ async def served_model(tracker: Tracker, timeout: float = 120.0) -> str:
     def complete() -> str | None:
         return next((m.id for m in tracker.models().models if m.complete), None)
 
-    return await eventually(complete, timeout=timeout, interval=0.2, what="the GGUF route becoming complete")
+    found = await eventually(complete, timeout=timeout, interval=0.2, what="the GGUF route becoming complete")
+    assert found is not None  # eventually returns only a truthy result
+    return found
 
 
 # ---- 1. load on the real model -------------------------------------------------------------------------------------

@@ -40,6 +40,11 @@ AdvertiseUrl = Callable[[int], str]
 """Given a node's listen port, the URL it advertises instead (a proxy in front of it, which the caller owns)."""
 
 
+def _with(settings: Settings, overrides: Mapping[str, Any] | None) -> Settings:
+    """``settings`` with ``overrides`` on top, validated (``model_copy`` would take any value)."""
+    return Settings(**{**settings.model_dump(), **(overrides or {})})
+
+
 class DelayProxyProcess(ChildProcess):
     """tests/support/delay_proxy.py in its own process, forwarding to ``target_port`` ``delay_ms`` later each way."""
 
@@ -85,13 +90,13 @@ class ProcessRoute:
         self._ports: list[int] = []
         try:
             self.tracker = ActorProcess("tracker", self.settings, [], wait=False)
-            node_config = self.settings.model_copy(update=dict(node_settings or {}))
+            node_config = _with(self.settings, node_settings)
             for i, (span, n_threads) in enumerate(zip(self.layers, threads, strict=True)):
                 self._node(node_config, f"{name}-{i}", span, n_threads, model, max_sessions, ctx, model_id,
                            wire_dtype, delay_ms, advertise_url)
             for gateway, overrides in (gateways or {"default": {}}).items():
                 self.gateways[gateway] = ActorProcess(
-                    "gateway", self.settings.model_copy(update=dict(overrides)), ["--port", "0"], log_level="warning",
+                    "gateway", _with(self.settings, overrides), ["--port", "0"], log_level="warning",
                     name=f"gateway {gateway}", wait=False)
             for child in self._actors():
                 child.ready(READY_S)
