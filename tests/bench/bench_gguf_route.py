@@ -29,87 +29,43 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import llama_cpp
 import openai
 
 from bus import frame as frames
-from bus.server import EmbeddedNats, NatsServerConfig
 from schemas.frame import FrameKind
-from swarmroute.fleet_members import split_layers
-from tests.bench.bench_llamacpp import _routable, free_port, run_in_process, stop, wait_http
+from tests.bench.bench_llamacpp import run_in_process
+from tests.bench.route_procs import ProcessRoute
 from tests.support.proxy import CountingProxy
-from tests.support.waiting import eventually_sync
 
 LONG_PROMPT = " ".join(f"Line {i}: the river flows past the old mill and the stone bridge." for i in range(40))
 
 
-class Route:
-    """nats-server + tracker + N llama.cpp nodes + gateway, as processes. ``proxied`` puts each node behind a
-    counting (and, with ``delay_s``, delaying) TCP proxy in this process: it measures bytes on the wire, but it also
-    adds its own relay to every link, so speed and per-hop overhead on loopback are measured without it."""
+class Route(ProcessRoute):
+    """nats-server + tracker + N llama.cpp nodes + gateway, as processes (tests/bench/route_procs.py). ``proxied``
+    puts each node behind a counting TCP proxy in this process: it measures bytes on the wire, but it also adds its
+    own relay to every link, so speed and per-hop overhead on loopback are measured without it. ``delay_s``: each
+    node behind a delay proxy of its own process instead."""
 
     def __init__(self, model: Path, n_nodes: int, threads: int, home: Path, *, delay_s: float = 0.0,
                  wire_dtype: str = "f32", proxied: bool = False, polling_s: float = 0.0) -> None:
-        self.nats = EmbeddedNats(NatsServerConfig(store_dir=home / "nats")).start()
-        self.port = free_port()
-        common = ["--nats", self.nats.url, "--home", str(home), "--log-level", "warning"]
-        swarm = [sys.executable, "-m", "swarmroute"]
-        self.proxies: list[CountingProxy] = []
-        self.procs = [subprocess.Popen([*swarm, "tracker", *common])]
-        loop = asyncio.get_event_loop()
-        for i, (a, b) in enumerate(split_layers(18, n_nodes)):
-            port = free_port()
-            advertise = []
-            if delay_s:
-                advertise = ["--advertise-url", self._delay_proxy(port, delay_s)]
-            elif proxied:
-                proxy = loop.run_until_complete(CountingProxy.start(port))
-                self.proxies.append(proxy)
-                advertise = ["--advertise-url", proxy.url]
-            self.procs.append(subprocess.Popen(
-                [*swarm, "node", *common, "--backend", "llamacpp", "--model", str(model), "--layers", f"{a}:{b}",
-                 "--threads", str(threads), "--node-id", f"bench-{i}", "--port", str(port), *advertise,
-                 "--wire-dtype", wire_dtype], stdout=subprocess.DEVNULL,
-                env={**os.environ, "SWARMROUTE_HOP_SPIN_GRACE_S": str(polling_s)}))
-        self.procs.append(subprocess.Popen([*swarm, "gateway", *common, "--port", str(self.port)],
-                                           stdout=subprocess.DEVNULL))
-        try:
-            def routed() -> str | None:
-                wait_http(f"{self.url}/models", _routable, self.procs, 600)
-                with urllib.request.urlopen(f"{self.url}/models", timeout=10) as r:
-                    models = [m for m in json.load(r)["data"] if m.get("complete")]
-                return models[0]["id"] if models and len(models[0]["nodes"]) == n_nodes else None
+        self.proxies: list[CountingProxy] = []  # before the route starts: a failing start closes them (close)
+        super().__init__(model, [threads] * n_nodes, home, max_sessions=None, ctx=None, model_id=None,
+                         wire_dtype=wire_dtype, node_settings={"hop_spin_grace_s": polling_s},
+                         delay_ms=delay_s * 1e3 if delay_s else None,
+                         advertise_url=self._counting_proxy if proxied and not delay_s else None)
 
-            self.model = eventually_sync(routed, timeout=600, interval=0.5,
-                                         what=f"a complete route over {n_nodes} nodes")
-        except BaseException:
-            self.close()
-            raise
-
-    def _delay_proxy(self, target_port: int, delay_s: float) -> str:
-        """A delay proxy in its own process (tests/support/delay_proxy.py); returns its URL."""
-        proc = subprocess.Popen([sys.executable, "-m", "tests.support.delay_proxy", "--target-port", str(target_port),
-                                 "--delay-ms", str(delay_s * 1e3)], stdout=subprocess.PIPE, text=True)
-        self.procs.append(proc)  # type: ignore[arg-type]
-        assert proc.stdout is not None
-        line = proc.stdout.readline().split()
-        if line[:1] != ["ready"]:
-            raise RuntimeError(f"the delay proxy did not start: {line}")
-        return f"http://127.0.0.1:{line[1]}"
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
+    def _counting_proxy(self, port: int) -> str:
+        proxy = asyncio.get_event_loop().run_until_complete(CountingProxy.start(port))
+        self.proxies.append(proxy)
+        return proxy.url
 
     def decode_hop_bytes(self) -> list[int]:
         sizes = []
@@ -120,10 +76,11 @@ class Route:
         return sizes
 
     def close(self) -> None:
-        stop(self.procs)
-        for proxy in self.proxies:
-            asyncio.get_event_loop().run_until_complete(proxy.stop())
-        self.nats.stop()
+        try:
+            super().close()
+        finally:
+            for proxy in self.proxies:
+                asyncio.get_event_loop().run_until_complete(proxy.stop())
 
 
 async def stream(url: str, model: str, prompt: str, n_tokens: int) -> tuple[float, float, list[str], dict]:  # type: ignore[type-arg]

@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import importlib.util
 import itertools
-import json
 import os
 import signal
 import socket
@@ -47,10 +46,9 @@ from pathlib import Path
 import llama_cpp
 import openai
 
-from bus.server import EmbeddedNats, NatsServerConfig
+from tests.bench.route_procs import ProcessRoute
 from tests.support.waiting import eventually_sync
 
-MODEL_ID = "gemma"
 PROMPT = ("You are reading a travel guide. Chapter one describes the geography of Europe, its rivers, mountains and "
           "great cities, and the long history of trade between them. Chapter two is about France. "
           "The capital of France is")
@@ -175,44 +173,6 @@ class LcpServer:
         stop([self.proc])
 
 
-def _routable(body: bytes) -> bool:
-    return any(m.get("complete") for m in json.loads(body).get("data", []))
-
-
-class SwarmrouteServer:
-    """(c): nats-server + tracker + one llama.cpp node + gateway, each its own process."""
-
-    def __init__(self, model: Path, threads: int, n_ctx: int, sessions: int, home: Path) -> None:
-        self.nats = EmbeddedNats(NatsServerConfig(store_dir=home / "nats"))
-        self.nats.start()
-        self.port = free_port()
-        common = ["--nats", self.nats.url, "--home", str(home), "--log-level", "warning"]
-        swarm = [sys.executable, "-m", "swarmroute"]
-        self.procs = [
-            subprocess.Popen([*swarm, "tracker", *common]),
-            subprocess.Popen([*swarm, "node", *common, "--backend", "llamacpp", "--model", str(model), "--model-id",
-                              MODEL_ID, "--threads", str(threads), "--ctx", str(n_ctx), "--max-sessions",
-                              str(sessions), "--node-id", "bench-node"], stdout=subprocess.DEVNULL),
-            subprocess.Popen([*swarm, "gateway", *common, "--port", str(self.port)], stdout=subprocess.DEVNULL),
-        ]
-        try:
-            wait_http(f"{self.url}/models", _routable, self.procs, 300)
-            with urllib.request.urlopen(f"{self.url}/models", timeout=10) as r:
-                # The node advertises the model under its content-derived id (the file's sha256).
-                self.model = next(m["id"] for m in json.load(r)["data"] if m.get("complete"))
-        except BaseException:
-            self.close()
-            raise
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    def close(self) -> None:
-        stop(self.procs)
-        self.nats.stop()
-
-
 # --- the compute ceiling of batching --------------------------------------------------------------------------------
 
 
@@ -284,7 +244,9 @@ async def bench(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-llamacpp-") as tmp:
         lcp = LcpServer(model, args.threads, n_ctx)
         try:
-            swarm = SwarmrouteServer(model, args.threads, n_ctx, args.sessions, Path(tmp))
+            # (c): nats-server + tracker + one llama.cpp node (the whole model) + gateway, each its own process.
+            swarm = ProcessRoute(model, [args.threads], Path(tmp), max_sessions=args.sessions, ctx=n_ctx,
+                                 layers=[None])
         except BaseException:
             lcp.close()
             raise

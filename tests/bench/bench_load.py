@@ -35,8 +35,7 @@ from actors.tracker import Tracker
 from bus.server import EmbeddedNats, NatsServerConfig
 from gateway.app import Gateway
 from schemas.settings import Settings
-from tests.support.actors import ActorProcess
-from tests.support.swarm import make_settings, start_swarm
+from tests.support.swarm import Swarms, make_settings, start_swarm
 from tests.support.waiting import eventually
 
 PROMPT = "<start_of_turn>user\nTell me about lighthouses.<end_of_turn>\n<start_of_turn>model\n"
@@ -115,7 +114,9 @@ async def served_model(tracker: Tracker, timeout: float = 120.0) -> str:
     def complete() -> str | None:
         return next((m.id for m in tracker.models().models if m.complete), None)
 
-    return await eventually(complete, timeout=timeout, interval=0.2, what="the GGUF route becoming complete")
+    found = await eventually(complete, timeout=timeout, interval=0.2, what="the GGUF route becoming complete")
+    assert found is not None  # eventually returns only a truthy result
+    return found
 
 
 # ---- 1. load on the real model -------------------------------------------------------------------------------------
@@ -124,19 +125,13 @@ async def served_model(tracker: Tracker, timeout: float = 120.0) -> str:
 async def gguf_swarm(settings: Settings, gguf: Path, max_sessions: int) -> AsyncIterator[tuple[str, str]]:
     common = ["--backend", "llamacpp", "--model", str(gguf), "--threads", "1",
               "--ctx", "512", "--max-sessions", str(max_sessions)]
-    nodes = await asyncio.gather(*(asyncio.to_thread(ActorProcess, "node", settings,
-                                                     ["--node-id", f"g{i}", "--layers", layers, *common],
-                                                     ready_timeout=300)
-                                   for i, layers in enumerate(("0:9", "9:18"))))
-    tracker = await Tracker(settings).start()
-    gateway = await Gateway(settings, port=0).start()
-    try:
+    async with Swarms() as swarms:  # stops the gateway, the tracker, then the nodes
+        await asyncio.gather(*(swarms.node_process(settings, f"g{i}", ["--layers", layers, *common],
+                                                   ready_timeout=300)
+                               for i, layers in enumerate(("0:9", "9:18"))))
+        tracker = await swarms.actor(Tracker(settings))
+        gateway = await swarms.actor(Gateway(settings, port=0))
         yield gateway.url + "/v1", await served_model(tracker)
-    finally:
-        await gateway.stop()
-        await tracker.stop()
-        for node in nodes:
-            node.stop()
 
 
 async def bench_gguf(server: EmbeddedNats, home: Path, args: argparse.Namespace) -> list[LoadResult]:

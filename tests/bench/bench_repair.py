@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import os
 import re
@@ -67,7 +66,7 @@ from artifacts.model_shape import ModelShape
 from bus.server import EmbeddedNats, NatsServerConfig
 from gateway.app import Gateway
 from schemas.settings import Settings
-from tests.support.swarm import NodeProcess, make_settings, wait_model
+from tests.support.swarm import NodeProcess, Swarms, make_settings, wait_model
 from tests.support.waiting import eventually
 
 MODEL = "gemma"
@@ -156,28 +155,27 @@ class Bench:
         self.nodes: dict[str, NodeProcess] = {}
         self.dead: set[str] = set()
         self._spares = 0
-        self.stack = contextlib.AsyncExitStack()
+        self.swarms = Swarms()
 
     # ---- the swarm -----------------------------------------------------------------------------------------------
 
     async def start(self) -> None:
         self.nats = EmbeddedNats(NatsServerConfig(store_dir=self.work / "nats")).start()
-        self.stack.callback(self.nats.stop)
+        self.swarms.on_teardown(self.nats.stop)
         self.settings: Settings = make_settings(
             self.nats.url, self.work / "home", token_timeout_s=30.0, first_token_timeout_s=120.0, hop_timeout_s=30.0,
             snapshot_every=self.args.snapshot_every, repair_timeout_s=30.0, prefix_cache_mb=0)
-        self.stack.push_async_callback(self._close_nodes)
-        self.tracker = await self.stack.enter_async_context(Tracker(self.settings))
-        self.repair_gw = await self.stack.enter_async_context(Gateway(self.settings, port=0))
+        self.tracker = await self.swarms.actor(Tracker(self.settings))
+        self.repair_gw = await self.swarms.actor(Gateway(self.settings, port=0))
         alpha = self.settings.model_copy(update={"repair": False, "snapshot_every": 0})
-        self.alpha_gw = await self.stack.enter_async_context(Gateway(alpha, port=0))
+        self.alpha_gw = await self.swarms.actor(Gateway(alpha, port=0))
         await asyncio.gather(self._node("head", HEAD), self._node("b1", TAIL), self.spare())
         await wait_model(self.tracker, MODEL, timeout=300, n_nodes=3)
 
     async def _node(self, name: str, layers: str) -> None:
         args = ["--backend", "llamacpp", "--model", str(self.model), "--model-id", MODEL, "--layers", layers,
                 "--threads", "1", "--ctx", str(self.args.ctx), "--max-sessions", "2"]
-        self.nodes[name] = await asyncio.to_thread(NodeProcess, self.settings, name, args, ready_timeout=300.0)
+        self.nodes[name] = await self.swarms.node_process(self.settings, name, args, ready_timeout=300.0)
         await self._until(lambda live: name in live, f"the tracker seeing {name}")
 
     async def spare(self) -> None:
@@ -191,9 +189,6 @@ class Bench:
             return registry is not None and bool(cond({a.node_id for a in registry.live()}))
 
         await eventually(check, timeout=120, interval=0.1, what=what)
-
-    async def _close_nodes(self) -> None:
-        await asyncio.gather(*(asyncio.to_thread(n.close) for n in self.nodes.values()))
 
     async def metrics(self, names: list[str]) -> dict[str, dict[str, float]]:
         found: dict[str, dict[str, float]] = {}
@@ -316,7 +311,7 @@ async def _run(args: argparse.Namespace, contexts: list[int], work: Path) -> tup
     on: list[float] = []
     off: list[float] = []
     sent: list[dict[str, float]] = []
-    async with bench.stack:
+    async with bench.swarms:
         await bench.start()
         await bench.stream(bench.repair_gw, bench.prompt(64), 8)  # warm up: every node's first steps are slow
         await bench.stream(bench.alpha_gw, bench.prompt(64), 8)

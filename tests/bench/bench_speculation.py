@@ -42,21 +42,16 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import openai
 
-from bus.server import EmbeddedNats, NatsServerConfig
-from swarmroute.fleet_members import split_layers
-from tests.bench.bench_llamacpp import _routable, free_port, stop, wait_http
-from tests.support.waiting import eventually_sync
+from tests.bench.route_procs import ProcessRoute
 from tests.test_llamacpp_gateway import BATCH_NOISE
 
 CODE = '''\
@@ -145,61 +140,12 @@ def targets(workload: str, delay_ms: float) -> float | None:
     return 1.8 if delay_ms >= 20 else 1.3 if delay_ms >= 5 else None
 
 
-class Route:
+def start_route(model: Path, threads: int, home: Path, delay_ms: float,
+                gateways: dict[str, dict[str, Any]]) -> ProcessRoute:
     """nats-server + tracker + 2 llama.cpp nodes, each behind a delay proxy in its own process, and one gateway per
-    configuration (``gateways``: name -> extra environment), all on the same nodes and links."""
-
-    def __init__(self, model: Path, threads: int, home: Path, delay_ms: float,
-                 gateways: dict[str, dict[str, str]]) -> None:
-        self.nats = EmbeddedNats(NatsServerConfig(store_dir=home / "nats")).start()
-        common = ["--nats", self.nats.url, "--home", str(home), "--log-level", "warning"]
-        swarm = [sys.executable, "-m", "swarmroute"]
-        self.procs: list[subprocess.Popen[Any]] = [subprocess.Popen([*swarm, "tracker", *common])]
-        self.urls: dict[str, str] = {}
-        try:
-            for i, (a, b) in enumerate(split_layers(18, 2)):
-                port = free_port()
-                self.procs.append(subprocess.Popen(
-                    [*swarm, "node", *common, "--backend", "llamacpp", "--model", str(model), "--layers", f"{a}:{b}",
-                     "--threads", str(threads), "--node-id", f"spec-{i}", "--port", str(port),
-                     "--advertise-url", self._delay_proxy(port, delay_ms)], stdout=subprocess.DEVNULL,
-                    env={**os.environ, "SWARMROUTE_PREFIX_CACHE_MB": "0"}))
-            for name, env in gateways.items():
-                port = free_port()
-                self.procs.append(subprocess.Popen([*swarm, "gateway", *common, "--port", str(port)],
-                                                   stdout=subprocess.DEVNULL, env={**os.environ, **env}))
-                self.urls[name] = f"http://127.0.0.1:{port}/v1"
-
-            def routed(url: str) -> str | None:
-                wait_http(f"{url}/models", _routable, self.procs, 600)
-                with urllib.request.urlopen(f"{url}/models", timeout=10) as r:
-                    models = [m for m in json.load(r)["data"] if m.get("complete")]
-                return models[0]["id"] if models and len(models[0]["nodes"]) == 2 else None
-
-            self.model = ""
-            for url in self.urls.values():
-                self.model = eventually_sync(lambda url=url: routed(url), timeout=600, interval=0.5,  # type: ignore[misc]
-                                             what="a complete route over 2 nodes")
-        except BaseException:
-            self.close()
-            raise
-
-    def _delay_proxy(self, target_port: int, delay_ms: float) -> str:
-        proc = subprocess.Popen([sys.executable, "-m", "tests.support.delay_proxy", "--target-port", str(target_port),
-                                 "--delay-ms", str(delay_ms)], stdout=subprocess.PIPE, text=True)
-        self.procs.append(proc)
-        assert proc.stdout is not None
-        line = proc.stdout.readline().split()
-        if line[:1] != ["ready"]:
-            raise RuntimeError(f"the delay proxy did not start: {line}")
-        return f"http://127.0.0.1:{line[1]}"
-
-    def url(self, gateway: str) -> str:
-        return self.urls[gateway]
-
-    def close(self) -> None:
-        stop(self.procs)
-        self.nats.stop()
+    configuration (``gateways``: name -> settings), all on the same nodes and links (tests/bench/route_procs.py)."""
+    return ProcessRoute(model, [threads, threads], home, max_sessions=None, ctx=None, model_id=None,
+                        node_settings={"prefix_cache_mb": 0.0}, gateways=gateways, delay_ms=delay_ms, name="spec")
 
 
 @dataclass
@@ -289,28 +235,28 @@ def main(argv: list[str] | None = None) -> int:
     model = Path(g.assemble(Path.home() / ".cache" / "swarmroute" / "models" / "gemma-3-270m-q4_k_m.gguf"))
     delays = [float(d) for d in args.delays.split(",")]
     workloads = args.workloads.split(",")
-    gateways = {"plain": {"SWARMROUTE_SPECULATION": "off"}}
+    gateways: dict[str, dict[str, Any]] = {"plain": {"speculation": "off"}}
     for w in args.windows.split(","):
-        gateways[f"spec w={w}"] = {"SWARMROUTE_SPECULATION": "ngram", "SWARMROUTE_SPECULATIVE_WINDOWS": w,
-                                   "SWARMROUTE_SPECULATIVE_MAX_K": str(args.max_k)}
+        gateways[f"spec w={w}"] = {"speculation": "ngram", "speculative_windows": int(w),
+                                   "speculative_max_k": args.max_k}
     names = list(gateways)
     load_before = os.getloadavg()
     loop = asyncio.new_event_loop()
-    routes: dict[float, Route] = {}
+    routes: dict[float, ProcessRoute] = {}
     samples = {(d, w, n): Samples() for d in delays for w in workloads for n in names}
     references: dict[str, tuple[str, list[int], list[float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         try:
             for d in delays:
-                routes[d] = Route(model, args.threads, Path(tmp) / f"d{d:g}", d, gateways)
+                routes[d] = start_route(model, args.threads, Path(tmp) / f"d{d:g}", d, gateways)
                 for name in names:
-                    loop.run_until_complete(stream(routes[d].url(name), routes[d].model, "Warm up.", 4))
+                    loop.run_until_complete(stream(routes[d].urls[name], routes[d].model, "Warm up.", 4))
             started = time.perf_counter()
             for i in range(args.rounds):
                 for d, route in routes.items():
                     for workload in workloads:
                         order = names[i % len(names):] + names[:i % len(names)]
-                        got = {name: loop.run_until_complete(stream(route.url(name), route.model,
+                        got = {name: loop.run_until_complete(stream(route.urls[name], route.model,
                                                                     WORKLOADS[workload], args.tokens))
                                for name in order}
                         for name, r in got.items():
@@ -321,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
             first = routes[delays[0]]  # plain greedy is the same on every route: one reference per workload
             for workload in workloads:
-                references[workload] = loop.run_until_complete(margins(first.url("plain"), first.model,
+                references[workload] = loop.run_until_complete(margins(first.urls["plain"], first.model,
                                                                        WORKLOADS[workload], args.tokens))
         finally:
             for route in routes.values():

@@ -55,7 +55,7 @@ from schemas.session import TokenEvent
 from schemas.settings import Settings
 from swarmroute.fleet_members import split_layers
 from tests.support.proxy import CountingProxy
-from tests.support.swarm import NodeProcess, Swarm, make_settings, start_swarm, wait_model
+from tests.support.swarm import Swarm, Swarms, make_settings, start_swarm, wait_model
 
 MODEL = "stub-bench"
 N_LAYERS = 6  # few layers: the stub's compute is noise here, the hops are the subject
@@ -147,16 +147,12 @@ async def as_processes(settings: Settings, k: int) -> AsyncIterator[str]:
     specs = [(f"p{k}-{i}", ["--backend", "stub", "--model", MODEL, "--model-id", MODEL, "--layers", f"{a}:{b}",
                             "--n-layers", str(N_LAYERS), "--hidden-shape", hidden])
              for i, (a, b) in enumerate(split(k))]
-    procs = await asyncio.gather(*(asyncio.to_thread(NodeProcess, settings, nid, args) for nid, args in specs))
-    tracker = await Tracker(settings).start()
-    gateway = await Gateway(settings, port=0).start()
-    try:
+    async with Swarms() as swarms:  # stops the gateway, the tracker, then the nodes
+        await asyncio.gather(*(swarms.node_process(settings, nid, args) for nid, args in specs))
+        tracker = await swarms.actor(Tracker(settings))
+        gateway = await swarms.actor(Gateway(settings, port=0))
         await wait_model(tracker, MODEL, timeout=60, n_nodes=k)
         yield gateway.url + "/v1"
-    finally:
-        await gateway.stop()
-        await tracker.stop()
-        await asyncio.gather(*(asyncio.to_thread(p.stop) for p in procs))
 
 
 async def measure(server: EmbeddedNats, home: Path, placement: str, tokens: int, rounds: int) -> dict[int, Samples]:

@@ -1,82 +1,176 @@
 """A llama.cpp route of real processes for the benchmarks: nats-server, ``swarmroute tracker``, one ``swarmroute node``
-per layer range and ``swarmroute gateway``, each its own process, as ``swarmroute up`` runs them; and a Prometheus
-scraper to read what one request cost from the difference of two scrapes.
+per layer range and one or more ``swarmroute gateway``, each its own process, as ``swarmroute up`` runs them
+(tests.support.actors.ActorProcess / tests.support.swarm.NodeProcess, configured from a Settings); optionally every
+node behind a proxy of its own; and a Prometheus scraper to read what one request cost from the difference of two
+scrapes.
 
-Not a benchmark itself (the runner only picks up ``bench_*.py``): ``bench_ttft`` and ``bench_pipeline`` use it.
+Not a benchmark itself (the runner only picks up ``bench_*.py``): ``bench_ttft``, ``bench_pipeline``,
+``bench_speculation``, ``bench_gguf_route`` and ``bench_llamacpp`` use it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
-import subprocess
 import sys
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from bus.server import EmbeddedNats, NatsServerConfig
+from schemas.settings import Settings
 from swarmroute.fleet_members import split_layers
-from tests.bench.bench_llamacpp import _routable, free_port, stop, wait_http
+from tests.support.actors import ActorProcess, ChildProcess
+from tests.support.swarm import NodeProcess
+from tests.support.up import free_port
 from tests.support.waiting import eventually_sync
 
 MODEL_ID = "gemma"
 N_LAYERS = 18
 """Gemma 3 270M's blocks."""
+READY_S = 600.0
+"""How long a process may take to come up, and the route to become complete: llama.cpp on a loaded 2-core machine."""
+
+Layers = tuple[int, int] | None
+"""A node's layer range; None: the whole model (no ``--layers``)."""
+AdvertiseUrl = Callable[[int], str]
+"""Given a node's listen port, the URL it advertises instead (a proxy in front of it, which the caller owns)."""
+
+
+def _with(settings: Settings, overrides: Mapping[str, Any] | None) -> Settings:
+    """``settings`` with ``overrides`` on top, validated (``model_copy`` would take any value)."""
+    return Settings(**{**settings.model_dump(), **(overrides or {})})
+
+
+class DelayProxyProcess(ChildProcess):
+    """tests/support/delay_proxy.py in its own process, forwarding to ``target_port`` ``delay_ms`` later each way."""
+
+    def __init__(self, target_port: int, delay_ms: float, timeout: float = 60.0) -> None:
+        super().__init__([sys.executable, "-m", "tests.support.delay_proxy", "--target-port", str(target_port),
+                          "--delay-ms", str(delay_ms)])
+        try:
+            port = self.wait_for(r"^ready (\d+)$", timeout).group(1)
+        except BaseException:
+            self.kill()
+            raise
+        self.url = f"http://127.0.0.1:{port}"
 
 
 class ProcessRoute:
     """``threads[i]`` is node i's ``--threads``; the nodes split the 18 layers near-evenly in order, or as ``layers``
-    says (node 0 is the
-    head, the last one the tail). ``env``: extra environment (``SWARMROUTE_*`` settings) for every process."""
+    says (node 0 is the head, the last one the tail). Every process gets default Settings (on this route's NATS and
+    ``home``) with ``settings`` on top; the nodes ``node_settings`` too, and each gateway its own entry of
+    ``gateways`` (name -> overrides; one gateway, ``default``, unless given). ``max_sessions``, ``ctx``,
+    ``model_id`` and ``wire_dtype`` are the nodes' options of those names (None: left to the node's default).
+    ``delay_ms``: every node behind a ``DelayProxyProcess`` of that one-way delay (0 included); ``advertise_url``:
+    behind a proxy of the caller's (only one of the two). Returns once every gateway routes over all the nodes."""
 
-    def __init__(self, model: Path, threads: Sequence[int], home: Path, *, max_sessions: int = 4, ctx: int = 1024,
-                 env: Mapping[str, str] | None = None, layers: Sequence[tuple[int, int]] | None = None) -> None:
-        import os
-
+    def __init__(self, model: Path, threads: Sequence[int], home: Path, *, max_sessions: int | None = 4,
+                 ctx: int | None = 1024, layers: Sequence[Layers] | None = None, model_id: str | None = MODEL_ID,
+                 wire_dtype: str | None = None, settings: Mapping[str, Any] | None = None,
+                 node_settings: Mapping[str, Any] | None = None,
+                 gateways: Mapping[str, Mapping[str, Any]] | None = None, delay_ms: float | None = None,
+                 advertise_url: AdvertiseUrl | None = None, name: str = "bench") -> None:
+        if delay_ms is not None and advertise_url is not None:
+            raise ValueError("delay_ms and advertise_url both put a proxy in front of the nodes: give one")
         self.nats = EmbeddedNats(NatsServerConfig(store_dir=home / "nats")).start()
-        self.port = free_port()
-        environment = {**os.environ, **(env or {})}
-        common = ["--nats", self.nats.url, "--home", str(home), "--log-level", "warning"]
-        swarm = [sys.executable, "-m", "swarmroute"]
-        self.procs: list[subprocess.Popen[bytes]] = [subprocess.Popen([*swarm, "tracker", *common], env=environment)]
+        self.settings = Settings(nats_url=self.nats.url, home=home, **(settings or {}))
+        self.layers: list[Layers] = list(layers) if layers is not None else list(split_layers(N_LAYERS, len(threads)))
+        self.delay_proxies: list[DelayProxyProcess] = []
+        self.tracker: ActorProcess | None = None
+        self.nodes: list[NodeProcess] = []
+        self.gateways: dict[str, ActorProcess] = {}
         self.node_urls: list[str] = []
-        self.layers = list(layers) if layers is not None else split_layers(N_LAYERS, len(threads))
+        """Each node's own listen URL (not its proxy's), in route order."""
+        self.model = ""
+        """The id the route serves the model under (a GGUF's is content-derived; ``model_id`` an alias)."""
+        self._ports: list[int] = []
         try:
-            for i, ((a, b), n_threads) in enumerate(zip(self.layers, threads, strict=True)):
-                port = free_port()
-                self.node_urls.append(f"http://127.0.0.1:{port}")
-                self.procs.append(subprocess.Popen(
-                    [*swarm, "node", *common, "--backend", "llamacpp", "--model", str(model), "--model-id", MODEL_ID,
-                     "--layers", f"{a}:{b}", "--threads", str(n_threads), "--ctx", str(ctx), "--max-sessions",
-                     str(max_sessions), "--node-id", f"bench-{i}", "--port", str(port)],
-                    stdout=subprocess.DEVNULL, env=environment))
-            self.procs.append(subprocess.Popen([*swarm, "gateway", *common, "--port", str(self.port)],
-                                               stdout=subprocess.DEVNULL, env=environment))
-
-            def routed() -> bool:
-                wait_http(f"{self.url}/models", _routable, self.procs, 600)
-                with urllib.request.urlopen(f"{self.url}/models", timeout=10) as r:
-                    models = [m for m in json.load(r)["data"] if m.get("complete")]
-                return bool(models) and len(models[0]["nodes"]) == len(threads)
-
-            eventually_sync(routed, timeout=600, interval=0.5, what=f"a complete route over {len(threads)} nodes")
+            self.tracker = ActorProcess("tracker", self.settings, [], wait=False)
+            node_config = _with(self.settings, node_settings)
+            for i, (span, n_threads) in enumerate(zip(self.layers, threads, strict=True)):
+                self._node(node_config, f"{name}-{i}", span, n_threads, model, max_sessions, ctx, model_id,
+                           wire_dtype, delay_ms, advertise_url)
+            for gateway, overrides in (gateways or {"default": {}}).items():
+                self.gateways[gateway] = ActorProcess(
+                    "gateway", _with(self.settings, overrides), ["--port", "0"], log_level="warning",
+                    name=f"gateway {gateway}", wait=False)
+            for child in self._actors():
+                child.ready(READY_S)
+            self.node_urls = [node.url if port == 0 else f"http://127.0.0.1:{port}"
+                              for node, port in zip(self.nodes, self._ports, strict=True)]
+            for url in self.urls.values():
+                served = eventually_sync(functools.partial(self._routed, url), timeout=READY_S, interval=0.5,
+                                         ignoring=(OSError,),
+                                         what=f"a complete route over {len(self.nodes)} nodes at {url}")
+                assert served is not None  # eventually_sync returns only a truthy result
+                self.model = served
         except BaseException:
             self.close()
             raise
 
+    def _node(self, settings: Settings, node_id: str, span: Layers, threads: int, model: Path,
+              max_sessions: int | None, ctx: int | None, model_id: str | None, wire_dtype: str | None,
+              delay_ms: float | None, advertise_url: AdvertiseUrl | None) -> None:
+        args = ["--backend", "llamacpp", "--model", str(model), "--threads", str(threads)]
+        for flag, value in (("--layers", None if span is None else f"{span[0]}:{span[1]}"),
+                            ("--model-id", model_id), ("--ctx", ctx), ("--max-sessions", max_sessions),
+                            ("--wire-dtype", wire_dtype)):
+            if value is not None:
+                args += [flag, str(value)]
+        port = 0
+        if delay_ms is not None or advertise_url is not None:
+            port = free_port()  # the proxy needs it before the node starts
+            if delay_ms is not None:
+                self.delay_proxies.append(DelayProxyProcess(port, delay_ms))
+                advertised = self.delay_proxies[-1].url
+            else:
+                assert advertise_url is not None
+                advertised = advertise_url(port)
+            args += ["--advertise-url", advertised]
+        self._ports.append(port)
+        self.nodes.append(NodeProcess(settings, node_id, [*args, "--port", str(port)], wait=False))
+
+    def _actors(self) -> list[ActorProcess]:
+        """The swarmroute processes, in the order they stop: gateways, nodes (tail first), tracker."""
+        tracker = [self.tracker] if self.tracker is not None else []
+        return [*self.gateways.values(), *reversed(self.nodes), *tracker]
+
+    def _routed(self, url: str) -> str | None:
+        """The complete model's id once ``url``'s gateway routes it over every node; None before."""
+        for child in [*self._actors(), *self.delay_proxies]:
+            if child.proc.poll() is not None:
+                what = getattr(child, "name", "a delay proxy")
+                raise RuntimeError(f"{what} exited ({child.proc.poll()}) while starting:\n{child.tail()}")
+        with urllib.request.urlopen(f"{url}/models", timeout=10) as r:
+            models = [m for m in json.load(r)["data"] if m.get("complete")]
+        return models[0]["id"] if models and len(models[0]["nodes"]) == len(self.nodes) else None
+
+    @property
+    def urls(self) -> dict[str, str]:
+        """Each gateway's OpenAI API base URL, by name."""
+        return {name: f"{g.url}/v1" for name, g in self.gateways.items()}
+
     @property
     def gateway_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        """The first gateway's base URL (its ``/metrics`` is there)."""
+        return next(iter(self.gateways.values())).url
 
     @property
     def url(self) -> str:
-        """The OpenAI API's base URL."""
+        """The first gateway's OpenAI API base URL."""
         return f"{self.gateway_url}/v1"
 
     def close(self) -> None:
-        stop(self.procs)
-        self.nats.stop()
+        """Every process (each stopped even if stopping another fails: ``ChildProcess.stop`` escalates to SIGKILL),
+        then NATS."""
+        with contextlib.ExitStack() as stops:
+            stops.callback(self.nats.stop)
+            for child in reversed([*self._actors(), *self.delay_proxies]):  # an ExitStack runs its callbacks last first
+                stops.callback(child.stop)
 
 
 def scrape(url: str) -> dict[str, float]:

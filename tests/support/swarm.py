@@ -140,10 +140,11 @@ class NodeProcess(ActorProcess):
     """``swarmroute node`` as a real child process (so a test can SIGKILL it), configured like the test's Settings."""
 
     def __init__(self, settings: Settings, node_id: str, args: list[str], *, ready_timeout: float = 180.0,
-                 prefix: Sequence[str] = ()) -> None:
+                 prefix: Sequence[str] = (), wait: bool = True) -> None:
+        """``wait``: false returns at once (``ready()`` then waits), to start several side by side."""
         self.node_id = node_id
         super().__init__("node", settings, ["--node-id", node_id, *args], ready_timeout=ready_timeout,
-                         prefix=prefix, log_level="warning", name=node_id)
+                         prefix=prefix, log_level="warning", name=node_id, wait=wait)
 
     @property
     def endpoint(self) -> str:
