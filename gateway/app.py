@@ -34,10 +34,10 @@ from bus.nodeclient import NodeClient
 from bus.service import register
 from bus.subjects import Subjects
 from gateway import sse
+from gateway.admission import AdmissionMiddleware, AdmissionQueue, AdmittedSessions, QueueLimits
 from gateway.limits import ConcurrencyCounter, ConcurrencyLimitMiddleware, ConcurrencyLimits
-from gateway.live_session import SessionManager
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from gateway.metrics import RequestCounter
+from gateway.metrics import GatewayMetrics, RequestCounter
 from gateway.response_stream import ResponsesServing
 from gateway.serving import OpenAIServing
 from gateway.tracker_client import TrackerClient
@@ -109,7 +109,9 @@ def build_app(serving: OpenAIServing, settings: Settings) -> Starlette:
         HttpRoute("/v1/sessions/{sid}/telemetry", telemetry, methods=["GET"]),
     ], exception_handlers=EXCEPTION_HANDLERS)
 
-    # Added first = innermost: requests are counted only once their API key passed.
+    # Added first = innermost: requests are counted only once their API key passed. The admission queue waits
+    # inside the concurrency limits (a waiting request is in flight) and starts a waiting stream's response.
+    app.add_middleware(AdmissionMiddleware)
     app.state.concurrency = ConcurrencyCounter(ConcurrencyLimits.from_settings(settings))
     app.add_middleware(ConcurrencyLimitMiddleware, counter=app.state.concurrency)
     if keys:
@@ -198,8 +200,10 @@ class Gateway(NatsActor):
     async def _on_start(self) -> None:
         subjects = Subjects(self.settings.namespace)
         self._nodes = NodeClient(timeout_s=self.settings.hop_timeout_s)
-        manager = SessionManager(self.nc, TrackerClient(self.nc, subjects), self._nodes, self.settings)
-        self.serving = OpenAIServing(manager)
+        metrics = GatewayMetrics()
+        queue = AdmissionQueue(QueueLimits.from_settings(self.settings), metrics)
+        manager = AdmittedSessions(self.nc, TrackerClient(self.nc, subjects), self._nodes, self.settings, queue)
+        self.serving = OpenAIServing(manager, metrics)
         self.server = HttpServer(build_app(self.serving, self.settings), self._host, self._port)
         await self.server.start()
         self.service = await register(self.nc, namespace=subjects.namespace, role="gateway",
