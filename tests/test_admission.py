@@ -23,8 +23,10 @@ from gateway.admission import CURRENT as WAITER
 from gateway.admission import AdmissionQueue, AdmittedSessions, ModelQueue, QueueLimits, Ticket, Waiter
 from schemas.errors import CapacityError
 from schemas.settings import Settings
+from tests.support.actors import Children
 from tests.support.prometheus import Scrape
 from tests.support.swarm import Swarm, Swarms, make_settings, stub
+from tests.support.up import Up, free_port
 from tests.support.waiting import eventually
 
 MODEL = "stub-model"
@@ -272,3 +274,49 @@ async def test_fifty_requests_rejected_after_routing_leave_the_capacity_as_it_wa
     assert [v.first["phase"] for v in valid] == ["routing"] * 4  # none had to wait for a slot
     queue = _queue(swarm)
     assert queue.admitted == 0 and not sum(queue.dropped.values())
+
+
+# ---- the default `swarmroute up`: 2 llama.cpp nodes of 4 sessions, the bundled model ----------------------------
+
+GEMMA = "gemma-3-270m"
+UP_STREAMS = 64
+UP_CAPACITY = 4
+"""Routes the default up holds at once: both nodes are on every route, each holds 4 sessions."""
+
+
+@pytest.mark.slow
+async def test_up_serves_64_concurrent_streams_through_the_queue_and_rejections_hold_nothing(
+        children: Children, tmp_path: Path) -> None:
+    up = children.add(Up(env={"SWARMROUTE_HOME": str(tmp_path / "home"), "SWARMROUTE_GATEWAY_PORT": str(free_port())}))
+    assert await asyncio.to_thread(up.banner.wait, 600), up.output
+    assert up.proc.poll() is None, up.output
+    url = up.gateway_url()
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+    # 50 requests refused after routing (a token id beyond the 262,144-token vocabulary: the head refuses it)...
+    async with httpx.AsyncClient(timeout=60) as http:
+        for _ in range(50):
+            r = await http.post(f"{url}/v1/completions", json={"model": GEMMA, "prompt": [262144], "max_tokens": 4})
+            assert r.status_code == 400 and "token ids" in r.json()["error"]["message"], r.text
+    # ...then 4 valid concurrent requests, once the nodes' immediate heartbeats are in (milliseconds; a reservation
+    # left to expire held its slot for 3 s): all served at once, none waits for a slot.
+    await asyncio.sleep(0.2)
+    valid = await asyncio.gather(*(stream_one(client, 4, model=GEMMA, prompt="The capital of France is")
+                                   for _ in range(UP_CAPACITY)))
+    assert all(v.text for v in valid) and [v.first["phase"] for v in valid] == ["routing"] * UP_CAPACITY
+
+    results = await asyncio.gather(*(stream_one(client, 4, model=GEMMA, prompt=f"Write about the number {i}:")
+                                     for i in range(UP_STREAMS)))
+    assert all(r.text for r in results), [r.text for r in results]
+    waited = [r for r in results if r.queued]
+    for each in results:  # before its first token, a stream that waited says so first, with its place in line
+        if each.queued:
+            assert each.first["phase"] == "queued" and each.first["queue"]["position"] >= 1, each.first
+        else:
+            assert each.first["phase"] == "routing", each.first
+    assert len(waited) >= UP_STREAMS - 2 * UP_CAPACITY, len(waited)
+    async with httpx.AsyncClient(timeout=30) as http:
+        scrape = Scrape((await http.get(f"{url}/metrics")).text)
+    assert scrape.value("swarmroute_gateway_queue_admitted_total") == len(waited)
+    assert sum(s.value for s in scrape.samples if s.name == "swarmroute_gateway_queue_dropped_total") == 0
+    assert scrape.value("swarmroute_gateway_sessions_total", outcome="complete") == UP_STREAMS + UP_CAPACITY
