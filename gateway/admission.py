@@ -9,8 +9,9 @@ settlement, ``actors.node.admission.Settlements``) puts the request back at the 
 
 Fairness: one line per API key (digest); turns go round the keys, so a key with one request waiting is at most one
 turn per other waiting key from the next free slot, however many requests another key queued. One request tries
-at a time (route + open on the head, a few milliseconds); the head of the queue asks again at once when a session
-on this gateway ends, and otherwise backs off up to ``queue_poll_s`` (capacity freed by other gateways).
+at a time at first (route + open on the head), more while they are admitted (a window growing by one per admission
+up to ``MAX_TRIES``, back to one at the first "no capacity"); the head of the queue asks again at once when a
+session on this gateway ends, and otherwise backs off up to ``queue_poll_s`` (capacity freed by other gateways).
 
 Refusals are only ``queue_full`` (the bound is reached and the key is not below the biggest key's share) and
 ``queue_timeout`` (``queue_wait_s`` passed), both 429 with ``Retry-After`` from the queue's length and the measured
@@ -63,6 +64,8 @@ RATE_WINDOW = 32
 """Session ends the service rate is measured over (at most ``RATE_HORIZON_S`` old)."""
 RATE_HORIZON_S = 120.0
 PUBLISH_EVERY_S = 1.0
+MAX_TRIES = 8
+"""Most requests of one model's queue trying for a slot at once (the dispatcher's window)."""
 
 Outcome = Literal["admitted", "no_capacity", "failed", "left"]
 
@@ -389,19 +392,34 @@ class AdmissionQueue:
                                    elapsed_ms=round((now - ticket.joined) * 1e3, 1))
 
     async def _dispatch(self, queue: ModelQueue) -> None:
-        """Give the turn to the first in line, one at a time; after "no capacity", wait for a session to end here
-        or the backoff (doubling up to ``poll_s``) before the next try."""
-        backoff = FIRST_RETRY_S
+        """Give turns in line order, up to a window of tries at once: it grows by one with each admission (slots
+        free in waves, and a wave's opens then overlap instead of queueing behind each other) and falls back to one
+        at the first "no capacity"; then, once the tries in flight are done, wait for a session to end here or the
+        backoff (doubling up to ``poll_s``) before the next."""
+        backoff, window = FIRST_RETRY_S, 1
+        trying: set[asyncio.Future[Outcome]] = set()
+        loop = asyncio.get_running_loop()
         try:
-            while queue.lines:
-                ticket = queue.order()[0]
-                turn: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
-                ticket.turn = turn
-                ticket.wake.set()
-                outcome = await turn
-                if outcome != "no_capacity":
+            while queue.lines or trying:
+                for ticket in queue.order():
+                    if len(trying) >= window:
+                        break
+                    if ticket.turn is None:
+                        ticket.turn = loop.create_future()
+                        trying.add(ticket.turn)
+                        ticket.wake.set()
+                if not trying:
+                    return
+                done, _ = await asyncio.wait(trying, return_when=asyncio.FIRST_COMPLETED)
+                trying -= done
+                outcomes = {turn.result() for turn in done}
+                if "no_capacity" not in outcomes:
+                    window = min(window + ("admitted" in outcomes), MAX_TRIES)
                     backoff = FIRST_RETRY_S
                     continue
+                window = 1
+                if trying:
+                    continue  # the tries still in flight find out the same: wait for them first
                 queue.wake.clear()
                 woken = False
                 with contextlib.suppress(TimeoutError):

@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from actors.backend import Backend
 from actors.backends import load_backend
@@ -14,6 +14,9 @@ from actors.selfcheck import prove_in_child
 from schemas.errors import BadRequestError
 from schemas.node import ALL_LAYERS
 from schemas.settings import Settings
+
+if TYPE_CHECKING:
+    from swarmroute.artifact_prep import PreparedArtifact
 
 DEFAULT_SESSIONS = 4
 """Sessions of a node that declares no memory (``--memory``) and no ``--max-sessions``."""
@@ -96,7 +99,7 @@ def _llamacpp(args: argparse.Namespace, settings: Settings, start: int | None, e
     return backend, Identity(prepared.manifest.model_id, prepared.manifest.manifest_id, verified=True, aliases=aliases)
 
 
-def memory_sessions(prepared: Any, memory: int | None, context: int) -> int:
+def memory_sessions(prepared: PreparedArtifact, memory: int | None, context: int) -> int:
     """A llama.cpp node's session count from its memory (issue #30): as many sessions as ``memory`` holds caches for
     at ``context`` beside the weights of its layers (the planner's costs, ``artifacts.layer_split``), up to what
     llama.cpp can hold; ``DEFAULT_SESSIONS`` when the node declares no memory. ``--max-sessions`` overrides it."""
@@ -113,4 +116,4 @@ def memory_sessions(prepared: Any, memory: int | None, context: int) -> int:
         raise BadRequestError(f"--memory {gib(memory)} does not hold layers [{prepared.start}, {prepared.end}) and "
                               f"one session's cache at a context of {context} tokens; give more memory or a smaller "
                               f"--ctx", param="memory")
-    return min(held, llama_cpp.llama_max_parallel_sequences() - 1)  # one sequence is the KV scratch (issue #18)
+    return min(held, int(llama_cpp.llama_max_parallel_sequences()) - 1)  # one is the KV scratch (issue #18)
