@@ -43,6 +43,9 @@ import openai
 from tests.bench.route_procs import MODEL_ID, ProcessRoute, load_line
 
 CONFIGS = {"route-1": [2], "route-2": [1, 1]}
+ROUTE_ENV = {"SWARMROUTE_QUEUE_WAIT_S": "900", "SWARMROUTE_LIVENESS_PROBE_S": "0"}
+"""Every stream is to complete: no queue timeout, and no liveness probe (on a machine loaded beyond its cores it can
+take a head that freed a completed session before its end arrived for a lost one: tests/test_admission.py)."""
 LLAMA_SERVER = "llama-server"
 SLOTS = 4
 WAVES_TARGET = 1.2
@@ -146,7 +149,7 @@ async def run(args: argparse.Namespace) -> int:
         try:
             for name, threads in CONFIGS.items():
                 routes[name] = await asyncio.to_thread(ProcessRoute, model, threads, Path(tmp) / name,
-                                                       max_sessions=SLOTS)
+                                                       max_sessions=SLOTS, env=ROUTE_ENV)
             async with maybe_llama_server(model, not args.no_llama_server) as (server_url, why_not):
                 targets = {n: (r.url, MODEL_ID) for n, r in routes.items()}
                 if server_url is not None:
