@@ -43,7 +43,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route as HttpRoute
 
 from actors.backend import Backend, ForkingBackend, KvBackend
-from actors.node.admission import Admission, Settlements
+from actors.node.admission import Admission
 from actors.node.speculation.drafts import DraftSource, ModelDraft, NgramDraft
 from actors.node.engine import StepEngine
 from actors.node.head_session import HeadSession
@@ -166,8 +166,6 @@ class Node(NatsActor):
                           kv_bytes=self.backend.kv_bytes_in_use)
         self._beat_soon = asyncio.Event()
         self._opened_total = 0
-        self.settled = Settlements()
-        """Routes that reached this node and will never open here (issue #30): trackers release them at once."""
         self.metrics.snapshots_held.set_function(lambda: float(self.snapshots.bytes_used))
         self.reuse = Reuse(self.engine, PrefixCache(max_entries=settings.prefix_cache_sessions,
                                                     max_bytes=int(settings.prefix_cache_mb * 2**20)),
@@ -252,7 +250,7 @@ class Node(NatsActor):
                             active_sessions=min(self.sequences_in_use(), self.backend.max_sessions),
                             max_context=min(info.context_length, CONTEXT_CAP),
                             kv_bytes_in_use=self.backend.kv_bytes_in_use(), sessions_opened=self._opened_total,
-                            sessions_refused=self.settled.refused,
+                            sessions_refused=self.admission.settled.refused,
                             snapshot_free_bytes=max(0, self.snapshots.budget_bytes - self.snapshots.bytes_used),
                             prefix_keys=self.reuse.cache.keys())
         return NodeAdvertisement(node_id=self.config.node_id, endpoint=self.endpoint, model_id=self.config.model_id,
@@ -454,7 +452,7 @@ class Node(NatsActor):
         self.admission.record(grant)
         self.sessions[request.session_id] = session
         self._opened_total += 1
-        self.settled.opened(request.session_id)
+        self.admission.settled.opened(request.session_id)
         self.metrics.session_opened(request.hop_index, len(hops))
         if opening is not None and isinstance(session, HeadSession):
             session.opening = opening  # its first frame waits for the later hops' answers
@@ -570,7 +568,7 @@ class Node(NatsActor):
         try:
             opened = await self.open_session(open_request)
         except BaseException:
-            if self.settled.refused_open(open_request.session_id):
+            if self.admission.settled.refused_open(open_request.session_id):
                 self._beat_soon.set()  # the trackers release the route's reservation here now, not in 1.5 beats
             raise
         return JSONResponse(opened.model_dump(mode="json"), status_code=201)
@@ -592,7 +590,7 @@ class Node(NatsActor):
             else:
                 session.keep = _positions(request.query_params.get("keep"), session.position)
                 await session.close()
-        elif self.settled.closed_unopened(sid):
+        elif self.admission.settled.closed_unopened(sid):
             self._beat_soon.set()  # a route refused before it reached this hop: its reservation ends now
         keys = [k for k in request.query_params.get("keys", "").split(",") if k]
         kept = self.reuse.cache.get(sid)

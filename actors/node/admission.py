@@ -68,6 +68,8 @@ class Admission:
         self._skew_s = skew_s
         self._used: dict[str, float] = {}
         """session id -> the capability's expiry: a capability opens its session once (bounded by expiry)."""
+        self.settled = Settlements()
+        """Routes that reached this node and will never open here (issue #30): trackers release them at once."""
 
     @property
     def enabled(self) -> bool:
