@@ -220,6 +220,17 @@ def range_costs(shape: ModelShape, settings: PlanSettings) -> Callable[[int, int
     return _Costs(shape, settings).total
 
 
+def sessions_held(shape: ModelShape, start: int, end: int, memory_bytes: int, settings: PlanSettings) -> int:
+    """Sessions whose caches at ``settings.context`` fit in ``memory_bytes`` beside the weights of ``[start, end)``
+    (the planner's reserve kept free): a node's session count from its memory (issue #30). 0 when not even one."""
+    costs = _Costs(shape, dataclasses.replace(settings, sessions=1))
+    free = memory_bytes * (1.0 - settings.reserve) - costs.weights(start, end)
+    per_session = costs.kv(start, end)
+    if free <= 0:
+        return 0
+    return int(free // per_session) if per_session > 0 else 2**31 - 1
+
+
 def cut_points(shape: ModelShape, *, soft: bool) -> list[int]:
     """Allowed range ends in ``(0, n_layers]``: with ``soft`` every group is kept whole, else only hard groups."""
     return _cut_points(shape, soft)

@@ -71,6 +71,10 @@ class Subjects:
     def telemetry_all(self) -> str:
         return f"{self.namespace}.telemetry.>"
 
+    def gateway_queue(self, gateway: str = "*") -> str:
+        """QueueStats of one gateway's admission queue (issue #30), every second while requests wait."""
+        return f"{self.namespace}.gateway.queue.{_wild_or(gateway, 'gateway name')}"
+
     def tokens(self, session_id: str) -> str:
         """TokenEvent then one SessionEnd, published by the session's head for the gateway."""
         return f"{self.namespace}.tokens.{_wild_or(session_id, 'session id')}"

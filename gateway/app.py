@@ -35,13 +35,13 @@ from bus.service import register
 from bus.subjects import Subjects
 from bus.tracker_client import TrackerClient
 from gateway import sse
+from gateway.admission import AdmissionMiddleware, AdmissionQueue, AdmittedSessions, QueueLimits
 from gateway.limits import ConcurrencyCounter, ConcurrencyLimitMiddleware, ConcurrencyLimits
 from gateway.live_session import LiveSession
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from gateway.metrics import RequestCounter
+from gateway.metrics import GatewayMetrics, RequestCounter
 from gateway.response_stream import ResponsesServing
 from gateway.serving import OpenAIServing
-from gateway.session_manager import SessionManager
 from schemas.errors import AuthenticationError, NotFoundError
 from schemas.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from schemas.openai_responses import ResponsesRequest
@@ -111,7 +111,9 @@ def build_app(serving: OpenAIServing, settings: Settings) -> Starlette:
     ], exception_handlers=EXCEPTION_HANDLERS)
 
     app.add_middleware(InternalErrors)  # innermost: one 500 and one traceback for whatever no handler took
-    # Added first = innermost: requests are counted only once their API key passed.
+    # Added first = innermost: requests are counted only once their API key passed. The admission queue waits
+    # inside the concurrency limits (a waiting request is in flight) and starts a waiting stream's response.
+    app.add_middleware(AdmissionMiddleware)
     app.state.concurrency = ConcurrencyCounter(ConcurrencyLimits.from_settings(settings))
     app.add_middleware(ConcurrencyLimitMiddleware, counter=app.state.concurrency)
     if keys:
@@ -200,8 +202,10 @@ class Gateway(NatsActor):
     async def _on_start(self) -> None:
         subjects = Subjects(self.settings.namespace)
         self._nodes = NodeClient(timeout_s=self.settings.hop_timeout_s)
-        manager = SessionManager(self.nc, TrackerClient(self.nc, subjects), self._nodes, self.settings)
-        self.serving = OpenAIServing(manager)
+        metrics = GatewayMetrics()
+        queue = AdmissionQueue(QueueLimits.from_settings(self.settings), metrics)
+        manager = AdmittedSessions(self.nc, TrackerClient(self.nc, subjects), self._nodes, self.settings, queue)
+        self.serving = OpenAIServing(manager, metrics)
         self.server = HttpServer(build_app(self.serving, self.settings), self._host, self._port)
         await self.server.start()
         self.service = await register(self.nc, namespace=subjects.namespace, role="gateway",

@@ -19,6 +19,12 @@ Series (all names prefixed ``swarmroute_gateway_``)::
     hop_compute_seconds{node}             each hop's mean compute per decode step, per finished session
     hop_overhead_seconds                  per-link network/serialization cost per decode step, per finished session
     prompt_tokens_total / completion_tokens_total
+    queue_waiting                         requests waiting in the admission queue (issue #30)
+    queue_wait_seconds                    joined the queue -> admitted, or dropped
+    queue_admitted_total                  requests admitted after waiting
+    queue_dropped_total{reason}           requests the queue refused: full | displaced | timeout | left
+    queue_retries_total                   turns that found no capacity yet (the head of the queue asks again)
+    service_rate                          sessions ending per second, recent (what a place in the queue is worth)
 """
 
 from __future__ import annotations
@@ -61,9 +67,25 @@ class GatewayMetrics:
         self.prompt_tokens = Counter("swarmroute_gateway_prompt_tokens", "Prompt tokens of finished sessions",
                                      registry=r)
         self.completion_tokens = Counter("swarmroute_gateway_completion_tokens", "Tokens generated", registry=r)
+        self.queue_waiting = Gauge("swarmroute_gateway_queue_waiting", "Requests waiting in the admission queue",
+                                   registry=r)
+        self.queue_wait = Histogram("swarmroute_gateway_queue_wait_seconds", "Joined the admission queue to admitted "
+                                    "or dropped", buckets=_SLOW, registry=r)
+        self.queue_admitted = Counter("swarmroute_gateway_queue_admitted", "Requests admitted after waiting",
+                                      registry=r)
+        self.queue_dropped = Counter("swarmroute_gateway_queue_dropped", "Requests the admission queue refused, by "
+                                     "reason: full, displaced, timeout, left", ["reason"], registry=r)
+        self.queue_retries = Counter("swarmroute_gateway_queue_retries", "Turns of the admission queue that found no "
+                                     "capacity yet", registry=r)
+        self.service_rate = Gauge("swarmroute_gateway_service_rate", "Sessions ending per second, recent (0 until "
+                                  "measured)", registry=r)
 
     def bind(self, *, live_sessions: Callable[[], int]) -> None:
         self.live_sessions.set_function(lambda: float(live_sessions()))
+
+    def bind_queue(self, *, waiting: Callable[[], int], service_rate: Callable[[], float | None]) -> None:
+        self.queue_waiting.set_function(lambda: float(waiting()))
+        self.service_rate.set_function(lambda: float(service_rate() or 0.0))
 
     def clock(self, accepted_at: float, setup: Mapping[str, float] | None = None) -> RequestClock:
         """One per generation request; ``accepted_at`` is a ``time.monotonic()`` stamp; ``setup`` the session's

@@ -77,6 +77,9 @@ class Capacity(WireModel):
     kv_bytes_in_use: int = 0
     sessions_opened: int = Field(default=0, ge=0, description="sessions opened since the node started: tells a "
                                                                   "tracker which of the routes it handed out arrived")
+    sessions_refused: int = Field(default=0, ge=0, exclude_if=lambda v: v == 0,
+                                  description="sessions routed here that settled without opening: refused at open, "
+                                              "or closed before they opened (issue #30)")
     snapshot_free_bytes: int = Field(default=0, ge=0, exclude_if=lambda v: v == 0,
                                      description="room for other nodes' snapshots: the tracker may name this node "
                                                  "a standby holder (issue #18)")
@@ -87,6 +90,11 @@ class Capacity(WireModel):
     @property
     def free_sessions(self) -> int:
         return max(0, self.max_sessions - self.active_sessions)
+
+    @property
+    def sessions_settled(self) -> int:
+        """Routes that reached this node and settled, opened or refused: a tracker's reservation ends with them."""
+        return self.sessions_opened + self.sessions_refused
 
 
 class FetchSummary(WireModel):

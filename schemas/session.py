@@ -46,9 +46,11 @@ def _empty(v: object) -> bool:
 
 
 class SessionPhase(enum.StrEnum):
-    """routing -> prefill -> decode -> complete | failed | cancelled. The last three are terminal; ``repairing``
-    (issue #18) may come between prefill or decode and where the session goes on."""
+    """[queued ->] routing -> prefill -> decode -> complete | failed | cancelled. The last three are terminal;
+    ``repairing`` (issue #18) may come between prefill or decode and where the session goes on; ``queued`` (issue
+    #30) is a request waiting at its gateway for capacity, before it has a route."""
 
+    QUEUED = "queued"
     ROUTING = "routing"
     PREFILL = "prefill"
     DECODE = "decode"

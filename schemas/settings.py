@@ -148,8 +148,24 @@ class Settings(BaseSettings):
     (keep the container's grace period longer)."""
 
     route_retry_s: float = Field(default=1.0, ge=0)
-    """How long the gateway keeps asking for a route while every route is full before it answers 429: a slot
-    freed a moment ago reaches the tracker only with the node's next heartbeat."""
+    """With the admission queue off (``queue_max = 0``): how long the gateway keeps asking for a route while every
+    route is full before it answers 429. With the queue on, the queue does the asking (``queue_poll_s``)."""
+
+    # ---- Many users at once (issue #30): the gateway's admission queue ---------------------------------------
+
+    queue_max: int = Field(default=256, ge=0)
+    """Generation requests that may wait at one gateway for capacity (all models); beyond it 429 ``queue_full``.
+    When it is full, a key with fewer requests waiting displaces the newest request of the key with the most, so
+    one client's flood never keeps another key out. 0 turns the queue off: beyond capacity is a 429 at once (after
+    ``route_retry_s``)."""
+
+    queue_wait_s: float = Field(default=120.0, gt=0)
+    """Longest a request waits in the queue; then 429 ``queue_timeout`` (an error chunk on a stream that already
+    shows its ``queued`` position)."""
+
+    queue_poll_s: float = Field(default=0.25, gt=0)
+    """Longest the head of the queue waits before it asks for a route again while every route is full (it asks at
+    once when a session on this gateway ends; capacity freed elsewhere is found by this poll)."""
 
     # ---- Prefix Snapshots (issue #18): repair after a node loss, and KV reuse across requests ----------------
 

@@ -62,6 +62,33 @@ class SpeculationView(WireModel):
     next_k: int = Field(default=0, description="drafts the head will put in its next window (0: plain decoding)")
 
 
+class QueuePosition(WireModel):
+    """Where a request waiting for capacity stands (phase ``queued``, issue #30)."""
+
+    position: int = Field(ge=1, description="1 = admitted at the next free slot")
+    waiting: int = Field(ge=1, description="requests waiting for this model on this gateway, this one included")
+    eta_s: float | None = Field(default=None, description="position / the measured service rate (sessions "
+                                                          "finished per second); None until one has finished")
+    waited_s: float = Field(default=0.0, ge=0, description="since the request joined the queue")
+    max_wait_s: float = Field(default=0.0, ge=0, description="when the wait reaches it, the request is refused "
+                                                             "with 429 queue_timeout")
+
+
+class QueueStats(WireModel):
+    """A gateway's admission queue, published every second while it is in use (``Subjects.gateway_queue``) for
+    ``swarmroute watch``; the same figures are Prometheus series at the gateway's ``/metrics``."""
+
+    gateway: str
+    waiting: int = 0
+    by_model: dict[str, int] = Field(default_factory=dict)
+    oldest_wait_s: float = 0.0
+    admitted: int = Field(default=0, description="requests admitted after waiting, since the gateway started")
+    dropped: dict[str, int] = Field(default_factory=dict, description="requests refused by the queue, by reason: "
+                                                                      "full | timeout | displaced | left")
+    service_rate: float | None = Field(default=None, description="sessions finished per second, recent")
+    sent_at: float = Field(default_factory=time.time)
+
+
 class GenerationTelemetry(WireModel):
     """One snapshot; ``seq`` increases per session so a subscriber can order and de-duplicate."""
 
@@ -83,4 +110,5 @@ class GenerationTelemetry(WireModel):
     finish_reason: str | None = None
     repair: RepairView | None = Field(default=None, exclude_if=lambda v: v is None)
     speculation: SpeculationView | None = Field(default=None, exclude_if=lambda v: v is None)
+    queue: QueuePosition | None = Field(default=None, exclude_if=lambda v: v is None)
     sent_at: float = Field(default_factory=time.time)

@@ -6,13 +6,22 @@ import argparse
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from actors.backend import Backend
 from actors.backends import load_backend
 from actors.selfcheck import prove_in_child
+from schemas.errors import BadRequestError
 from schemas.node import ALL_LAYERS
 from schemas.settings import Settings
+
+if TYPE_CHECKING:
+    from swarmroute.artifact_prep import PreparedArtifact
+
+DEFAULT_SESSIONS = 4
+"""Sessions of a node that declares no memory (``--memory``) and no ``--max-sessions``."""
+DEFAULT_CTX = 4096
+"""``LlamaCppConfig.n_ctx``'s default: the context a node's sessions are sized for without ``--ctx``."""
 
 
 def default_model_path(settings: Settings) -> Path:
@@ -42,7 +51,8 @@ def build_backend(args: argparse.Namespace, settings: Settings) -> tuple[Backend
     kind = args.backend
     options: dict[str, Any] = {}
     if kind == "stub":
-        options = dict(model=args.model or "stub-model", n_layers=args.n_layers, max_sessions=args.max_sessions,
+        options = dict(model=args.model or "stub-model", n_layers=args.n_layers,
+                       max_sessions=args.max_sessions or DEFAULT_SESSIONS,
                        hidden_shape=tuple(args.hidden_shape),
                        context_length=args.ctx or 4096, delay_s=args.stub_delay)
         if start is not None:
@@ -54,7 +64,7 @@ def build_backend(args: argparse.Namespace, settings: Settings) -> tuple[Backend
         return _llamacpp(args, settings, start, end, threads)
     model = args.model or str(default_model_path(settings))
     if kind == "torch":
-        options = dict(model=model, max_sessions=args.max_sessions, threads=threads,
+        options = dict(model=model, max_sessions=args.max_sessions or DEFAULT_SESSIONS, threads=threads,
                        cache_dir=settings.home / "torch")  # converted weights live under --home
         if args.ctx:
             options["context_length"] = args.ctx
@@ -76,7 +86,8 @@ def _llamacpp(args: argparse.Namespace, settings: Settings, start: int | None, e
         source = default_model_path(settings)
     prepared = prepare(settings.home, source, model_id=store_id, start=start, end=end,
                        allow_unproven=args.allow_unproven_architecture)
-    options: dict[str, Any] = dict(model_path=prepared.path, max_sessions=args.max_sessions, threads=threads,
+    sessions = args.max_sessions or memory_sessions(prepared, getattr(args, "memory", None), args.ctx or DEFAULT_CTX)
+    options: dict[str, Any] = dict(model_path=prepared.path, max_sessions=sessions, threads=threads,
                                    native_dir=settings.home / "native", allow_amx=settings.llama_amx)
     if args.ctx:
         options["n_ctx"] = args.ctx
@@ -86,3 +97,23 @@ def _llamacpp(args: argparse.Namespace, settings: Settings, start: int | None, e
     backend = load_backend("llamacpp", **options)
     aliases = (args.model_id,) if args.model_id else ()
     return backend, Identity(prepared.manifest.model_id, prepared.manifest.manifest_id, verified=True, aliases=aliases)
+
+
+def memory_sessions(prepared: PreparedArtifact, memory: int | None, context: int) -> int:
+    """A llama.cpp node's session count from its memory (issue #30): as many sessions as ``memory`` holds caches for
+    at ``context`` beside the weights of its layers (the planner's costs, ``artifacts.layer_split``), up to what
+    llama.cpp can hold; ``DEFAULT_SESSIONS`` when the node declares no memory. ``--max-sessions`` overrides it."""
+    if memory is None:
+        return DEFAULT_SESSIONS
+    import llama_cpp
+
+    from artifacts.gguf_shape import shape_from_manifest
+    from artifacts.layer_split import PlanSettings, gib, sessions_held
+
+    shape = shape_from_manifest(prepared.manifest)
+    held = sessions_held(shape, prepared.start, prepared.end, memory, PlanSettings(context=context))
+    if held < 1:
+        raise BadRequestError(f"--memory {gib(memory)} does not hold layers [{prepared.start}, {prepared.end}) and "
+                              f"one session's cache at a context of {context} tokens; give more memory or a smaller "
+                              f"--ctx", param="memory")
+    return min(held, int(llama_cpp.llama_max_parallel_sequences()) - 1)  # one is the KV scratch (issue #18)

@@ -150,8 +150,9 @@ def _backend_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-id", help="id to advertise (default: the model's name); for a GGUF node without "
                                       "--model, a model's sha256 (64 hex digits) makes the node fetch its layers "
                                       "from the swarm")
-    p.add_argument("--max-sessions", type=argtypes.positive, default=4,
-                   help="concurrent sessions (KV slots) on this node")
+    p.add_argument("--max-sessions", type=argtypes.positive, default=None,
+                   help="concurrent sessions (KV slots) on this node (default: a llama.cpp node with --memory takes "
+                        "as many as that memory holds caches for at --ctx beside its layers; else 4)")
     p.add_argument("--ctx", type=argtypes.context, default=None, help="context per session in tokens (4096, 32K)")
     p.add_argument("--threads", type=argtypes.positive, default=None,
                    help="compute threads per node (default: every core; with up, each node gets an equal share "

@@ -24,6 +24,7 @@ from bus.server import EmbeddedNats, NatsServerConfig
 from schemas.errors import SwarmrouteError, validation_message
 from schemas.fleet import Fleet, GatewaySpec, ModelSpec, NodeSpec, SeederSpec, TrackerSpec
 from schemas.settings import Settings
+from swarmroute.backends import DEFAULT_SESSIONS
 from swarmroute.fleet_members import LocalFleet
 from swarmroute.supervisor import Supervisor
 
@@ -127,8 +128,9 @@ def up_fleet(args: argparse.Namespace, settings: Settings, model: ModelSpec, *, 
     share of this machine's cores, ``local_threads``), one gateway listening on ``gateway``, and ``seeders``; in
     this process's namespace."""
     threads = args.threads or local_threads(nodes)
-    node_specs = [NodeSpec(name=f"node-{i + 1}", max_sessions=args.max_sessions, ctx=args.ctx, threads=threads,
-                           wire_dtype=args.wire_dtype, listen=listen(settings.bind_host, 0), memory=memory)
+    node_specs = [NodeSpec(name=f"node-{i + 1}", max_sessions=args.max_sessions or DEFAULT_SESSIONS, ctx=args.ctx,
+                           threads=threads, wire_dtype=args.wire_dtype, listen=listen(settings.bind_host, 0),
+                           memory=memory)
                   for i in range(nodes)]
     return Fleet(name="up", namespace=settings.namespace, models={"model": model},
                  trackers=[TrackerSpec(name="tracker")], gateways=[GatewaySpec(name="gateway", listen=gateway)],

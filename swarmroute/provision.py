@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from schemas.errors import SwarmrouteError
 from schemas.settings import Settings
+from swarmroute.backends import DEFAULT_SESSIONS
 from swarmroute.foreground import BACKEND_CRASHED, drain_node, make_node, node_backend, node_id, start_node, stop_event
 
 if TYPE_CHECKING:
@@ -93,7 +94,8 @@ async def _serve(args: argparse.Namespace, settings: Settings) -> int:
     context = args.ctx or _default_context()
     session = TorrentSession(SwarmConfig(listen_host=_torrent_host(args, settings), listen_port=args.torrent_port))
     config = ProvisionConfig(node_id=name, model_id=args.model_id, memory_bytes=memory,
-                             manifest_id=args.manifest_id, layers=args.layers, max_sessions=args.max_sessions,
+                             manifest_id=args.manifest_id, layers=args.layers,
+                             max_sessions=args.max_sessions or DEFAULT_SESSIONS,
                              context=context, allow_unproven=args.allow_unproven_architecture,
                              aliases=tuple(args.alias or ()))
     cancel = threading.Event()

@@ -22,6 +22,7 @@ from schemas.errors import BadRequestError
 from schemas.fleet import ModelSpec, SeederSpec
 from schemas.manifest import ModelManifest
 from schemas.settings import Settings
+from swarmroute.backends import DEFAULT_SESSIONS
 from swarmroute.fleet_members import LocalFleet
 from swarmroute.launcher import listen, local_fleet, local_node_env, local_threads, slug, up_fleet, wait_ready
 from swarmroute.supervisor import Supervisor
@@ -97,7 +98,7 @@ def run_up_from_swarm(args: argparse.Namespace, settings: Settings) -> int:
     path = Path(args.model) if args.model else default_model_path(settings)
     manifest = import_model(seeder_home, path)  # the seeder's store: a hard link of the file where possible
     alias = args.model_id or slug(manifest.name or path.stem)
-    context, sessions = args.ctx or DEFAULT_CONTEXT, args.max_sessions
+    context, sessions = args.ctx or DEFAULT_CONTEXT, args.max_sessions or DEFAULT_SESSIONS
     try:
         memory = args.node_memory or memory_for(manifest, n_nodes, context=context, sessions=sessions)
     except BadRequestError as exc:

@@ -17,14 +17,33 @@ from bus.subjects import Subjects
 from schemas.artifact import FetchProgress
 from schemas.node import NODE_SERVING, NodeAdvertisement
 from schemas.settings import Settings
-from schemas.telemetry import GenerationTelemetry
+from schemas.telemetry import GenerationTelemetry, QueueStats
 
 FETCH_SHOWN_S = 60.0
 """A fetch's last progress stays on screen this long (its "done" line shows what it downloaded)."""
 
 
+QUEUE_SHOWN_S = 10.0
+"""A gateway's queue figures stay on screen this long after its last report (it reports every second while
+requests wait, and once when the queue empties)."""
+
+
+def render_queues(queues: dict[str, QueueStats]) -> list[str]:
+    """Each gateway's admission queue (issue #30): waiting, the oldest wait, admitted and dropped, the rate."""
+    recent = [q for q in queues.values() if time.time() - q.sent_at < QUEUE_SHOWN_S]
+    if not recent:
+        return []
+    lines = ["", f"{'GATEWAY':<16} {'WAITING':<8} {'OLDEST':<8} {'ADMITTED':<9} {'RATE/S':<7} DROPPED"]
+    for q in sorted(recent, key=lambda q: q.gateway):
+        dropped = ", ".join(f"{k} {v}" for k, v in sorted(q.dropped.items())) or "-"
+        rate = f"{q.service_rate:.2f}" if q.service_rate is not None else "-"
+        lines.append(f"{q.gateway[:16]:<16} {q.waiting:<8} {q.oldest_wait_s:<8.1f} {q.admitted:<9} {rate:<7} "
+                     f"{dropped}")
+    return lines
+
+
 def render(nodes: dict[str, NodeAdvertisement], sessions: dict[str, GenerationTelemetry],
-           fetches: dict[str, FetchProgress] | None = None) -> str:
+           fetches: dict[str, FetchProgress] | None = None, queues: dict[str, QueueStats] | None = None) -> str:
     lines = [f"{'NODE':<16} {'MODEL':<24} {'LAYERS':<10} {'SESSIONS':<9} ENDPOINT"]
     for n in sorted(nodes.values(), key=lambda a: (a.model_id, a.layers.start)):
         where = n.endpoint if n.state == NODE_SERVING else f"({n.state}: not routed yet)"
@@ -34,6 +53,7 @@ def render(nodes: dict[str, NodeAdvertisement], sessions: dict[str, GenerationTe
     if recent:
         lines += ["", f"{'FETCHING':<16} {'PROGRESS'}"]
         lines += [f"{p.node_id:<16} {format_progress(p)}" for p in sorted(recent, key=lambda p: p.node_id)]
+    lines += render_queues(queues or {})
     lines.append("")
     lines.append(f"{'SESSION':<10} {'PHASE':<9} {'PREFILL':<11} {'TOKENS':<7} {'TOK/S':<7} {'HEALTH':<9} "
                  "ROUTE / FAILURE")
@@ -55,6 +75,7 @@ async def _watch(nc: NATS, settings: Settings, *, once: bool, duration: float | 
     registry = RegistryView(None, settings.registry_ttl_s, nc=nc, subjects=subjects)
     sessions: dict[str, GenerationTelemetry] = {}
     fetches: dict[str, FetchProgress] = {}
+    queues: dict[str, QueueStats] = {}
 
     async def on_telemetry(msg: Msg) -> None:
         with contextlib.suppress(codec.DecodeError):
@@ -66,16 +87,22 @@ async def _watch(nc: NATS, settings: Settings, *, once: bool, duration: float | 
             p = codec.decode(msg.data, FetchProgress)
             fetches[p.node_id] = p
 
+    async def on_queue(msg: Msg) -> None:
+        with contextlib.suppress(codec.DecodeError):
+            q = codec.decode(msg.data, QueueStats)
+            queues[q.gateway] = q
+
     await nc.subscribe(subjects.telemetry_all, cb=on_telemetry)
+    await nc.subscribe(subjects.gateway_queue("*"), cb=on_queue)
     await nc.subscribe(subjects.artifact_progress("*"), cb=on_progress)
     await registry.start()
     started = time.monotonic()
     try:
         while True:
             if once:
-                print(render(registry.all(), sessions, fetches))
+                print(render(registry.all(), sessions, fetches, queues))
                 return 0
-            print("\x1b[2J\x1b[H" + render(registry.all(), sessions, fetches), flush=True)
+            print("\x1b[2J\x1b[H" + render(registry.all(), sessions, fetches, queues), flush=True)
             if duration is not None and time.monotonic() - started > duration:
                 return 0
             await asyncio.sleep(1.0)

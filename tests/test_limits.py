@@ -113,7 +113,8 @@ async def _slow_stream(client: openai.AsyncOpenAI, started: asyncio.Event, n: in
 
 async def test_node_capacity_gives_429_with_retry_after_then_recovers(nats_server: object, tmp_path: Path,
                                                                        swarms: Swarms) -> None:
-    settings = make_settings(nats_server.url, tmp_path / "home", route_retry_s=0.5)  # type: ignore[attr-defined]
+    settings = make_settings(nats_server.url, tmp_path / "home", route_retry_s=0.5,  # type: ignore[attr-defined]
+                             queue_max=0)  # no admission queue (issue #30): the refusal itself is under test
     swarm = await _swarm(swarms, settings, max_sessions=1, delay_s=0.01)
     client = openai.AsyncOpenAI(base_url=swarm.base_url, api_key="unused", max_retries=0)
     started = asyncio.Event()

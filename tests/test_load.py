@@ -133,7 +133,8 @@ async def test_within_capacity_no_errors(load_settings: Settings, swarms: Swarms
 
 async def test_beyond_capacity_refuses_cleanly(load_settings: Settings, swarms: Swarms) -> None:
     backends = [stub(0, 4, max_sessions=CAPACITY, delay_s=0.004), stub(4, 8, max_sessions=CAPACITY, delay_s=0.004)]
-    swarm = await swarms.start(load_settings, backends, model_id=MODEL)
+    settings = load_settings.model_copy(update={"queue_max": 0})  # refusals under test, not the queue (issue #30)
+    swarm = await swarms.start(settings, backends, model_id=MODEL)
     tally = await run_load(swarm, clients=3 * CAPACITY, seconds=8.0, max_tokens=16)
     await eventually(lambda: drained(swarm, backends), what="every session being dropped everywhere")
     assert tally.errors == [], tally.errors[:5]

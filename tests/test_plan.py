@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import json
 import math
@@ -329,3 +330,19 @@ def test_ornith_recurrent_state_is_fixed_per_session() -> None:
     assert one.assignments[0].kv_bytes == 30 * state * 4 + (10 + 1) * 2 * 2 * 256 * 2 * 4096
     # the first-party Q4_K_M GGUF is 21.71 GB (ornith-ai/Ornith-1.5-35B-A3B-GGUF); the file's q4_k is an estimate
     assert abs(shape.total_weight_bytes() - 21.71e9) / 21.71e9 < 0.05
+
+
+@pytest.mark.parametrize("memory_mib", [512, 1024, 4096])
+def test_a_nodes_sessions_are_what_its_memory_holds_beside_its_layers(gemma: ModelShape, memory_mib: int) -> None:
+    """Issue #30: a node's session count from its memory is the planner's own arithmetic: ``held`` sessions fit the
+    node's memory for the whole model at the context, one more does not."""
+    from artifacts.layer_split import sessions_held
+
+    memory, settings = memory_mib * 2**20, PlanSettings(context=4096)
+    held = sessions_held(gemma, 0, gemma.n_layers, memory, settings)
+    assert held >= 1
+    plan = split(gemma, [NodeSpec("a", memory)], dataclasses.replace(settings, sessions=held))
+    assert plan.assignments[0].total_bytes <= memory
+    with pytest.raises(NoRouteError):
+        split(gemma, [NodeSpec("a", memory)], dataclasses.replace(settings, sessions=held + 1))
+    assert sessions_held(gemma, 0, gemma.n_layers, 2**20, settings) == 0  # not even the weights fit

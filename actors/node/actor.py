@@ -113,7 +113,7 @@ class Node(NatsActor):
         control = ControlApi(node_id=config.node_id, backend=backend, engine=self.engine, admission=self.admission,
                              reuse=self.reuse, metrics=self.metrics, standby=self.standby, sessions=self.sessions,
                              open_session=lambda request: self.open_session(request),  # a wrapper set later counts
-                             advertisement=self.advertisement, prefix_moved=self._beat_soon.set,
+                             advertisement=self.advertisement, beat_soon=self._beat_soon.set,
                              max_body_bytes=settings.max_body_bytes)
         hop_api = HopApi(control.app(), control.session_for, max_frame_bytes=settings.max_frame_bytes,
                          max_body_bytes=settings.max_body_bytes)
@@ -194,6 +194,7 @@ class Node(NatsActor):
                             active_sessions=min(self.sequences_in_use(), self.backend.max_sessions),
                             max_context=min(info.context_length, CONTEXT_CAP),
                             kv_bytes_in_use=self.backend.kv_bytes_in_use(), sessions_opened=self.opener.opened_total,
+                            sessions_refused=self.admission.settled.refused,
                             snapshot_free_bytes=max(0, self.snapshots.budget_bytes - self.snapshots.bytes_used),
                             prefix_keys=self.reuse.cache.keys())
         return NodeAdvertisement(node_id=self.config.node_id, endpoint=self.endpoint, model_id=self.config.model_id,

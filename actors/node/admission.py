@@ -9,6 +9,7 @@ constant-time compare — one header lookup and one ``hmac.compare_digest`` on t
 
 from __future__ import annotations
 
+import collections
 import hmac
 import time
 
@@ -18,6 +19,47 @@ from schemas.errors import CapabilityError, PermissionDeniedError
 from schemas.route import RouteUpdate
 from schemas.session import SessionOpen
 
+SETTLED_REMEMBERED = 8192
+"""Session ids a node remembers having opened or refused: a close arriving later for one of them is not news."""
+
+
+class Settlements:
+    """Which of the sessions routed here settled without opening (issue #30): refused at open, or closed by their
+    gateway before they ever opened here (a hop the route never reached because an earlier one refused).
+
+    A tracker counts a route it handed out against every node on it until the node says the session settled: its
+    advertisement's ``sessions_opened + sessions_refused`` passed the value seen at hand-out. Without the refusals a
+    rejected request kept its slot until the reservation expired (1.5 heartbeats): five bad requests in a row made
+    an idle swarm refuse everyone for seconds. Each id counts once, whichever of open, refusal or close comes first.
+    """
+
+    def __init__(self, remembered: int = SETTLED_REMEMBERED) -> None:
+        self.refused = 0
+        self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._remembered = remembered
+
+    def _first(self, session_id: str) -> bool:
+        if session_id in self._seen:
+            return False
+        self._seen[session_id] = None
+        if len(self._seen) > self._remembered:
+            self._seen.popitem(last=False)
+        return True
+
+    def opened(self, session_id: str) -> None:
+        self._first(session_id)
+
+    def refused_open(self, session_id: str) -> bool:
+        """An open of ``session_id`` failed here; True when that settles it (the advertisement should go out now)."""
+        if self._first(session_id):
+            self.refused += 1
+            return True
+        return False
+
+    def closed_unopened(self, session_id: str) -> bool:
+        """A close for a session this node does not hold; True when it was never opened or refused here."""
+        return self.refused_open(session_id)
+
 
 class Admission:
     def __init__(self, verifier: caps.Verifier | None, node_id: str, *, skew_s: float) -> None:
@@ -26,6 +68,8 @@ class Admission:
         self._skew_s = skew_s
         self._used: dict[str, float] = {}
         """session id -> the capability's expiry: a capability opens its session once (bounded by expiry)."""
+        self.settled = Settlements()
+        """Routes that reached this node and will never open here (issue #30): trackers release them at once."""
 
     @property
     def enabled(self) -> bool:

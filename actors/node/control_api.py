@@ -56,7 +56,7 @@ class ControlApi:
     def __init__(self, *, node_id: str, backend: Backend, engine: StepEngine, admission: Admission, reuse: Reuse,
                  metrics: NodeMetrics, standby: StandbyApi, sessions: dict[str, NodeSession],
                  open_session: Callable[[SessionOpen], Awaitable[SessionOpened]],
-                 advertisement: Callable[[], NodeAdvertisement], prefix_moved: Callable[[], None],
+                 advertisement: Callable[[], NodeAdvertisement], beat_soon: Callable[[], None],
                  max_body_bytes: int) -> None:
         self.node_id = node_id
         self.backend = backend
@@ -68,7 +68,8 @@ class ControlApi:
         self.sessions = sessions
         self.open_session = open_session
         self.advertisement = advertisement
-        self.prefix_moved = prefix_moved
+        self.beat_soon = beat_soon
+        """Heartbeat now: what the trackers route by changed (a kept prefix, a reservation that ended)."""
         """Kept prefixes gained keys: the node heartbeats at once, so trackers learn where the next turn's is."""
         self.max_body_bytes = max_body_bytes
 
@@ -129,7 +130,12 @@ class ControlApi:
 
     async def _open(self, request: Request) -> Response:
         open_request = await self._json(request, SessionOpen)
-        opened = await self.open_session(open_request)
+        try:
+            opened = await self.open_session(open_request)
+        except BaseException:
+            if self.admission.settled.refused_open(open_request.session_id):
+                self.beat_soon()  # the trackers release the route's reservation here now, not in 1.5 beats
+            raise
         return JSONResponse(opened.model_dump(mode="json"), status_code=201)
 
     async def _status(self, request: Request) -> Response:
@@ -149,12 +155,14 @@ class ControlApi:
             else:
                 session.keep = _positions(request.query_params.get("keep"), session.position)
                 await session.close()
+        elif self.admission.settled.closed_unopened(sid):
+            self.beat_soon()  # a route refused before it reached this hop: its reservation ends now
         keys = [k for k in request.query_params.get("keys", "").split(",") if k]
         kept = self.reuse.cache.get(sid)
         if keys and kept is not None:
             Admission.check_session_token(kept.token, token)
             self.reuse.cache.attach_keys(sid, keys)
-            self.prefix_moved()  # trackers learn at once where the next turn's prefix is
+            self.beat_soon()  # trackers learn at once where the next turn's prefix is
         return JSONResponse({"closed": session is not None})
 
     async def _failure(self, request: Request) -> Response:

@@ -81,6 +81,7 @@ class SessionOpener:
         self.admission.record(grant)
         self.sessions[request.session_id] = session
         self.opened_total += 1
+        self.admission.settled.opened(request.session_id)
         self.metrics.session_opened(request.hop_index, len(request.route.hops))
         session.start()
         if isinstance(session, HeadSession):

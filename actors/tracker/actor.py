@@ -78,9 +78,10 @@ class Tracker(NatsActor):
             await self.registry.stop()
 
     def _pending_counts(self) -> dict[str, int]:
-        # A route handed out counts against its nodes until the node reports the session opened (its
-        # sessions_opened counter passed the value seen at hand-out), at the latest for 1.5 heartbeats (routes
-        # never opened). Counting an arrived session as pending too counts it twice, and under fast churn a swarm
+        # A route handed out counts against its nodes until the node reports the session settled (its
+        # sessions_opened + sessions_refused passed the value seen at hand-out: a refused or abandoned route is
+        # released with the node's next, immediate, heartbeat), at the latest for 1.5 heartbeats (a gateway that
+        # died while opening). Counting an arrived session as pending too counts it twice, and under fast churn a swarm
         # with free slots refuses routes (tests/test_load.py).
         horizon = time.monotonic() - self.settings.heartbeat_s * 1.5
         opened = self._opened_counts()
@@ -97,7 +98,7 @@ class Tracker(NatsActor):
 
     def _opened_counts(self) -> dict[str, int]:
         assert self.registry is not None
-        return {a.node_id: a.capacity.sessions_opened for a in self.registry.live()}
+        return {a.node_id: a.capacity.sessions_settled for a in self.registry.live()}
 
     def route(self, request: RouteRequest) -> RouteReply:
         assert self.registry is not None
