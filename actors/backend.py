@@ -4,6 +4,9 @@ A backend owns one contiguous layer range of one model and the Hot KV State of e
 calls ``step`` from a single worker thread with a *batch* of work items from different sessions (continuous
 batching): prefill chunks and one-position decode steps mixed. Everything else (HTTP, ordering, sampling policy
 of when to stop, detokenization into UTF-8 text) is the node's job, not the backend's.
+
+What every backend keeps about its sessions (the table of them, capacity, refusals, forks) is shared:
+``actors.backends.session_table``.
 """
 
 from __future__ import annotations
