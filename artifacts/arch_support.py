@@ -253,8 +253,8 @@ SUPPORT: dict[str, ArchSupport] = {a.arch: a for a in (
                 "block excluded), so the shard writer, which slices arrays of block_count entries, copies it "
                 "whole and llama.cpp rejects it (tiny model: 'wrong array length; expected 4, got 7'). Sliced to "
                 "the shard's trunk layers, a cut before a full-indexer layer is bit-exact on the tiny model (max "
-                "abs diff 0.0); a shard starting on an IndexShare layer (type 0) has no previous top-k to reuse "
-                "(models/glm-dsa.cpp asserts prev_top_k)"),
+                "abs diff 0.0); a shard starting on an IndexShare layer (type 0) has no previous top-k to reuse and "
+                "aborts llama.cpp (GGML_ASSERT prev_top_k in models/glm-dsa.cpp, seen on the tiny model)"),
     ArchSupport("deepseek4", "proven", "DeepSeek V4 Flash / Pro", output_required=True,
                 range_check=_deepseek4_hash_layers,
                 cut_rules="any boundary at or after the last hash-routed layer (they stay on the head, which has "
