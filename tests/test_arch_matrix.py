@@ -10,7 +10,9 @@ For each case of ``artifacts.synthetic.matrix`` (a tiny seeded GGUF per architec
 * the guard refuses what must not be cut (a lone global layer, a lone MTP block, gemma3 with 62 layers where the 27B
   scale differs, gemma2, glm4, glm4moe) and allows the 62-layer gemma3 whose scale does not differ (proven
   bit-exact above), and the refusal is earned: with the guard lifted, gemma3-62 and gemma2 chains compute other logits,
-  glm4/glm4moe shards abort llama.cpp, and deepseek2 shards without their pins compute other logits or fail to load;
+  glm4/glm4moe shards abort llama.cpp, a qwen35moe chain computes other logits (M-RoPE positions of embedding
+  batches), a glm-dsa shard does not load (its per-trunk-layer indexer types), and deepseek2 shards without their pins
+  compute other logits or fail to load;
 * ``docs/models/architectures.md`` is the table rendered from these results (``SWARMROUTE_WRITE_DOCS=1`` rewrites it).
 """
 
