@@ -240,6 +240,21 @@ SUPPORT: dict[str, ArchSupport] = {a.arch: a for a in (
     ArchSupport("glm4moe", "refused", "GLM-4.5, GLM-4.6, GLM-4.7",
                 reason="models/glm4-moe.cpp aborts (GGML_ABORT) when fed embeddings without M-RoPE sections: a "
                 "shard after the head cannot take hidden states"),
+    ArchSupport("qwen35moe", "refused", "Qwen 3.5 / 3.6 MoE (35B-A3B, 122B-A10B, 397B-A17B), Ornith-class hybrids",
+                reason="models/qwen35moe.cpp rotates its full-attention layers with interleaved M-RoPE, 4 positions "
+                "per row; llama.cpp widens 1-D positions to 4 for token batches only (llm_graph_input_pos), and "
+                "reads an embedding batch's positions section-major (pos[j * n_tokens + i], llama_batch_allocr): "
+                "a shard fed hidden states with one position per row rotates by other positions. The tiny model "
+                "shows it: a 2-way chain computes other logits (max abs diff 0.089, greedy tokens still equal); "
+                "given [p, p, p, 0] section-major positions the same chain is bit-exact (0.0), so the fix is in "
+                "the backend's batch. Its Gated DeltaNet state cannot be truncated either (docs/models/ornith.md)"),
+    ArchSupport("glm-dsa", "refused", "GLM-5, GLM-5.1, GLM-5.2",
+                reason="a shard does not load: attention.indexer.types holds one entry per trunk layer (the MTP "
+                "block excluded), so the shard writer, which slices arrays of block_count entries, copies it "
+                "whole and llama.cpp rejects it (tiny model: 'wrong array length; expected 4, got 7'). Sliced to "
+                "the shard's trunk layers, a cut before a full-indexer layer is bit-exact on the tiny model (max "
+                "abs diff 0.0); a shard starting on an IndexShare layer (type 0) has no previous top-k to reuse and "
+                "aborts llama.cpp (GGML_ASSERT prev_top_k in models/glm-dsa.cpp, seen on the tiny model)"),
     ArchSupport("deepseek4", "proven", "DeepSeek V4 Flash / Pro", output_required=True,
                 range_check=_deepseek4_hash_layers,
                 cut_rules="any boundary at or after the last hash-routed layer (they stay on the head, which has "

@@ -10,7 +10,9 @@ For each case of ``artifacts.synthetic.matrix`` (a tiny seeded GGUF per architec
 * the guard refuses what must not be cut (a lone global layer, a lone MTP block, gemma3 with 62 layers where the 27B
   scale differs, gemma2, glm4, glm4moe) and allows the 62-layer gemma3 whose scale does not differ (proven
   bit-exact above), and the refusal is earned: with the guard lifted, gemma3-62 and gemma2 chains compute other logits,
-  glm4/glm4moe shards abort llama.cpp, and deepseek2 shards without their pins compute other logits or fail to load;
+  glm4/glm4moe shards abort llama.cpp, a qwen35moe chain computes other logits (M-RoPE positions of embedding
+  batches), a glm-dsa shard does not load (its per-trunk-layer indexer types), and deepseek2 shards without their pins
+  compute other logits or fail to load;
 * ``docs/models/architectures.md`` is the table rendered from these results (``SWARMROUTE_WRITE_DOCS=1`` rewrites it).
 """
 
@@ -25,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+from gguf import GGUFReader
 
 llama_cpp = pytest.importorskip("llama_cpp")  # a skip fails under CI=true (tests/support/ci_strict.py)
 
@@ -208,6 +211,24 @@ def test_without_the_guard_a_shard_after_the_head_aborts(name: str, models: Path
     assert out.returncode < 0, out.stdout + out.stderr  # killed by a signal (SIGABRT), not a Python error
     assert "survived" not in out.stdout
     assert "does not support multimodal" in out.stderr
+    RESULTS.record_unguarded(name, None)
+
+
+@pytest.mark.parametrize("name", [c.name for c in MATRIX if c.why_refused == "load"])
+def test_without_the_guard_a_shard_does_not_load(name: str, models: Path, guard_lifted: None) -> None:
+    """glm-dsa: ``attention.indexer.types`` has one entry per trunk layer, not per block, so the shard writer copies
+    it whole and llama.cpp refuses the shard's array length."""
+    c = case(name)
+    path = build(c, "F16", models)
+    tokens, whole = reference(c, "F16", models)  # the whole model runs fine
+    assert len(whole.picks) > 0
+    a, b = ranges(c.refused_splits["2-way"])[0]
+    shard = write_shard(path, models / f"{name}-unguarded-{a}-{b}.gguf", a, b, allow_unproven=True)
+    key = f"{c.arch}.attention.indexer.types"
+    assert len(GGUFReader(path).fields[key].data) == c.dims.n_trunk  # per trunk layer in the whole model
+    assert len(GGUFReader(shard).fields[key].data) == c.dims.n_trunk != b - a  # copied whole into the shard
+    with pytest.raises(ModelLoadError):
+        open_backend(path, models / f"{name}-unguarded", a, b, allow_unproven=True).close()
     RESULTS.record_unguarded(name, None)
 
 

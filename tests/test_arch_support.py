@@ -217,3 +217,15 @@ def test_deepseek4_keeps_its_hash_layers_on_the_head_and_a_csa_layer_on_every_sh
         with pytest.raises(BadRequestError, match=re.escape(says)) as refused:
             cut(a, b)
         assert "v4.gguf" in refused.value.message and f"[{a}, {b})" in refused.value.message
+
+
+@pytest.mark.parametrize(("arch", "why"), [("qwen35moe", "M-RoPE"), ("glm-dsa", "indexer.types")])
+def test_recurrent_and_dsa_models_are_refused_with_what_their_tiny_model_showed(arch: str, why: str) -> None:
+    """Both build and run whole (tests/test_arch_matrix.py); every cut is refused, even with the unproven override,
+    with the failure the tiny model showed."""
+    n = case(arch).n_layers
+    for a, b in ((0, n // 2), (n // 2, n)):
+        with pytest.raises(BadRequestError, match=why) as exc:
+            check_cut(request(arch, n, a, b), allow_unproven=True)
+        assert "tiny model" in exc.value.message and f"[{a}, {b})" in exc.value.message
+    assert check_cut(request(arch, n, 0, n)) == ()  # served whole on one node

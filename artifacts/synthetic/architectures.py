@@ -544,9 +544,124 @@ def deepseek4(d: Dims, name: str) -> ModelBuilder:
     return b
 
 
+def qwen35moe(d: Dims, name: str) -> ModelBuilder:
+    """models/qwen35moe.cpp (Qwen 3.5/3.6 MoE, Ornith-class): every ``full_attention_interval``-th layer is gated
+    full attention (query and gate in one projection, q/k norms, interleaved M-RoPE), the others Gated DeltaNet
+    linear attention (fused qkv, z gate, a causal conv1d and a recurrent per-head state); every layer a routed MoE
+    plus a gated shared expert; a post-attention norm."""
+    b = _start("qwen35moe", d, name)
+    _head_dims(b, d)
+    b.u32("rope.dimension_count", d.head_dim // 2)  # partial rotary, as the 35B-A3B (64 of 256)
+    b.array("rope.dimension_sections", [2, 1, 1, 0], GGUFValueType.INT32)
+    _moe_keys(b, d)
+    b.u32("expert_shared_feed_forward_length", d.n_ff_exp)
+    b.u32("full_attention_interval", 4)
+    # Gated DeltaNet: n_k_heads (group count) x state, n_v_heads (time-step rank) x state.
+    b.u32("ssm.conv_kernel", 4)
+    b.u32("ssm.state_size", _DN_STATE)
+    b.u32("ssm.group_count", _DN_K_HEADS)
+    b.u32("ssm.time_step_rank", _DN_V_HEADS)
+    b.u32("ssm.inner_size", _DN_STATE * _DN_V_HEADS)
+    key_dim, value_dim = _DN_STATE * _DN_K_HEADS, _DN_STATE * _DN_V_HEADS
+    b.tensor("token_embd.weight", d.n_embd, b.n_vocab, kind="embedding")
+    for il in range(d.n_layers):
+        b.block(il, "attn_norm.weight", d.n_embd, kind="norm")
+        b.block(il, "post_attention_norm.weight", d.n_embd, kind="norm")
+        if (il + 1) % 4:
+            b.block(il, "attn_qkv.weight", d.n_embd, 2 * key_dim + value_dim)
+            b.block(il, "attn_gate.weight", d.n_embd, value_dim)
+            b.block(il, "ssm_conv1d.weight", 4, 2 * key_dim + value_dim, kind="small")
+            b.block(il, "ssm_dt.bias", _DN_V_HEADS, kind="small")
+            b.block(il, "ssm_a", _DN_V_HEADS, kind="negative")  # -exp(A_log): the state decays
+            b.block(il, "ssm_beta.weight", d.n_embd, _DN_V_HEADS)
+            b.block(il, "ssm_alpha.weight", d.n_embd, _DN_V_HEADS)
+            b.block(il, "ssm_norm.weight", _DN_STATE, kind="norm")
+            b.block(il, "ssm_out.weight", value_dim, d.n_embd)
+        else:
+            q, kv = d.n_head * d.head_dim, d.n_head_kv * d.head_dim
+            b.block(il, "attn_q.weight", d.n_embd, 2 * q)
+            b.block(il, "attn_k.weight", d.n_embd, kv)
+            b.block(il, "attn_v.weight", d.n_embd, kv)
+            b.block(il, "attn_output.weight", q, d.n_embd)
+            _qk_norm(b, d, il)
+        _experts(b, d, il)
+        b.block(il, "ffn_gate_inp_shexp.weight", d.n_embd, kind="small")
+        _shared_expert(b, d, il)
+    _output(b, d, tied=False)
+    return b
+
+
+_DN_STATE, _DN_K_HEADS, _DN_V_HEADS = 32, 2, 4
+"""Gated DeltaNet widths of the tiny qwen35moe: head width 32 (128 in the 35B-A3B), 2 key heads, 4 value heads."""
+
+
+def glm_dsa(d: Dims, name: str) -> ModelBuilder:
+    """models/glm-dsa.cpp (GLM-5 / 5.1 / 5.2): deepseek2's multi-head latent attention with a q LoRA plus a DSA
+    lightning indexer (top-k key selection, Hadamard-rotated keys in their own cache); per
+    ``attention.indexer.types`` a layer runs its own indexer (1) or reuses the previous layer's top-k (0, GLM-5.2's
+    "IndexShare"); dense leading layers, sigmoid-routed MoE with a shared expert, one trailing MTP block."""
+    b = _start("glm-dsa", d, name)
+    b.u32("attention.head_count_kv", 1)
+    b.u32("leading_dense_block_count", d.n_dense_lead)
+    b.u32("nextn_predict_layers", d.n_nextn)
+    b.u32("attention.q_lora_rank", d.q_lora_rank)
+    b.u32("attention.kv_lora_rank", d.kv_lora_rank)
+    b.u32("attention.key_length", d.kv_lora_rank + d.qk_rope_dim)
+    b.u32("attention.value_length", d.kv_lora_rank)
+    b.u32("attention.key_length_mla", d.qk_nope_dim + d.qk_rope_dim)
+    b.u32("attention.value_length_mla", d.v_head_dim)
+    b.u32("rope.dimension_count", d.qk_rope_dim)
+    b.u32("attention.indexer.head_count", d.indexer_heads)
+    b.u32("attention.indexer.key_length", d.indexer_head_dim)
+    b.u32("attention.indexer.top_k", d.indexer_top_k)
+    full = _glm52_indexer_types(d.n_trunk)
+    b.array("attention.indexer.types", full, GGUFValueType.UINT32)
+    _moe_keys(b, d)
+    b.u32("expert_shared_count", d.n_expert_shared)
+    b.f32("expert_weights_scale", 2.5)
+    b.boolean("expert_weights_norm", True)
+    b.u32("expert_gating_func", 2)
+    b.tensor("token_embd.weight", d.n_embd, b.n_vocab, kind="embedding")
+    k_mla = d.qk_nope_dim + d.qk_rope_dim
+    for il in range(d.n_layers):
+        b.block(il, "attn_norm.weight", d.n_embd, kind="norm")
+        b.block(il, "attn_q_a_norm.weight", d.q_lora_rank, kind="norm")
+        b.block(il, "attn_kv_a_norm.weight", d.kv_lora_rank, kind="norm")
+        b.block(il, "attn_q_a.weight", d.n_embd, d.q_lora_rank)
+        b.block(il, "attn_q_b.weight", d.q_lora_rank, d.n_head * k_mla)
+        b.block(il, "attn_kv_a_mqa.weight", d.n_embd, d.kv_lora_rank + d.qk_rope_dim)
+        b.block(il, "attn_k_b.weight", d.qk_nope_dim, d.kv_lora_rank, d.n_head)
+        b.block(il, "attn_v_b.weight", d.kv_lora_rank, d.v_head_dim, d.n_head)
+        b.block(il, "attn_output.weight", d.n_head * d.v_head_dim, d.n_embd)
+        b.block(il, "ffn_norm.weight", d.n_embd, kind="norm")
+        if il >= d.n_trunk or full[il]:
+            ih = d.indexer_head_dim
+            b.block(il, "indexer.k_norm.weight", ih, kind="norm")
+            b.block(il, "indexer.k_norm.bias", ih, kind="bias")
+            b.block(il, "indexer.proj.weight", d.n_embd, d.indexer_heads, kind="router")
+            b.block(il, "indexer.attn_k.weight", d.n_embd, ih)
+            b.block(il, "indexer.attn_q_b.weight", d.q_lora_rank, d.indexer_heads * ih)
+        if il < d.n_dense_lead:
+            _dense_ffn(b, d, il)
+        else:
+            _experts(b, d, il)
+            b.block(il, "exp_probs_b.bias", d.n_expert, kind="small")
+            _shared_expert(b, d, il)
+        if il >= d.n_trunk:
+            _nextn(b, d, il)
+    _output(b, d, tied=False)
+    return b
+
+
+def _glm52_indexer_types(n_trunk: int) -> list[int]:
+    """GLM-5.2's indexer schedule cut to ``n_trunk`` layers: layers 0-1 full, then one full layer per 4 (1 0 0 0)."""
+    return [1 if il < 2 or (il - 2) % 4 == 0 else 0 for il in range(n_trunk)]
+
+
 BUILDERS: dict[str, ArchBuilder] = {
     "llama": llama, "mistral3": mistral3, "qwen2": qwen2, "qwen3": qwen3, "qwen3moe": qwen3moe, "phi3": phi3,
     "gemma2": gemma2, "gemma3": gemma3, "gpt-oss": gpt_oss, "deepseek2": deepseek2, "glm4": glm4, "glm4moe": glm4moe,
-    "deepseek4": deepseek4,
+    "deepseek4": deepseek4, "qwen35moe": qwen35moe,
+    "glm-dsa": glm_dsa,
 }
 """GGUF architecture name -> the function building its tiny model."""

@@ -23,10 +23,11 @@ from artifacts.synthetic.vocab import Vocabulary, build_vocabulary, write_vocabu
 
 logging.getLogger("gguf.gguf_writer").setLevel(logging.WARNING)  # it logs every file it writes at INFO
 
-TensorKind = Literal["weight", "embedding", "norm", "bias", "router", "positive", "small", "expert_ids"]
+TensorKind = Literal["weight", "embedding", "norm", "bias", "router", "positive", "negative", "small", "expert_ids"]
 """How values are drawn: ``weight`` ~ N(0, 1/ne0) and quantized; ``embedding`` likewise; ``norm`` ~ 1 + N(0, 0.1);
 ``bias``/``small`` ~ N(0, 0.1); ``router`` a matrix kept in F32 (llama-quantize never quantizes expert routers);
-``positive`` in [1, 4) (rope frequency factors); ``expert_ids`` I32 rows of ``ne0`` distinct ids below
+``positive`` in [1, 4) (rope frequency factors); ``negative`` in (-4, -1] (a recurrent decay rate, so the
+state decays); ``expert_ids`` I32 rows of ``ne0`` distinct ids below
 ``TensorSpec.bound`` (a hash router's token -> experts table)."""
 
 STREAM_ELEMENTS = 1 << 28
@@ -172,7 +173,7 @@ def _ggml_type(spec: TensorSpec, quant: str) -> GGMLQuantizationType:
     """The type ``_values`` gives ``spec``, without drawing its values."""
     if spec.kind == "expert_ids":
         return GGMLQuantizationType.I32
-    if spec.kind in ("norm", "bias", "small", "positive", "router") or len(spec.shape) < 2:
+    if spec.kind in ("norm", "bias", "small", "positive", "negative", "router") or len(spec.shape) < 2:
         return GGMLQuantizationType.F32
     qtype = QUANT_TYPES[quant]
     if qtype == GGMLQuantizationType.F16 or spec.shape[0] % GGML_QUANT_SIZES[qtype][0]:
@@ -213,6 +214,8 @@ def _values(spec: TensorSpec, quant: str, seed: int) -> tuple[np.ndarray[Any, An
         return (0.1 * rng.standard_normal(shape)).astype(np.float32), None
     if spec.kind == "positive":
         return (1.0 + 3.0 * rng.random(shape)).astype(np.float32), None
+    if spec.kind == "negative":
+        return -(1.0 + 3.0 * rng.random(shape)).astype(np.float32), None
     data = (rng.standard_normal(shape) / math.sqrt(ne0)).astype(np.float32)
     if spec.kind == "router" or len(spec.shape) < 2:
         return data, None

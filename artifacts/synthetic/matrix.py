@@ -31,7 +31,8 @@ class MatrixCase:
     unaligned: str = ""
     """What the unaligned split's cuts fall between."""
     why_refused: str = ""
-    """``scale``: a chain through shards computes other logits; ``abort``: a non-head shard kills llama.cpp."""
+    """``scale``: a chain through shards computes other logits (whatever the cause); ``abort``: a non-head shard
+    kills llama.cpp; ``load``: a shard llama.cpp refuses to load."""
     about: str = ""
     """What a variant of an architecture adds, for humans."""
 
@@ -117,6 +118,14 @@ MATRIX: tuple[MatrixCase, ...] = (
                {"2-way": (0, 5, 10), "3-way": (0, 3, 6, 10), "unaligned": (0, 3, 7, 10)},
                refused_splits={"hash layer off the head": (0, 2, 10), "HCA layer alone": (0, 3, 4, 10)},
                unaligned="right after the hash layers (CSA/HCA), and CSA/HCA before a tail of HCA, CSA and MTP"),
+    # Layers 0-2 Gated DeltaNet (recurrent), 3 full attention, 4-6 DeltaNet, 7 attention (interval 4, as the
+    # 35B-A3B). The whole file runs; a shard fed hidden states gets wrong M-RoPE positions (see arch_support).
+    MatrixCase("qwen35moe", "qwen35moe", _EIGHT, refused_splits={"2-way": (0, 4, 8)}, quants=("F16",),
+               why_refused="scale"),
+    # Layers 0 dense, 1-6 MoE, 7 the MTP block; indexer types 1 1 1 0 0 0 1 (GLM-5.2's IndexShare schedule).
+    # Indexer heads of 64: llama.cpp's Hadamard rotation of indexer keys starts at 64 wide.
+    MatrixCase("glm-dsa", "glm-dsa", Dims(n_layers=8, n_nextn=1, indexer_head_dim=64),
+               refused_splits={"2-way": (0, 4, 8)}, quants=("F16",), why_refused="load"),
     MatrixCase("gemma2", "gemma2", _EIGHT, refused_splits={"2-way": (0, 4, 8)}, quants=("F16",),
                why_refused="scale"),
     MatrixCase("glm4", "glm4", Dims(n_layers=8, n_nextn=1), refused_splits={"2-way": (0, 4, 8)}, quants=("F16",),

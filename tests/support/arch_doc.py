@@ -129,6 +129,8 @@ def _refused_rows(r: Results) -> list[str]:
         elif c.why_refused == "scale":
             shown = ("tiny model: without the guard a 2-way chain loads, runs and computes other logits "
                      "(max abs diff > 0.01)")
+        elif c.why_refused == "load":
+            shown = "tiny model: the whole file runs; without the guard a shard fails to load"
         else:
             shown = "tiny model: the whole file runs; a shard fed hidden states kills the process (SIGABRT)"
         rows.append(f"| `{support.arch}` | {support.families} | {support.reason} | {shown} |")

@@ -75,7 +75,7 @@ class KvCells:
     def export_whole(self, seq: int, start: int, end: int, held: int) -> bytes:
         """``export`` for a cache that moves whole sequences: ``[0, held)`` only."""
         if start != 0 or end != held:
-            raise SnapshotError(f"this model's KV cache (llama.cpp's deepseek4 cache) exports only a whole sequence "
+            raise SnapshotError(f"this model's state (deepseek4's cache, or recurrent) exports only a whole sequence "
                                 f"[0, {held}), not [{start}, {end}): its compressor state cannot be cut there")
         size = int(llama_cpp.llama_state_seq_get_size(self._ctx, seq))
         buf = (ctypes.c_uint8 * size)()
@@ -87,7 +87,7 @@ class KvCells:
     def load_whole(self, seq: int, blobs: list[bytes], held: int) -> None:
         """``load`` for a cache that moves whole sequences: one export into an empty sequence."""
         if held != 0 or len(blobs) != 1:
-            raise SnapshotError(f"this model's KV cache (llama.cpp's deepseek4 cache) imports one whole-sequence "
+            raise SnapshotError(f"this model's state (deepseek4's cache, or recurrent) imports one whole-sequence "
                                 f"export into an empty session; got {len(blobs)} blobs for a session at {held}")
         pieces = _pieces(blobs[0])
         if len(pieces) != 1:
@@ -143,7 +143,7 @@ class KvCells:
         if not llama_cpp.llama_memory_seq_rm(self._memory, seq, position, -1):
             if self.whole_sequences:
                 ring = int(llama_cpp.llama_n_rs_seq(self._ctx))
-                raise SnapshotError(f"this model's KV cache (llama.cpp's deepseek4 cache) drops at most the last "
+                raise SnapshotError(f"this model's state (deepseek4's cache, or recurrent) drops at most the last "
                                     f"{ring} positions, once between two decodes (its rollback ring), or all of "
                                     f"them; not the positions from {position} on")
             raise BackendError(f"llama.cpp could not drop positions from {position} on")

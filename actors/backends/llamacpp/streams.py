@@ -41,4 +41,13 @@ def stream_layout(architecture: str, value: Callable[[str, Any], Any]) -> Stream
     """The layout of a GGUF of ``architecture``; ``value(key, default)`` reads its metadata."""
     if architecture == "deepseek4":
         return StreamLayout(int(value("deepseek4.hyper_connection.count", 4)), "l_last", "hc_init", True)
+    if architecture in RECURRENT_STATE:
+        return StreamLayout(whole_sequence_kv=True)
     return StreamLayout()
+
+
+RECURRENT_STATE = frozenset({"qwen35moe", "qwen35"})
+"""Hybrid models whose Gated DeltaNet layers keep one recurrent state per sequence (llama_memory_recurrent): it holds
+no positions, so a range ``[a, b)`` of it cannot be exported (llama.cpp copies the state of the sequence's last
+position: an import resumed at ``b`` computed other logits, max abs diff 4.9 on the tiny qwen35moe) nor truncated
+beyond the rollback ring. They move whole sequences, as deepseek4's cache does."""
