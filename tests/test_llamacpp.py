@@ -46,12 +46,13 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
            "Water boils at"]
 N_TOKENS = 24
 
-TIE = 0.25
+TIE = 0.5
 """Largest logit margin a batch-shape change may flip. ggml's CPU kernels are not batch-invariant: llama.cpp picks
 the repacked Q4_K gemm (4-row groups) or gemv, and the tiled K-quant path (8+ rows), by the number of rows in the
 batch, and attention sums depend on where a sequence's cells sit in the unified KV cache. Measured on this model:
 logits move by up to ~1.4 on the top-20 tokens between a lone and a batched run, and greedy flips happened only
-where the two best tokens were within 0.04. A session mixed up with another session's KV or positions moves the
+where the two best tokens were within 0.04 on a Xeon; on a 2-core AMD EPYC (AVX2 kernels) one flipped at margins of
+0.11 alone / 0.25 batched (session 2, step 10: the bound was 0.25 until then). A session mixed up with another session's KV or positions moves the
 whole distribution instead, and differs at far larger margins."""
 
 
@@ -443,7 +444,8 @@ def test_forks_at_temperature_zero_decode_what_the_unforked_session_decodes(back
             assert margin(alone_logits[first], alone[first], choice[first]) < TIE
     # The prefill's logits are shared, not recomputed: every choice's first pick is the lone run's.
     assert {c[0] for c in free} == {alone[0]}
-    assert free[0] == alone  # choice 0 is the session itself, decoded at its own cells
+    # Choice 0 is the session itself, decoded at its own cells, but in a batch with the other choices: like them it
+    # may flip at a near-tie (above; an EPYC flipped it at step 10), never elsewhere.
 
 
 def test_seeded_choices_are_reproducible_and_choice_i_draws_with_seed_plus_i(backend: LlamaCppBackend) -> None:
