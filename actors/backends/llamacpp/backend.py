@@ -16,7 +16,7 @@ hop, fed token id 0, has its ``hc_init`` node overwritten with them (see ``ggml_
 Every public method takes ``_lock``: the node drives ``step`` from one worker thread, but a close arriving from
 elsewhere must never run ``llama_memory_seq_rm`` in the middle of a decode.
 
-Why one module of ~560 lines: one class over one llama.cpp context, whose loading, sessions, forks, batched step
+Why one module of ~590 lines: one class over one llama.cpp context, whose loading, sessions, forks, batched step
 and KV export/import share the same lock and C objects; the config, placement, KV cells and vocabulary live
 beside it.
 """
