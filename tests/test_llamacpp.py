@@ -52,8 +52,8 @@ the repacked Q4_K gemm (4-row groups) or gemv, and the tiled K-quant path (8+ ro
 batch, and attention sums depend on where a sequence's cells sit in the unified KV cache. Measured on this model:
 logits move by up to ~1.4 on the top-20 tokens between a lone and a batched run, and greedy flips happened only
 where the two best tokens were within 0.04 on a Xeon; on a 2-core AMD EPYC (AVX2 kernels) one flipped at margins of
-0.11 alone / 0.25 batched (session 2, step 10: the bound was 0.25 until then). A session mixed up with another session's KV or positions moves the
-whole distribution instead, and differs at far larger margins."""
+0.11 alone / 0.25 batched (session 2, step 10: the bound was 0.25 until then). A session mixed up with another
+session's KV or positions moves the whole distribution instead, and differs at far larger margins."""
 
 
 @pytest.fixture(scope="module")
