@@ -9,11 +9,11 @@ from collections.abc import AsyncIterator
 import nats
 import pytest
 import pytest_asyncio
-from gateway.tracker_client import TrackerClient
 
 from bus.nodeclient import NodeClient
 from bus.server import EmbeddedNats
 from bus.subjects import Subjects
+from bus.tracker_client import TrackerClient
 from gateway.route_nodes import RouteNodes, passthrough
 from schemas.errors import BadRequestError, CapacityError, HopError, HopOpenError, RouteFailedError, SwarmrouteError
 from schemas.route import Route

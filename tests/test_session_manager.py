@@ -10,13 +10,13 @@ from collections.abc import AsyncIterator
 import nats
 import pytest
 import pytest_asyncio
-from gateway.tracker_client import TrackerClient
 from nats.aio.msg import Msg
 
 from bus import codec
 from bus.nodeclient import NodeClient
 from bus.server import EmbeddedNats
 from bus.subjects import Subjects
+from bus.tracker_client import TrackerClient
 from gateway.session_manager import SessionManager
 from gateway.session_opener import GenerationRequest
 from schemas.errors import BadRequestError, SwarmrouteError

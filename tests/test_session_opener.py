@@ -10,12 +10,12 @@ from collections.abc import AsyncIterator
 import nats
 import pytest
 import pytest_asyncio
-from gateway.tracker_client import TrackerClient
 from nats.aio.client import Client as NATS
 
 from bus.nodeclient import NodeClient
 from bus.server import EmbeddedNats
 from bus.subjects import Subjects
+from bus.tracker_client import TrackerClient
 from gateway.live_session import LiveSession, SessionLinks
 from gateway.route_nodes import RouteNodes
 from gateway.session_opener import GenerationRequest, SessionOpener
