@@ -280,6 +280,8 @@ _BY_CODE: dict[tuple[int, str], type[SwarmrouteError]] = {
                                             BackendCrashedError, ArtifactError, FetchCancelled)}
 """The classes a status alone does not name; ``HopError`` (it needs a node) and ``PeerStatusError`` are never
 rebuilt from a peer's answer."""
+REBUILT: tuple[type[SwarmrouteError], ...] = (*_BY_STATUS.values(), *_BY_CODE.values())
+"""Every class a status and code rebuild: what each transport's round-trip test walks."""
 
 
 def error_for_status(status: int, message: str, *, code: str | None = None) -> SwarmrouteError:

@@ -16,32 +16,21 @@ from bus.nats_edge import endpoint, error_reply, reply_error
 from bus.service import Endpoint, Handler, register
 from schemas.assignment import AssignmentReply
 from schemas.errors import (
-    ArtifactError,
-    BackendCrashedError,
-    BackendError,
+    REBUILT,
     BadRequestError,
-    CapabilityError,
     CapacityError,
-    ContextLengthError,
-    FetchCancelled,
     FrameError,
-    ModelLoadError,
     ModelNotFoundError,
-    NodeStoppingError,
     NoRouteError,
     NotFoundError,
     PeerStatusError,
-    SessionNotFoundError,
     SwarmrouteError,
 )
 from schemas.node import LayerRange
 from schemas.route import RouteReply, RouteRequest
 
 SUBJECT = "edge.test.route"
-TREE: dict[str, type[SwarmrouteError]] = {cls.__name__: cls for cls in (
-    BadRequestError, ContextLengthError, FrameError, CapabilityError, NotFoundError, ModelNotFoundError,
-    SessionNotFoundError, CapacityError, NoRouteError, NodeStoppingError, BackendError, ModelLoadError,
-    BackendCrashedError, ArtifactError, FetchCancelled)}
+TREE: dict[str, type[SwarmrouteError]] = {cls.__name__: cls for cls in REBUILT}
 """Every class a status and code rebuild (schemas.errors); the request's ``model`` names the one to raise."""
 
 
