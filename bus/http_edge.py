@@ -19,13 +19,16 @@ import json
 import logging
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
+from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from bus.hotpath import Answer
@@ -39,7 +42,7 @@ from schemas.errors import (
     validation_error,
 )
 
-__all__ = ["EXCEPTION_HANDLERS", "MAX_JSON_DEPTH", "ClientGone", "InternalErrors", "answer", "check_json",
+__all__ = ["EXCEPTION_HANDLERS", "MAX_JSON_DEPTH", "ClientGone", "InternalErrors", "edge_app", "answer", "check_json",
            "error_response", "parse_json", "read_body", "read_model"]
 
 log = logging.getLogger(__name__)
@@ -140,6 +143,13 @@ class InternalErrors:
             log.exception("unhandled error on %s %s", scope["method"], scope["path"])
             if not started:
                 await error_response(SwarmrouteError(f"internal error: {type(exc).__name__}"))(scope, receive, send)
+
+
+def edge_app(routes: Sequence[BaseRoute]) -> Starlette:
+    """A Starlette app answering errors as every app of ours does: the handlers above, and ``InternalErrors`` so
+    that a real internal error is one 500 and one traceback."""
+    return Starlette(routes=list(routes), exception_handlers=EXCEPTION_HANDLERS,
+                     middleware=[Middleware(InternalErrors)])
 
 
 async def read_body(receive: Receive, headers: Mapping[bytes, bytes], limit: int) -> bytes:

@@ -41,7 +41,7 @@ from actors.node.recovery.standby import StandbyApi
 from actors.node.reuse import Reuse
 from actors.node.session import NodeSession
 from bus.capability import HEADER_CAPABILITY, HEADER_SESSION_TOKEN
-from bus.http_edge import EXCEPTION_HANDLERS, read_model
+from bus.http_edge import edge_app, read_model
 from schemas.errors import BadRequestError, SessionNotFoundError
 from schemas.node import NodeAdvertisement
 from schemas.route import ReplayRequest, RouteUpdate
@@ -88,7 +88,7 @@ class ControlApi:
             HttpRoute("/v1/sessions/{sid}/replay", self._replay, methods=["POST"]),
             *self.standby.routes(),
         ]
-        return Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS)
+        return edge_app(routes)
 
     def session_for(self, session_id: str, session_token: str | None) -> NodeSession:
         """The session a request is about, if the request proves membership (session token, when admission is on)."""
