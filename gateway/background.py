@@ -198,6 +198,8 @@ class BackgroundResponses:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for session_id in running:  # followed here no more; its NATS subscriptions end with the connection
+            self.serving.sessions.live.pop(session_id, None)
         return running
 
     # ---- by id, on any gateway ------------------------------------------------------------------------------
