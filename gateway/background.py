@@ -186,7 +186,7 @@ class BackgroundResponses:
             if isinstance(event, TokenEvent):
                 clock.token()
         end = session.end
-        if end is not None and not isinstance(await self.store.last_message(session.id), SessionEnd):
+        if end is not None and not await self.store.ended(session.id):
             await self.store.append_end(end)  # found here (the head lost, silent): the head could not publish it
         self.serving.close_later(session, cancelled=False)
 
@@ -219,7 +219,7 @@ class BackgroundResponses:
         cancelled end is appended here. A response that already ended is answered as it stands."""
         session_id = session_of(response_id)
         record = await self.store.record(session_id, response_id)
-        if not isinstance(await self.store.last_message(session_id), SessionEnd):
+        if not await self.store.ended(session_id):
             route = record.route
             head = route.head
             await self.nodes.close_session(head.node_id, head.endpoint, session_id, cancel=True,
@@ -234,7 +234,7 @@ class BackgroundResponses:
     async def _ended(self, session_id: str, within: float) -> bool:
         deadline = time.monotonic() + within
         while time.monotonic() < deadline:
-            if isinstance(await self.store.last_message(session_id), SessionEnd):
+            if await self.store.ended(session_id):
                 return True
             await asyncio.sleep(CANCEL_POLL_S)
         return False

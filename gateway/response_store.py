@@ -4,8 +4,10 @@ A background response's stream (``<ns>_response_<session>``) captures three subj
 
 - ``<ns>.tokens.<session>``: what the head publishes anyway (``TokenEvent``\\s, ``RouteChanged``, the one
   ``SessionEnd``). The head is the actor that survives a gateway's death; JetStream keeps what it publishes, so no
-  gateway has to be alive for the events to be retained, and a gateway that finds a failure the head cannot report
-  (its own death) appends that end here (``append_end``, deduplicated by message id).
+  gateway has to be alive for the events to be retained.
+- ``<ns>.responses.<session>.end``: an end a gateway found that the head cannot report (its own death), or a
+  cancel whose head was gone (``append_end``, once per session by message id). Not the token subject: a gateway
+  may not publish there (deploy/nats/auth.conf), so it can never forge the head's tokens.
 - ``<ns>.responses.<session>.record``: the ``ResponseRecord`` the opening gateway writes once the head opened
   (request, prompt tokens, tool-call format, route): what a gateway needs to render the events.
 - ``<ns>.client.<session>``: the head's "does my client still listen?" probes. JetStream answers a captured
@@ -67,12 +69,18 @@ class ResponseStore:
     def record_subject(self, session_id: str) -> str:
         return f"{self.subjects.namespace}.responses.{session_id}.record"
 
+    def end_subject(self, session_id: str) -> str:
+        return f"{self.subjects.namespace}.responses.{session_id}.end"
+
+    def _read(self, session_id: str) -> list[str]:
+        """What a reader consumes, interleaved in stream order: the head's messages and a gateway's end."""
+        return [self.subjects.tokens(session_id), self.end_subject(session_id)]
+
     async def create(self, session_id: str) -> None:
         """The response's stream, before its session opens: the head's first event is captured."""
         config = api.StreamConfig(
             name=self.stream(session_id), description="swarmroute background response (issue #31)",
-            subjects=[self.subjects.tokens(session_id), self.subjects.client(session_id),
-                      self.record_subject(session_id)],
+            subjects=[*self._read(session_id), self.subjects.client(session_id), self.record_subject(session_id)],
             retention=api.RetentionPolicy.LIMITS, storage=api.StorageType.FILE, num_replicas=self.replicas,
             discard=api.DiscardPolicy.OLD, duplicate_window=min(self.retention_s, 120.0))
         try:
@@ -119,27 +127,32 @@ class ResponseStore:
         """An end the head could not publish (the gateway found it lost, or cancelled it while it was gone). Once
         per session whoever appends it: a reader stops at the first end the stream holds anyway."""
         with contextlib.suppress(nats.js.errors.Error, nats.errors.Error):
-            await self.js.publish(self.subjects.tokens(end.session_id), codec.encode(end),
+            await self.js.publish(self.end_subject(end.session_id), codec.encode(end),
                                   stream=self.stream(end.session_id), headers={"Nats-Msg-Id": f"end-{end.session_id}"})
 
-    async def last_message(self, session_id: str) -> StoredMessage | None:
-        """The latest message on the session's token subject (None if none yet)."""
-        try:
-            raw = await self.js.get_last_msg(self.stream(session_id), self.subjects.tokens(session_id))
-        except nats.js.errors.NotFoundError:
-            return None
-        return _decode(raw.data or b"")
+    async def ended(self, session_id: str) -> bool:
+        """Whether the stream holds the session's end (the head's or a gateway's)."""
+        for subject in reversed(self._read(session_id)):
+            try:
+                raw = await self.js.get_last_msg(self.stream(session_id), subject)
+            except nats.js.errors.NotFoundError:
+                continue
+            with contextlib.suppress(codec.DecodeError):
+                if isinstance(_decode(raw.data or b""), SessionEnd):
+                    return True
+        return False
 
     async def messages(self, session_id: str, *, follow: bool, tick_s: float) -> AsyncIterator[StoredMessage | None]:
         """The session's token-subject messages from the first, in stream order (an ordered consumer: no gap, no
         duplicate). ``follow``: then every later one as it comes, with ``None`` every ``tick_s`` of silence; else
         only what the stream holds now."""
-        name, subject = self.stream(session_id), self.subjects.tokens(session_id)
+        name, subjects = self.stream(session_id), self._read(session_id)
         if not follow:
-            info = await self.js.stream_info(name, subjects_filter=subject)
-            if not (info.state.subjects or {}).get(subject):
+            info = await self.js.stream_info(name, subjects_filter=">")
+            if not any((info.state.subjects or {}).get(s) for s in subjects):
                 return
-        sub = await self.js.subscribe(subject, stream=name, ordered_consumer=True,
+        sub = await self.js.subscribe(subjects[0], stream=name, ordered_consumer=True,
+                                      config=api.ConsumerConfig(filter_subjects=subjects),
                                       deliver_policy=api.DeliverPolicy.ALL, inactive_threshold=max(30.0, tick_s * 4))
         try:
             while True:

@@ -205,3 +205,42 @@ async def test_background_needs_no_stream_reader_to_finish_and_a_late_reader_get
 async def _status(api: openai.AsyncOpenAI, response_id: str) -> str | None:
     status = (await api.responses.retrieve(response_id)).status
     return status if status not in ("queued", "in_progress") else None
+
+
+# ---- under deploy/nats/auth.conf's roles -------------------------------------------------------------------------
+
+from pathlib import Path  # noqa: E402
+
+from actors.node import Node, NodeConfig  # noqa: E402
+from actors.tracker import Tracker  # noqa: E402
+from bus.server import EmbeddedNats  # noqa: E402
+from tests.support.swarm import wait_model  # noqa: E402
+from tests.test_nats_auth import auth_server, passwords, role_settings  # noqa: E402, F401 - fixtures
+
+
+async def test_background_responses_work_within_the_gateway_role(auth_server: EmbeddedNats,  # noqa: F811
+                                                                 passwords: dict[str, str],  # noqa: F811
+                                                                 tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    extra = {"registry_ttl_s": 10.0, "heartbeat_s": 1.0, "responses_retention_s": 2.0}
+    tracker_s, node_s, gateway_s = (role_settings(auth_server, home, passwords, r, **extra)
+                                    for r in ("tracker", "node", "gateway"))
+    async with Tracker(tracker_s) as tracker, Node(NodeConfig("n1", STUB_MODEL), stub(0, 4), node_s), \
+            Node(NodeConfig("n2", STUB_MODEL), stub(4, 8, delay_s=0.02), node_s), \
+            Gateway(gateway_s, port=0) as gateway, Gateway(gateway_s, port=0) as other:
+        await wait_model(tracker, STUB_MODEL, n_nodes=2)
+        a, b = client(gateway.url), client(other.url)
+        done = await a.responses.create(model=STUB_MODEL, input=QUESTION, max_output_tokens=6, background=True)
+        events = await events_of(await b.responses.retrieve(done.id, stream=True, starting_after=1))
+        assert events[0].sequence_number == 2 and events[-1].type in ENDS
+        long = await a.responses.create(model=STUB_MODEL, input=QUESTION, max_output_tokens=2000, background=True)
+        assert (await b.responses.cancel(long.id)).status == "cancelled"
+
+        async def swept() -> bool:
+            try:
+                await b.responses.retrieve(done.id)
+            except openai.NotFoundError:
+                return True
+            return False
+
+        await eventually(swept, timeout=15, interval=0.2, what="the response gone past its window")
