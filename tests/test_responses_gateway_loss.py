@@ -11,6 +11,7 @@ SIGKILL mid-decode.
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ import pytest
 
 from bus.server import EmbeddedNats
 from schemas.settings import Settings
+from tests.support import figures
 from tests.support.actors import ActorProcess, orphans
 from tests.support.swarm import make_settings
 from tests.support.waiting import eventually
@@ -115,10 +117,14 @@ async def test_a_background_response_resumes_on_another_gateway_after_its_gatewa
         seen.append(event)
         if sum(e.type == "response.output_text.delta" for e in seen) == 5:
             doomed.kill()  # mid-decode: a real process, SIGKILL, nobody told
+            killed_at = time.monotonic()
             break
     response_id = seen[0].response.id
-    rest = [e async for e in await b.responses.retrieve(response_id, stream=True,
-                                                        starting_after=seen[-1].sequence_number)]
+    rest: list[Any] = []
+    first_s = 0.0
+    async for event in await b.responses.retrieve(response_id, stream=True, starting_after=seen[-1].sequence_number):
+        first_s = first_s or time.monotonic() - killed_at
+        rest.append(event)
     joined = seen + rest
     assert [e.sequence_number for e in joined] == list(range(len(joined)))  # none missing, none twice
     assert joined[-1].type == reference[-1].type
@@ -127,6 +133,10 @@ async def test_a_background_response_resumes_on_another_gateway_after_its_gatewa
     for node in fleet.nodes:
         await eventually(lambda n=node: _idle(n), timeout=30, what=f"{node.name} freeing the response's session")
     survivor.stop()
+    figures.add("chaos", "gateway_kill_background_response_injected")
+    figures.record("gateway_kill_background_response", events_before_kill=len(seen), events_resumed=len(rest),
+                   kill_to_first_resumed_event_s=round(first_s, 2),
+                   output_tokens=joined[-1].response.usage.output_tokens)
 
 
 async def test_a_chat_stream_whose_gateway_is_killed_is_cancelled_and_its_kv_freed(fleet: Processes) -> None:
@@ -149,16 +159,20 @@ async def test_a_chat_stream_whose_gateway_is_killed_is_cancelled_and_its_kv_fre
                     held = [(await node_metrics(n))["swarmroute_node_live_sessions"] for n in fleet.nodes]
                     assert held == [1.0, 1.0]  # the session holds KV on both nodes
                     doomed.kill()
+                    killed_at = time.monotonic()
     # Its head finds nobody listening (three probes 0.5 s apart), cancels it, and frees it on every hop; long before
     # the stream's 400 tokens would have ended it.
     for node in fleet.nodes:
         await eventually(lambda n=node: _idle(n), timeout=30, what=f"{node.name} freeing the orphaned session")
+    freed_s = time.monotonic() - killed_at
     for node in fleet.nodes:
         after = await node_metrics(node)
         assert after["swarmroute_node_kv_bytes"] == idle_kv[node.name], node.name
     head_after = await node_metrics(fleet.nodes[0])
     cancelled = "swarmroute_node_sessions_ended_total"
     assert _ended(head_after, cancelled, "cancelled") == _ended(head_before, cancelled, "cancelled") + 1
+    figures.add("chaos", "gateway_kill_llamacpp_chat_injected")
+    figures.record("gateway_kill_llamacpp_chat", tokens_before_kill=tokens, kv_freed_after_kill_s=round(freed_s, 2))
 
 
 async def _idle(node: ActorProcess) -> bool:
