@@ -182,9 +182,15 @@ class BackgroundResponses:
         """Follow the session as a streamed one would be followed, with nobody reading here: the stream has the
         events. Cancelled (this gateway stopping) it leaves the session running: it is not this gateway's."""
         clock = self.serving.clock(session)
-        async for event in session.events():
-            if isinstance(event, TokenEvent):
-                clock.token()
+        try:
+            async for event in session.events():
+                if isinstance(event, TokenEvent):
+                    clock.token()
+        except Exception:  # noqa: BLE001 - a bug here must not end a session its head runs on
+            log.exception("background response %s: following its session failed; it runs on unfollowed",
+                          session.id)
+            self.serving.sessions.live.pop(session.id, None)
+            return
         end = session.end
         if end is not None and not await self.store.ended(session.id):
             await self.store.append_end(end)  # found here (the head lost, silent): the head could not publish it
