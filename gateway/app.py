@@ -5,6 +5,9 @@
     POST /v1/chat/completions          stream true|false
     POST /v1/completions               stream true|false
     POST /v1/responses                 stream true|false (the Responses API: text and function calling)
+                                       background true: kept in JetStream, by id on any gateway (issue #31):
+    GET  /v1/responses/{id}            ?stream=true&starting_after=N (gateway.background)
+    POST /v1/responses/{id}/cancel
     GET  /v1/sessions/{id}/telemetry   SSE of Generation Telemetry until the session ends
 """
 
@@ -36,10 +39,12 @@ from bus.subjects import Subjects
 from bus.tracker_client import TrackerClient
 from gateway import sse
 from gateway.admission import AdmissionMiddleware, AdmissionQueue, AdmittedSessions, QueueLimits
+from gateway.background import BackgroundResponses
 from gateway.limits import ConcurrencyCounter, ConcurrencyLimitMiddleware, ConcurrencyLimits
 from gateway.live_session import LiveSession
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import GatewayMetrics, RequestCounter
+from gateway.response_store import ResponseStore
 from gateway.response_stream import ResponsesServing
 from gateway.serving import OpenAIServing
 from schemas.errors import AuthenticationError, NotFoundError
@@ -55,7 +60,8 @@ STREAM_END_GRACE_S = 2.0
 """How long a stopping gateway gives its streams to write their final error chunk."""
 
 
-def build_app(serving: OpenAIServing, settings: Settings) -> Starlette:
+def build_app(serving: OpenAIServing, settings: Settings, background: BackgroundResponses | None = None) -> Starlette:
+    """``background``: where background responses live (without it, ``background: true`` is a 400)."""
     sessions = serving.sessions
     keys = [k.get_secret_value().encode() for k in settings.api_keys]
 
@@ -82,11 +88,24 @@ def build_app(serving: OpenAIServing, settings: Settings) -> Starlette:
         req = await read_model(request, CompletionRequest, settings.max_body_bytes)
         return await serving.completion(req, request)
 
-    responses_api = ResponsesServing(serving)
+    responses_api = ResponsesServing(serving, background)
 
     async def responses(request: Request) -> Response:
         req = await read_model(request, ResponsesRequest, settings.max_body_bytes)
         return await responses_api.respond(req, request)
+
+    def kept(rid: str) -> BackgroundResponses:
+        if background is None:
+            raise NotFoundError(f"No response found with id '{rid}'", param="response_id", code="response_not_found")
+        return background
+
+    async def response(request: Request) -> Response:
+        rid = request.path_params["rid"]
+        return await kept(rid).retrieve(rid, request.query_params)
+
+    async def cancel_response(request: Request) -> Response:
+        rid = request.path_params["rid"]
+        return await kept(rid).cancel(rid)
 
     async def metrics(request: Request) -> Response:
         return Response(serving.metrics.render(), media_type=METRICS_CONTENT_TYPE)
@@ -107,6 +126,8 @@ def build_app(serving: OpenAIServing, settings: Settings) -> Starlette:
         HttpRoute("/v1/chat/completions", chat, methods=["POST"]),
         HttpRoute("/v1/completions", completions, methods=["POST"]),
         HttpRoute("/v1/responses", responses, methods=["POST"]),
+        HttpRoute("/v1/responses/{rid}", response, methods=["GET"]),
+        HttpRoute("/v1/responses/{rid}/cancel", cancel_response, methods=["POST"]),
         HttpRoute("/v1/sessions/{sid}/telemetry", telemetry, methods=["GET"]),
     ], exception_handlers=EXCEPTION_HANDLERS)
 
@@ -192,6 +213,7 @@ class Gateway(NatsActor):
         self._port = settings.gateway_port if port is None else port
         self.server: HttpServer | None = None
         self.serving: OpenAIServing | None = None
+        self.background: BackgroundResponses | None = None
         self._nodes: NodeClient | None = None
 
     @property
@@ -206,7 +228,10 @@ class Gateway(NatsActor):
         queue = AdmissionQueue(QueueLimits.from_settings(self.settings), metrics)
         manager = AdmittedSessions(self.nc, TrackerClient(self.nc, subjects), self._nodes, self.settings, queue)
         self.serving = OpenAIServing(manager, metrics)
-        self.server = HttpServer(build_app(self.serving, self.settings), self._host, self._port)
+        self.background = BackgroundResponses(self.serving, ResponseStore(self.nc, self.settings), self._nodes,
+                                              self.settings)
+        self.background.start_sweeping()
+        self.server = HttpServer(build_app(self.serving, self.settings, self.background), self._host, self._port)
         await self.server.start()
         self.service = await register(self.nc, namespace=subjects.namespace, role="gateway",
                                        member=self.settings.member_name or "gateway", extra={"url": self.server.url},
@@ -215,8 +240,11 @@ class Gateway(NatsActor):
 
     async def _on_stop(self) -> None:
         await self._stop_service()
+        running: set[str] = set()
+        if self.background is not None:
+            running = await self.background.aclose()  # first: its sessions are not this gateway's to end
         if self.serving is not None:
-            await self._end_streams()
+            await self._end_streams(running)
         if self.server is not None:
             await self.server.stop()
         if self.serving is not None:
@@ -224,11 +252,11 @@ class Gateway(NatsActor):
         if self._nodes is not None:
             await self._nodes.aclose()
 
-    async def _end_streams(self) -> None:
+    async def _end_streams(self, running: set[str]) -> None:
         """Every client still streaming gets an error chunk and ``[DONE]`` (not a bare ``[DONE]`` that reads like
-        a complete answer); then each session is freed on its hops."""
+        a complete answer); then each session is freed on its hops. Background sessions (``running``) run on."""
         assert self.serving is not None
-        live = list(self.serving.sessions.live.values())
+        live = [s for s in self.serving.sessions.live.values() if s.id not in running]
         for session in live:
             session.abort(FailureReason(phase=session.telemetry.phase if session.telemetry else SessionPhase.PREFILL,
                                         kind="internal", message="the gateway is shutting down"))

@@ -12,6 +12,7 @@ Pure conversion: the serving loop feeds it the parser's deltas and the tokens' l
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 from collections.abc import Sequence
@@ -19,7 +20,7 @@ from typing import Any
 
 from gateway.constraints import FormatKind, check_schema, tool_set
 from gateway.logprobs import responses_logprobs
-from gateway.tools import ArgumentsDelta, CallStart, ContentDelta, ReplyDelta
+from gateway.tools import ArgumentsDelta, CallStart, ContentDelta, ReplyDelta, ToolCallParser
 from schemas.openai_responses import (
     ContentPartAddedEvent,
     ContentPartDoneEvent,
@@ -51,14 +52,20 @@ from schemas.openai_responses import (
     TextFormatJsonObject,
     TextFormatJsonSchema,
 )
-from schemas.session import FinishReason, TokenLogprobs
-from schemas.tools import FunctionSpec, ToolSet
+from schemas.session import FinishReason, SessionEnd, SessionPhase, TokenEvent, TokenLogprobs
+from schemas.tools import FunctionSpec, ToolCallFormat, ToolSet
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
 def _id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(12)}"
+
+
+def _derived_id(prefix: str, response_id: str, n: int) -> str:
+    """The ``n``-th item id of a response, the same on every gateway that renders it (issue #31: a stream resumed
+    on another gateway names the items the first one named)."""
+    return f"{prefix}_{hashlib.sha256(f'{response_id}/{prefix}/{n}'.encode()).hexdigest()[:24]}"
 
 
 # ---- request -> chat turns, tools, format, logprobs ----------------------------------------------------------
@@ -127,12 +134,15 @@ class ResponseBuilder:
     or ``fail``; each returns the stream events to send (a non-streamed request ignores them and takes
     ``response``)."""
 
-    def __init__(self, req: ResponsesRequest, *, response_id: str | None = None) -> None:
+    def __init__(self, req: ResponsesRequest, *, response_id: str | None = None, created_at: float | None = None,
+                 ) -> None:
         self.req = req
         self._seq = 0
+        self._items = 0
         fmt = req.text.format if req.text is not None and req.text.format is not None else None
         self.response = ResponseObject(
             id=response_id or _id("resp"), status="in_progress", model=req.model, instructions=req.instructions,
+            background=bool(req.background),
             max_output_tokens=req.max_output_tokens,
             parallel_tool_calls=True if req.parallel_tool_calls is None else req.parallel_tool_calls,
             temperature=req.temperature, top_p=req.top_p, top_logprobs=req.top_logprobs,
@@ -141,6 +151,8 @@ class ResponseBuilder:
             tools=[t.model_dump(exclude_none=True) for t in req.tools or []],
             text={"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
             metadata=req.metadata or {})
+        if created_at is not None:
+            self.response.created_at = created_at
         self._message: OutputMessage | None = None
         self._message_index = -1
         self._text: list[str] = []
@@ -152,6 +164,10 @@ class ResponseBuilder:
     def _next(self) -> int:
         self._seq += 1
         return self._seq - 1
+
+    def _item_id(self, prefix: str) -> str:
+        self._items += 1
+        return _derived_id(prefix, self.response.id, self._items - 1)
 
     def _snapshot(self) -> ResponseObject:
         return self.response.model_copy(deep=True)
@@ -170,7 +186,7 @@ class ResponseBuilder:
                 events += self._text_delta(delta.text)
             elif isinstance(delta, CallStart):
                 events += self._close_message()
-                item = FunctionCall(id=_id("fc"), call_id=delta.id, name=delta.name, arguments="",
+                item = FunctionCall(id=self._item_id("fc"), call_id=delta.id, name=delta.name, arguments="",
                                     status="in_progress")
                 index = len(self.response.output)
                 self.response.output.append(item)
@@ -188,7 +204,7 @@ class ResponseBuilder:
     def _text_delta(self, text: str) -> list[ResponseEvent]:
         events: list[ResponseEvent] = []
         if self._message is None:
-            self._message = OutputMessage(id=_id("msg"), status="in_progress", content=[])
+            self._message = OutputMessage(id=self._item_id("msg"), status="in_progress", content=[])
             self._message_index = len(self.response.output)
             self.response.output.append(self._message)
             events.append(OutputItemAddedEvent(sequence_number=self._next(), output_index=self._message_index,
@@ -254,9 +270,66 @@ class ResponseBuilder:
         self.response.error = ResponseError(code="server_error", message=f"route failed ({kind}): {message}")
         return [ResponseFailedEvent(sequence_number=self._next(), response=self._snapshot())]
 
+    def current(self) -> ResponseObject:
+        """The response as it stands: an open message shows the text so far (``GET /v1/responses/{id}`` of a
+        background response still running)."""
+        snap = self._snapshot()
+        message = self._message
+        if message is not None and message.status == "in_progress":
+            index = self._message_index
+            snap.output[index] = message.model_copy(update={"content": [OutputText(
+                text="".join(self._text),
+                logprobs=responses_logprobs(self._logprobs) if self._want_logprobs else None)]})
+        return snap
+
+    def cancel(self) -> list[ResponseEvent]:
+        """Cancelled (``POST /v1/responses/{id}/cancel``): the partial output stays. The SDK's stream events have
+        no cancelled event, so the stream just ends; the response says ``cancelled``."""
+        self.response.status = "cancelled"
+        return []
+
     @property
     def output(self) -> list[OutputItem]:
         return self.response.output
+
+
+class ResponseReply:
+    """One response as its session's token events arrive: text through the tool-call parser (with tools) into the
+    builder. A pure function of the request, the session's facts and its events, so that every gateway rendering
+    one session's events gives the same stream events (issue #31)."""
+
+    def __init__(self, req: ResponsesRequest, *, response_id: str, prompt_tokens: int,
+                 tool_format: ToolCallFormat | None, created_at: float | None = None) -> None:
+        self.builder = ResponseBuilder(req, response_id=response_id, created_at=created_at)
+        self.prompt_tokens = prompt_tokens
+        self.tokens = 0
+        tools = request_tools(req) is not None
+        self.parser = ToolCallParser(tool_format) if tools and tool_format is not None else None
+
+    def token(self, event: TokenEvent) -> list[ResponseEvent]:
+        self.tokens += 1
+        deltas: list[ReplyDelta]
+        if self.parser is not None:
+            deltas = self.parser.feed(event.text) if event.text else []
+        else:
+            deltas = [ContentDelta(event.text)] if event.text else []
+        return self.builder.feed(deltas, [event.logprobs] if event.logprobs is not None else [])
+
+    def collect(self, event: TokenEvent) -> None:
+        """A whole reply: the builder accumulates; its events are not sent."""
+        self.token(event)
+
+    def end(self, end: SessionEnd) -> list[ResponseEvent]:
+        if end.phase is SessionPhase.CANCELLED:
+            return self.builder.cancel()
+        if end.phase is not SessionPhase.COMPLETE:
+            failure = end.failure
+            return self.builder.fail(failure.kind if failure else end.phase.value,
+                                     failure.describe() if failure else f"session ended: {end.phase.value}")
+        events = self.builder.feed(self.parser.finish()[0]) if self.parser is not None else []
+        completion = end.completion_tokens or self.tokens
+        return events + self.builder.finish(end.finish_reason, input_tokens=self.prompt_tokens,
+                                            output_tokens=completion)
 
 
 def sse_event(event: ResponseEvent, extra: dict[str, Any] | None = None) -> bytes:

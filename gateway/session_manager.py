@@ -46,7 +46,7 @@ class SessionManager:
 
     async def start(self, request: GenerationRequest) -> LiveSession:
         """Route and open a session; raises a SwarmrouteError (with its HTTP status) before any token flows."""
-        session = LiveSession(self._links, uuid.uuid4().hex, request.prompt)
+        session = LiveSession(self._links, request.session_id or uuid.uuid4().hex, request.prompt)
         self.live[session.id] = session
         try:
             await session.subscribe(self.nc, self.subjects)

@@ -56,6 +56,7 @@ class GenerationRequest:
     ignore_eos: bool = False
     n: int = 1  # choices; the route decodes one when greedy (gateway.fanout), else n, checked once routed
     constrain: Constrain | None = None  # between tokenizing and opening: the constraint from the head's tool format
+    session_id: str | None = None  # chosen by the caller (a background response's stream exists first), else new
 
 
 class SessionOpener:

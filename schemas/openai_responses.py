@@ -4,7 +4,8 @@ Shapes follow openai-python's ``openai.types.responses`` (checked with openai 3.
 ``ResponseCreateParams``, the response object as ``Response``, stream events as the members of
 ``ResponseStreamEvent`` named here. Conversion to and from chat turns, and the order of stream events, are the
 gateway's (``gateway/responses.py``). Parameters outside the subset are refused with a 400 naming them
-(``unsupported_param``); nothing is stored, so ``previous_response_id`` is refused too. Requests are as strict as
+(``unsupported_param``); only background responses are kept (``ResponseRecord``, for the window
+``responses_retention_s``: issue #31), so ``previous_response_id`` is refused. Requests are as strict as
 chat requests (``schemas.openai.RequestBody``: unknown fields and mistyped values are 400s naming them); input items
 take the keys the SDK's own item types have, so that a reply's ``output`` items can be sent back as ``input``; a
 ``function_call_output`` answers a ``function_call`` before it, and every call is answered, as OpenAI requires.
@@ -17,9 +18,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from schemas.base import WireModel
 from schemas.openai import RequestBody, RequestPart, field_error
+from schemas.route import Route
 from schemas.session import MAX_TOP_LOGPROBS
-from schemas.tools import FUNCTION_NAME_PATTERN
+from schemas.tools import FUNCTION_NAME_PATTERN, ToolCallFormat
 
 
 class _Lenient(BaseModel):
@@ -139,14 +142,13 @@ class TextConfig(_Part):
 UNSUPPORTED_PARAMS: dict[str, str] = {
     "previous_response_id": "this server stores no responses: send the conversation in 'input'",
     "conversation": "this server stores no conversations: send the conversation in 'input'",
-    "background": "background responses are not supported",
     "prompt": "prompt templates are not supported",
     "reasoning": "this server serves no reasoning models",
     "max_tool_calls": "max_tool_calls is not supported",
 }
 """Responses parameters outside the subset; set to anything but null/false/empty they are a 400 naming them.
 ``store``, ``metadata``, ``service_tier``, ``user``, ``truncation`` and ``safety_identifier`` are accepted; nothing
-is stored whatever ``store`` says (the response reports ``store: false``)."""
+is stored whatever ``store`` says (the response reports ``store: false``) but a background response, for a while."""
 
 INCLUDABLE = frozenset({"message.output_text.logprobs"})
 """``include`` values served (the only one that changes a text reply)."""
@@ -178,6 +180,8 @@ class ResponsesRequest(RequestBody):
     metadata: dict[str, str] | None = None
     seed: int | None = Field(default=None, description="swarmroute extension, as in chat completions")
     stream_options: StreamOptions | None = None
+    background: bool | None = Field(default=None, description="run on without the client: returned at once, then "
+                                    "retrieved, resumed or cancelled by id on any gateway (issue #31)")
     # Parameters that change nothing about the reply: accepted, checked, ignored.
     store: bool | None = None
     service_tier: str | None = None
@@ -327,7 +331,7 @@ class IncompleteDetails(BaseModel):
     reason: Literal["max_output_tokens", "content_filter"]
 
 
-ResponseStatus = Literal["in_progress", "completed", "incomplete", "failed"]
+ResponseStatus = Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
 
 
 class ResponseObject(_Lenient):
@@ -355,6 +359,7 @@ class ResponseObject(_Lenient):
     previous_response_id: None = None
     store: bool = False
     truncation: Literal["disabled"] = "disabled"
+    background: bool = False
 
     @property
     def output_text(self) -> str:
@@ -464,3 +469,19 @@ ResponseEvent = (ResponseCreatedEvent | ResponseInProgressEvent | ResponseComple
                  | ResponseFailedEvent | OutputItemAddedEvent | OutputItemDoneEvent | ContentPartAddedEvent
                  | ContentPartDoneEvent | OutputTextDeltaEvent | OutputTextDoneEvent | FunctionCallArgumentsDeltaEvent
                  | FunctionCallArgumentsDoneEvent | ErrorEvent)
+
+
+# ---- background responses (issue #31) ----------------------------------------------------------------------------
+
+class ResponseRecord(WireModel):
+    """What the gateway that opened a background response stores beside its session's events (JetStream,
+    ``gateway.response_store``): with it, any gateway rebuilds the same stream events from the head's token events
+    (``gateway.background``), and cancels the session on its route."""
+
+    response_id: str
+    session_id: str
+    created_at: float
+    request: dict[str, Any] = Field(description="the ResponsesRequest as the client sent it")
+    prompt_tokens: int = Field(ge=0, description="as the head counted them")
+    tool_format: ToolCallFormat | None = Field(default=None, description="how the head asked for tool calls")
+    route: Route = Field(description="as opened, with the head's session token (to cancel it)")

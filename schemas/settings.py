@@ -217,3 +217,14 @@ class Settings(BaseSettings):
     of them or groups that follow each other around the ring (different hops computing different sessions at the
     same time) decode faster, and keeps the faster; 1 always puts them in one pass; k splits them into up to k
     groups (issue #20)."""
+
+    # ---- Gateway loss (issue #31): background responses retained in JetStream ----------------------------------
+
+    responses_retention_s: float = Field(default=600.0, gt=0)
+    """How long a background response (``POST /v1/responses`` with ``background: true``) stays retrievable and
+    resumable after its session's last event: its events live in a JetStream stream of their own, which any
+    gateway replays (``GET /v1/responses/{id}?stream=true&starting_after=N``); past the window it is a 404."""
+
+    responses_replicas: int = Field(default=1, ge=1, le=5)
+    """JetStream replicas of each background response's stream: 3 on a 3-server cluster, so a response survives
+    losing a NATS server as well as its gateway."""
