@@ -6,6 +6,7 @@
     POST /v1/completions               stream true|false
     POST /v1/responses                 stream true|false (the Responses API: text and function calling)
     GET  /v1/sessions/{id}/telemetry   SSE of Generation Telemetry until the session ends
+    GET  /dashboard                    the operators' live page (gateway/dashboard.py lists its paths)
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ from bus.subjects import Subjects
 from bus.tracker_client import TrackerClient
 from gateway import sse
 from gateway.admission import AdmissionMiddleware, AdmissionQueue, AdmittedSessions, QueueLimits
+from gateway.dashboard import PREFIX as DASHBOARD_PREFIX
+from gateway.dashboard import dashboard_routes
+from gateway.dashboard_feed import SwarmFeed
 from gateway.limits import ConcurrencyCounter, ConcurrencyLimitMiddleware, ConcurrencyLimits
 from gateway.live_session import LiveSession
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -108,6 +112,7 @@ def build_app(serving: OpenAIServing, settings: Settings) -> Starlette:
         HttpRoute("/v1/completions", completions, methods=["POST"]),
         HttpRoute("/v1/responses", responses, methods=["POST"]),
         HttpRoute("/v1/sessions/{sid}/telemetry", telemetry, methods=["GET"]),
+        *dashboard_routes(SwarmFeed(sessions.nc, sessions.subjects, ttl_s=settings.registry_ttl_s), keys),
     ], exception_handlers=EXCEPTION_HANDLERS)
 
     app.add_middleware(InternalErrors)  # innermost: one 500 and one traceback for whatever no handler took
@@ -130,7 +135,9 @@ class ApiKeyMiddleware:
         self.keys = keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
+        # The dashboard checks the keys itself: a browser without one gets a sign-in form, not a JSON 401.
+        path = scope.get("path", "")
+        if scope["type"] == "http" and path not in _OPEN_PATHS and not _is_dashboard(path):
             given = Headers(scope=scope).get("authorization", "")
             token = given[7:].encode() if given.lower().startswith("bearer ") else b""
             if not any(hmac.compare_digest(token, k) for k in self.keys):
@@ -138,6 +145,10 @@ class ApiKeyMiddleware:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _is_dashboard(path: str) -> bool:
+    return path == DASHBOARD_PREFIX or path.startswith(DASHBOARD_PREFIX + "/")
 
 
 async def _telemetry_events(nc: NATS, subjects: Subjects, sid: str, live: LiveSession | None,
