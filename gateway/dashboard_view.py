@@ -36,6 +36,7 @@ class LayerView(BaseModel):
 class ModelView(BaseModel):
     id: str
     name: str
+    aliases: list[str] = Field(default_factory=list, description="other names clients may request it by")
     n_layers: int
     complete: bool
     layers: list[LayerView]
@@ -164,7 +165,8 @@ def coverage(model: str, adverts: list[NodeAdvertisement]) -> ModelView:
             for i in range(a.layers.start, min(a.layers.end, n_layers)):
                 layers[i].fetching.append(a.node_id)
     name = next((a.backend.model_name for a in nodes if a.backend.model_name), model)
-    return ModelView(id=model, name=name, n_layers=n_layers, layers=layers,
+    aliases = sorted({alias for a in nodes for alias in a.aliases} - {name})
+    return ModelView(id=model, name=name, aliases=aliases, n_layers=n_layers, layers=layers,
                      complete=full_chain((a.layers for a in routable), n_layers),
                      missing=_gaps([bool(layer.serving) for layer in layers]))
 

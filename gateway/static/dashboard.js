@@ -70,6 +70,7 @@ function renderModel(model, nodes) {
   });
   return el("div", { class: "model", "data-model": model.id },
     el("h3", {}, model.name, badge,
+      el("span", { class: "muted" }, [...model.aliases, model.id.slice(0, 12)].join(" · ")),
       el("span", { class: "muted" }, `${served}/${model.n_layers} layers served`)),
     bar, el("div", { class: "ranges" }, rows));
 }
