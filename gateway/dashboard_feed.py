@@ -1,7 +1,7 @@
 """The dashboard's live copy of the swarm, from NATS: advertisements, session telemetry, fetch progress, and the
 events an operator wants to see as they happen (nodes joining, serving, lost; sessions repaired or failed).
 
-It listens on core NATS only (the registry's puts on ``$KV.<bucket>.*``, ``telemetry.>``, ``artifacts.progress.*``),
+It listens on core NATS only (the registry's puts on ``$KV.<bucket>.*``, ``telemetry.*``, ``artifacts.progress.*``),
 after one best-effort read of the registry bucket, so a gateway needs no JetStream consumer for it. A node counts as
 lost once its last heartbeat here is older than the registry TTL, as the trackers count it (KV expiry notifies no
 one). Started on the first dashboard request, not with the gateway: a gateway nobody watches decodes no telemetry.
@@ -27,7 +27,7 @@ from bus import codec
 from bus.subjects import Subjects
 from gateway import dashboard_view as views
 from schemas.artifact import FetchProgress
-from schemas.node import NODE_SERVING, NodeAdvertisement
+from schemas.node import NodeAdvertisement
 from schemas.session import SessionPhase
 from schemas.telemetry import GenerationTelemetry
 
@@ -90,7 +90,7 @@ class SwarmFeed:
                 return
             s = self._subjects
             self._subs = [await self._nc.subscribe(s.registry_key_subject(), cb=self._on_advert),
-                          await self._nc.subscribe(s.telemetry_all, cb=self._on_telemetry),
+                          await self._nc.subscribe(s.telemetry("*"), cb=self._on_telemetry),
                           await self._nc.subscribe(s.artifact_progress("*"), cb=self._on_progress)]
             await self._read_registry()
             self.started = True
@@ -205,12 +205,11 @@ class SwarmFeed:
         rtt = views.rtt_pairs(live)
         snaps = sorted((snap for snap, _ in self._sessions.values()),
                        key=lambda s: (s.phase.terminal, -s.sent_at))
-        return DashboardState(models=views.model_views(live), nodes=nodes,
-                              sessions=[views.session_view(s, rtt) for s in snaps],
+        models = views.model_views(live)
+        names = {m.id: m.name for m in models}
+        return DashboardState(models=models, nodes=nodes,
+                              sessions=[views.session_view(s, rtt, names) for s in snaps],
                               links=views.rtt_matrix(live), events=list(self.events)[:50])
-
-    def serving_count(self) -> int:
-        return sum(1 for s in self._nodes.values() if not s.lost and s.advert.state == NODE_SERVING)
 
     def as_json(self) -> dict[str, Any]:
         return self.state().model_dump(mode="json")

@@ -204,7 +204,9 @@ def compute_per_layer(snap: GenerationTelemetry) -> dict[str, float]:
             if h.mean_compute_ms is not None and len(h.layers)}
 
 
-def session_view(snap: GenerationTelemetry, rtt: dict[tuple[str, str], float]) -> SessionView:
+def session_view(snap: GenerationTelemetry, rtt: dict[tuple[str, str], float],
+                 names: dict[str, str] | None = None) -> SessionView:
+    """``names``: model id -> the name to show (a content-derived id is 64 hex digits)."""
     hops = snap.route
     route = [HopView(node_id=h.node_id, layers=[h.layers.start, h.layers.end], health=h.health,
                      compute_ms=None if h.mean_compute_ms is None else round(h.mean_compute_ms, 3),
@@ -218,7 +220,8 @@ def session_view(snap: GenerationTelemetry, rtt: dict[tuple[str, str], float]) -
         took = ", ".join(r.replacement) or "(looking for a replacement)"
         done = f" from {r.source} in {r.duration_ms:.0f} ms" if r.duration_ms is not None and r.source else ""
         repair = f"lost {r.lost_node} {r.layers} -> {took}{done}"
-    return SessionView(session_id=snap.session_id, model=snap.model, phase=snap.phase.value, route=route,
+    return SessionView(session_id=snap.session_id, model=(names or {}).get(snap.model, snap.model),
+                       phase=snap.phase.value, route=route,
                        health=snap.route_health, generated_tokens=snap.generated_tokens,
                        tokens_per_s=snap.tokens_per_s, prefill_done=snap.prefill.done,
                        prefill_total=snap.prefill.total, ttft_ms=snap.ttft_ms,

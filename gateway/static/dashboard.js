@@ -100,14 +100,18 @@ function renderNodes(nodes) {
     el("td", { class: "num" }, `${n.heartbeat_age_s.toFixed(1)} s ago`))));
 }
 
+function link(rtt, arrow) { return rtt === null || rtt === undefined ? arrow : `${arrow} ${ms(rtt)} ms ${arrow}`; }
+
 function renderRoute(route) {
   const parts = [];
   route.forEach((hop, i) => {
     parts.push(el("span", { class: `hop ${hop.health}` },
       `${hop.node_id} ${range(hop.layers)} ${ms(hop.compute_ms)} ms`));
-    if (i < route.length - 1) parts.push(el("span", { class: "link" }, `→ ${ms(hop.link_rtt_ms)} →`));
+    if (i < route.length - 1) parts.push(el("span", { class: "link" }, link(hop.link_rtt_ms, "→")));
   });
-  if (route.length > 1) parts.push(el("span", { class: "link" }, `↩ ${ms(route[route.length - 1].link_rtt_ms)}`));
+  // the tail's tokens go back to the head: the ring's last link
+  const back = route.length > 1 ? route[route.length - 1].link_rtt_ms : null;
+  if (back !== null && back !== undefined) parts.push(el("span", { class: "link" }, `↩ ${ms(back)} ms`));
   return parts;
 }
 
