@@ -146,8 +146,13 @@ def test_an_empty_node_joining_shows_its_fetch_progress(up: Up, page: object, tm
                                    "--threads", "1"))
     try:
         row = "#nodes tr[data-node='node-3']"
-        moving = re.compile(r"fetching [1-9]\d*% · \d+(\.\d+)? [kMG]B of \d+(\.\d+)? [MG]B .* ETA \d+")
-        seen = wait_until(page, row, lambda t: moving.search(t),
+        moving = re.compile(r"fetching (\d+)% · \d+(\.\d+)? [kMG]B of \d+(\.\d+)? [MG]B .* ETA \d+")
+
+        def fetching(text: str) -> bool:  # a tenth in: the progress, rate and ETA all known by then
+            found = moving.search(text)
+            return found is not None and 10 <= int(found.group(1)) < 100
+
+        seen = wait_until(page, row, fetching,
                           timeout=240, what=f"node-3 fetching with progress\n{seeder.tail()}\n{node.tail()}")
         assert "(no endpoint yet)" in seen, seen  # never routed to while it fetches
         bar = visible_text(page, "#models")

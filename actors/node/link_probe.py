@@ -23,7 +23,7 @@ PROBE_INTERVAL_S = 5.0
 FORGET_S = 600.0
 """A peer no open session has used for this long is no longer measured (nor advertised)."""
 TRIES = 3
-TIMEOUT_S = 2.0
+TIMEOUT_S = 5.0
 
 
 def route_neighbours(route: Route, hop_index: int, node_id: str) -> dict[str, str]:
@@ -64,25 +64,34 @@ class LinkProbe:
         return [(n, e) for n, (e, _) in self._known.items() if now - self._measured.get(n, -1e18) >= self._interval]
 
     async def measure(self, endpoint: str) -> float | None:
-        """The least of ``TRIES`` round trips to ``endpoint`` in ms, or None if it did not answer."""
+        """The least of ``TRIES`` round trips to ``endpoint`` in ms; None if it refused or failed (gone), and
+        ``TimeoutError`` if no try answered in time (busy, or the machine is loaded: nothing learnt)."""
         best: float | None = None
         for _ in range(TRIES):
             started = time.perf_counter()
             try:
                 response = await self._client.get(f"{endpoint.rstrip('/')}/health")
+            except httpx.TimeoutException:
+                continue
             except httpx.HTTPError:
                 return None
             if response.status_code >= 500:
                 return None
             ms = (time.perf_counter() - started) * 1e3
             best = ms if best is None else min(best, ms)
-        return None if best is None else round(best, 3)
+        if best is None:
+            raise TimeoutError(f"{endpoint} did not answer within {TIMEOUT_S:g}s")
+        return round(best, 3)
 
     async def probe_due(self) -> None:
-        """Measure every peer that is due; a peer that does not answer loses its figure until it does."""
+        """Measure every peer that is due. A peer that refuses loses its figure until it answers again; one that
+        only timed out keeps its last figure."""
         for node_id, endpoint in self._refresh():
             self._measured[node_id] = self._clock()
-            rtt = await self.measure(endpoint)
+            try:
+                rtt = await self.measure(endpoint)
+            except TimeoutError:
+                continue
             if rtt is None:
                 self.rtt_ms.pop(node_id, None)
             else:
