@@ -49,8 +49,10 @@ class LinkProbe:
         """node id -> (endpoint, when a session last named it)"""
         self._measured: dict[str, float] = {}
         self.rtt_ms: dict[str, float] = {}
+        # Idle connections are dropped before the peer's server drops them (uvicorn: 5 s), so a try rarely meets a
+        # connection closed under it; the first try of a round may pay a connect, the least of the round does not.
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(TIMEOUT_S),
-                                         limits=httpx.Limits(max_keepalive_connections=32, keepalive_expiry=60.0))
+                                         limits=httpx.Limits(max_keepalive_connections=32, keepalive_expiry=3.0))
 
     def _refresh(self) -> list[tuple[str, str]]:
         """Peers to measure now: new ones at once, the others once their figure is ``interval_s`` old."""
@@ -64,23 +66,23 @@ class LinkProbe:
         return [(n, e) for n, (e, _) in self._known.items() if now - self._measured.get(n, -1e18) >= self._interval]
 
     async def measure(self, endpoint: str) -> float | None:
-        """The least of ``TRIES`` round trips to ``endpoint`` in ms; None if it refused or failed (gone), and
-        ``TimeoutError`` if no try answered in time (busy, or the machine is loaded: nothing learnt)."""
+        """The least of ``TRIES`` round trips to ``endpoint`` in ms; None if it refused (gone) or failed, and
+        ``TimeoutError`` if no try got an answer (busy, or the machine is loaded: nothing learnt)."""
         best: float | None = None
         for _ in range(TRIES):
             started = time.perf_counter()
             try:
                 response = await self._client.get(f"{endpoint.rstrip('/')}/health")
-            except httpx.TimeoutException:
-                continue
+            except httpx.ConnectError:
+                return None  # refused: the peer is gone
             except httpx.HTTPError:
-                return None
+                continue  # a timeout, or a kept-alive connection the peer closed meanwhile: try again
             if response.status_code >= 500:
                 return None
             ms = (time.perf_counter() - started) * 1e3
             best = ms if best is None else min(best, ms)
         if best is None:
-            raise TimeoutError(f"{endpoint} did not answer within {TIMEOUT_S:g}s")
+            raise TimeoutError(f"{endpoint} did not answer {TRIES} tries within {TIMEOUT_S:g}s each")
         return round(best, 3)
 
     async def probe_due(self) -> None:

@@ -6,6 +6,7 @@ under CI=true (tests/support/ci_strict.py). Waits read what a person sees: the v
 
 from __future__ import annotations
 
+import base64
 import os
 import shutil
 import time
@@ -73,13 +74,15 @@ def wait_until(browser: object, css: str, holds: Callable[[str], object], *, tim
 
 
 def screenshot(browser: object, name: str, fallback: Path) -> Path:
-    """Save a PNG of the page as ``name``: into ``$SWARMROUTE_SCREENSHOTS`` when set (docs/ uses them), else into
-    ``fallback`` (a test's tmp_path)."""
+    """Save a PNG of the whole page (beyond the window) as ``name``: into ``$SWARMROUTE_SCREENSHOTS`` when set
+    (docs/ uses them), else into ``fallback`` (a test's tmp_path)."""
     folder = Path(os.environ.get("SWARMROUTE_SCREENSHOTS") or fallback)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / name
-    height = browser.execute_script("return document.body.scrollHeight")  # type: ignore[attr-defined]
-    browser.set_window_size(WINDOW[0], max(WINDOW[1], int(height) + 20))  # type: ignore[attr-defined]
-    browser.save_screenshot(str(path))  # type: ignore[attr-defined]
-    browser.set_window_size(*WINDOW)  # type: ignore[attr-defined]
+    cdp = browser.execute_cdp_cmd  # type: ignore[attr-defined]
+    size = cdp("Page.getLayoutMetrics", {})["cssContentSize"]
+    shot = cdp("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True,
+                                          "clip": {"x": 0, "y": 0, "width": size["width"], "height": size["height"],
+                                                   "scale": 1}})
+    path.write_bytes(base64.b64decode(shot["data"]))
     return path
