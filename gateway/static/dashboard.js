@@ -140,7 +140,11 @@ function renderSessions(sessions) {
 
 function renderLinks(links) {
   const box = document.getElementById("links");
-  if (!links.nodes.length) return;
+  if (!links.nodes.length) {
+    box.replaceChildren(el("p", { class: "muted" },
+      "No link measured yet: nodes measure the nodes they route to and from."));
+    return;
+  }
   const head = el("tr", {}, el("th", {}, "from \\ to"), links.nodes.map((n) => el("th", {}, n)));
   const rows = links.nodes.map((from, i) => el("tr", {}, el("th", {}, from),
     links.rtt_ms[i].map((v, j) => el("td", { class: "num" }, i === j ? "·" : ms(v, 3)))));
