@@ -39,6 +39,8 @@ STALE_SESSION_S = 60.0
 LOST_SHOWN_S = 300.0
 """A lost node stays on the page (state ``lost``) this long after its last heartbeat."""
 MAX_EVENTS = 200
+MAX_SESSIONS = 500
+"""Sessions kept at most (the oldest go first): a flood of snapshots under made-up ids cannot grow the gateway."""
 SNAPSHOT_TIMEOUT_S = 3.0
 
 
@@ -149,6 +151,8 @@ class SwarmFeed:
             p = codec.decode(msg.data, FetchProgress)
             before = self._fetches.get(p.node_id)
             self._fetches[p.node_id] = p
+            if len(self._fetches) > MAX_SESSIONS:  # progress of nodes long gone, or made-up ids
+                del self._fetches[min(self._fetches, key=lambda n: self._fetches[n].sent_at)]
             if p.phase in ("done", "failed") and (before is None or before.phase != p.phase):
                 what = "fetched" if p.phase == "done" else "failed to fetch"
                 tail = f": {p.message}" if p.message else ""
@@ -164,6 +168,8 @@ class SwarmFeed:
         if before is not None and before[0].seq > snap.seq and not snap.phase.terminal:
             return
         self._sessions[snap.session_id] = (snap, self._clock())
+        if len(self._sessions) > MAX_SESSIONS:
+            del self._sessions[min(self._sessions, key=lambda sid: self._sessions[sid][1])]
         self._compute.update(views.compute_per_layer(snap))
         old = before[0] if before is not None else None
         sid = snap.session_id[:8]

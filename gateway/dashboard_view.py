@@ -23,6 +23,9 @@ from schemas.artifact import FetchProgress
 from schemas.node import NODE_FETCHING, NODE_SERVING, LayerRange, NodeAdvertisement
 from schemas.telemetry import GenerationTelemetry
 
+MAX_LAYERS = 4096
+"""A model claiming more layers than this gets no bar (one bogus advertisement must not make the page build a
+billion cells); its nodes still show in the nodes table."""
 NODE_LOST = "lost"
 """A node whose heartbeats stopped (older than the registry TTL): shown until it comes back or is forgotten."""
 
@@ -143,7 +146,8 @@ def model_views(adverts: list[NodeAdvertisement]) -> list[ModelView]:
     """One view per model some live node advertises, sorted by id."""
     by_model: dict[str, list[NodeAdvertisement]] = collections.defaultdict(list)
     for a in adverts:
-        by_model[a.model_id].append(a)
+        if a.backend.n_layers <= MAX_LAYERS:
+            by_model[a.model_id].append(a)
     return [coverage(model, nodes) for model, nodes in sorted(by_model.items())]
 
 

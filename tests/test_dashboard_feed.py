@@ -9,7 +9,7 @@ from typing import Any
 from actors.registry import open_registry
 from bus import codec
 from bus.subjects import Subjects
-from gateway.dashboard_feed import SwarmFeed
+from gateway.dashboard_feed import MAX_SESSIONS, SwarmFeed
 from schemas.artifact import FetchProgress
 from schemas.node import LayerRange
 from schemas.session import FailureReason, SessionPhase
@@ -118,5 +118,22 @@ async def test_repairs_and_failures_are_events_and_sessions_show_their_route(nc:
         assert state.sessions[0].phase == "decode" and [h.node_id for h in state.sessions[0].route] == ["a", "b"]
         now[0] += 31.0  # an ended session leaves the page after a while; a live one stays
         assert [s.session_id for s in feed.state().sessions] == ["sess-1"]
+    finally:
+        await feed.stop()
+
+
+async def test_a_flood_of_made_up_sessions_is_bounded(nc: Any) -> None:
+    now = [0.0]
+    feed = await _feed(nc, now)
+    try:
+        for i in range(MAX_SESSIONS + 20):
+            now[0] = float(i)
+            snap = GenerationTelemetry(session_id=f"flood-{i}", phase=SessionPhase.DECODE, model="m")
+            await nc.publish(SUBJECTS.telemetry(snap.session_id), codec.encode(snap))
+        await nc.flush()
+        await eventually(lambda: "flood-519" in {s.session_id for s in feed.state().sessions}, timeout=10,
+                         what="the last snapshot absorbed")
+        shown = {s.session_id for s in feed.state().sessions}
+        assert len(shown) == MAX_SESSIONS and "flood-0" not in shown  # the oldest went first
     finally:
         await feed.stop()

@@ -51,6 +51,13 @@ def test_models_are_kept_apart() -> None:
     assert [(v.id, v.complete) for v in views] == [("x", True), ("y", False)]
 
 
+def test_a_bogus_advertisement_cannot_blow_the_bar_up_nor_unroute_the_model() -> None:
+    views = model_views([advert("a", 0, 8), advert("b", 4, 8), advert("bogus", 0, 4, n_layers=10**9),
+                         advert("odd", 2, 7, n_layers=7)])
+    assert [(v.id, v.n_layers, v.complete) for v in views] == [("m", 8, True)]
+    assert views[0].layers[2].serving == ["a"]  # "odd" claims another layer count: it serves nothing here
+
+
 def test_a_fetching_node_shows_the_newest_of_its_advertised_summary_and_its_torrent_progress() -> None:
     summary = FetchSummary(phase="fetching", fraction=0.25, bytes_downloaded=25, bytes_needed=100, eta_s=30.0)
     a = advert("c", 4, 8, state="fetching", fetch=summary)
