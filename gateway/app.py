@@ -37,9 +37,6 @@ from bus.subjects import Subjects
 from bus.tracker_client import TrackerClient
 from gateway import sse
 from gateway.admission import AdmissionMiddleware, AdmissionQueue, AdmittedSessions, QueueLimits
-from gateway.dashboard import PREFIX as DASHBOARD_PREFIX
-from gateway.dashboard import dashboard_routes
-from gateway.dashboard_feed import SwarmFeed
 from gateway.limits import ConcurrencyCounter, ConcurrencyLimitMiddleware, ConcurrencyLimits
 from gateway.live_session import LiveSession
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -112,8 +109,12 @@ def build_app(serving: OpenAIServing, settings: Settings) -> Starlette:
         HttpRoute("/v1/completions", completions, methods=["POST"]),
         HttpRoute("/v1/responses", responses, methods=["POST"]),
         HttpRoute("/v1/sessions/{sid}/telemetry", telemetry, methods=["GET"]),
-        *dashboard_routes(SwarmFeed(sessions.nc, sessions.subjects, ttl_s=settings.registry_ttl_s), keys),
     ], exception_handlers=EXCEPTION_HANDLERS)
+    from gateway.dashboard import PREFIX as DASHBOARD  # the operators' page: its own paths, its own key check
+    from gateway.dashboard import dashboard_routes
+    from gateway.dashboard_feed import SwarmFeed
+    app.router.routes.extend(dashboard_routes(SwarmFeed(sessions.nc, sessions.subjects,
+                                                        ttl_s=settings.registry_ttl_s), keys))
 
     app.add_middleware(InternalErrors)  # innermost: one 500 and one traceback for whatever no handler took
     # Added first = innermost: requests are counted only once their API key passed. The admission queue waits
@@ -122,7 +123,7 @@ def build_app(serving: OpenAIServing, settings: Settings) -> Starlette:
     app.state.concurrency = ConcurrencyCounter(ConcurrencyLimits.from_settings(settings))
     app.add_middleware(ConcurrencyLimitMiddleware, counter=app.state.concurrency)
     if keys:
-        app.add_middleware(ApiKeyMiddleware, keys=keys)
+        app.add_middleware(ApiKeyMiddleware, keys=keys, self_checked=DASHBOARD)
     app.add_middleware(RequestCounter, metrics=serving.metrics)  # outermost: refused requests count too
     return app
 
@@ -130,14 +131,19 @@ def build_app(serving: OpenAIServing, settings: Settings) -> Starlette:
 class ApiKeyMiddleware:
     """OpenAI-style ``Authorization: Bearer <key>`` on every path but health; constant-time comparison."""
 
-    def __init__(self, app: ASGIApp, keys: list[bytes]) -> None:
+    def __init__(self, app: ASGIApp, keys: list[bytes], self_checked: str | None = None) -> None:
+        """``self_checked``: a path prefix whose routes check the keys themselves (the dashboard: a browser without
+        a key gets a sign-in form there, not a JSON 401)."""
         self.app = app
         self.keys = keys
+        self.self_checked = self_checked
+
+    def _own_check(self, path: str) -> bool:
+        prefix = self.self_checked
+        return prefix is not None and (path == prefix or path.startswith(prefix + "/"))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        # The dashboard checks the keys itself: a browser without one gets a sign-in form, not a JSON 401.
-        path = scope.get("path", "")
-        if scope["type"] == "http" and path not in _OPEN_PATHS and not _is_dashboard(path):
+        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS and not self._own_check(scope["path"]):
             given = Headers(scope=scope).get("authorization", "")
             token = given[7:].encode() if given.lower().startswith("bearer ") else b""
             if not any(hmac.compare_digest(token, k) for k in self.keys):
@@ -145,10 +151,6 @@ class ApiKeyMiddleware:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
-
-
-def _is_dashboard(path: str) -> bool:
-    return path == DASHBOARD_PREFIX or path.startswith(DASHBOARD_PREFIX + "/")
 
 
 async def _telemetry_events(nc: NATS, subjects: Subjects, sid: str, live: LiveSession | None,
