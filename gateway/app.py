@@ -9,6 +9,7 @@
     GET  /v1/responses/{id}            ?stream=true&starting_after=N (gateway.background)
     POST /v1/responses/{id}/cancel
     GET  /v1/sessions/{id}/telemetry   SSE of Generation Telemetry until the session ends
+    GET  /dashboard                    the operators' live page (gateway/dashboard.py lists its paths)
 """
 
 from __future__ import annotations
@@ -130,6 +131,11 @@ def build_app(serving: OpenAIServing, settings: Settings, background: Background
         HttpRoute("/v1/responses/{rid}/cancel", cancel_response, methods=["POST"]),
         HttpRoute("/v1/sessions/{sid}/telemetry", telemetry, methods=["GET"]),
     ], exception_handlers=EXCEPTION_HANDLERS)
+    from gateway.dashboard import PREFIX as DASHBOARD  # the operators' page: its own paths, its own key check
+    from gateway.dashboard import dashboard_routes
+    from gateway.dashboard_feed import SwarmFeed
+    app.router.routes.extend(dashboard_routes(SwarmFeed(sessions.nc, sessions.subjects,
+                                                        ttl_s=settings.registry_ttl_s), keys))
 
     app.add_middleware(InternalErrors)  # innermost: one 500 and one traceback for whatever no handler took
     # Added first = innermost: requests are counted only once their API key passed. The admission queue waits
@@ -138,7 +144,7 @@ def build_app(serving: OpenAIServing, settings: Settings, background: Background
     app.state.concurrency = ConcurrencyCounter(ConcurrencyLimits.from_settings(settings))
     app.add_middleware(ConcurrencyLimitMiddleware, counter=app.state.concurrency)
     if keys:
-        app.add_middleware(ApiKeyMiddleware, keys=keys)
+        app.add_middleware(ApiKeyMiddleware, keys=keys, self_checked=DASHBOARD)
     app.add_middleware(RequestCounter, metrics=serving.metrics)  # outermost: refused requests count too
     return app
 
@@ -146,12 +152,19 @@ def build_app(serving: OpenAIServing, settings: Settings, background: Background
 class ApiKeyMiddleware:
     """OpenAI-style ``Authorization: Bearer <key>`` on every path but health; constant-time comparison."""
 
-    def __init__(self, app: ASGIApp, keys: list[bytes]) -> None:
+    def __init__(self, app: ASGIApp, keys: list[bytes], self_checked: str | None = None) -> None:
+        """``self_checked``: a path prefix whose routes check the keys themselves (the dashboard: a browser without
+        a key gets a sign-in form there, not a JSON 401)."""
         self.app = app
         self.keys = keys
+        self.self_checked = self_checked
+
+    def _own_check(self, path: str) -> bool:
+        prefix = self.self_checked
+        return prefix is not None and (path == prefix or path.startswith(prefix + "/"))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
+        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS and not self._own_check(scope["path"]):
             given = Headers(scope=scope).get("authorization", "")
             token = given[7:].encode() if given.lower().startswith("bearer ") else b""
             if not any(hmac.compare_digest(token, k) for k in self.keys):

@@ -133,5 +133,11 @@ class NodeAdvertisement(WireModel):
                                                          "empty). A string, so a reader tolerates states it does not "
                                                          "know (and routes only to serving)")
     fetch: FetchSummary | None = Field(default=None, description="progress while fetching")
+    link_rtt_ms: dict[str, float] = Field(default_factory=dict, exclude_if=lambda v: not v,
+                                          description="data-plane round trip (ms) to each node this one routes to or "
+                                                      "from, by node id: GET /health on a kept-alive connection, the "
+                                                      "least of a few tries (actors.node.link_probe)")
+    rss_bytes: int = Field(default=0, ge=0, exclude_if=lambda v: v == 0,
+                           description="resident memory of the node's process: weights, KV, everything")
     started_at: float = Field(default_factory=time.time)
     sent_at: float = Field(default_factory=time.time)

@@ -177,6 +177,7 @@ def run_up(args: argparse.Namespace, settings: Settings) -> int:
 swarmroute is up: {args.backend} backend, model {model_id!r}, route {route}
   NATS      {nats.url}
   gateway   {url}/v1   (OpenAI-compatible)
+  dashboard {url}/dashboard   (live: layer coverage, nodes, sessions, link RTTs, repairs)
 
   curl {url}/v1/chat/completions -H 'content-type: application/json' \\
        -d '{{"model": "{model_id}", "messages": [{{"role": "user", "content": "Hello!"}}], "stream": true}}'

@@ -25,9 +25,11 @@ from actors.node.config import NodeConfig
 from actors.node.control_api import ControlApi
 from actors.node.engine import StepEngine
 from actors.node.hop_api import HopApi
+from actors.node.link_probe import LinkProbe, route_neighbours
 from actors.node.metrics import NodeMetrics
 from actors.node.opener import SessionOpener
 from actors.node.prefix_cache import PrefixCache
+from actors.node.process_memory import resident_bytes
 from actors.node.recovery.snapshot_store import SnapshotStore
 from actors.node.recovery.standby import StandbyApi
 from actors.node.reuse import Reuse
@@ -118,6 +120,8 @@ class Node(NatsActor):
         hop_api = HopApi(control.app(), control.session_for, max_frame_bytes=settings.max_frame_bytes,
                          max_body_bytes=settings.max_body_bytes)
         self.server = HttpServer(hop_api, config.host, config.port, hot=hop_api)
+        self.links = LinkProbe(self._route_peers, interval_s=max(self.settings.heartbeat_s, 1.0) * 2.5)
+        """Data-plane RTTs to the nodes this one routes to and from, advertised for operators."""
 
     @property
     def endpoint(self) -> str:
@@ -149,7 +153,8 @@ class Node(NatsActor):
         await self.advertise_now()
         self.service = await node_service(self.nc, self.subjects, self.advertisement)
         self._tasks = [asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
-                       asyncio.create_task(self._sweep_loop(), name="idle-sweep")]
+                       asyncio.create_task(self._sweep_loop(), name="idle-sweep"),
+                       asyncio.create_task(self.links.run(), name="link-probe")]
         log.info("node %s serving layers %s of %s at %s", self.config.node_id, self.backend.layers,
                  self.config.model_id, self.endpoint)
 
@@ -181,6 +186,7 @@ class Node(NatsActor):
             await self.draft_engine.stop()
             self.draft_engine.backend.close()
         await self._client.aclose()
+        await self.links.aclose()
 
     # ---- NATS --------------------------------------------------------------------------------------------------
 
@@ -201,7 +207,8 @@ class Node(NatsActor):
                                  layers=self.backend.layers, is_head=self.backend.is_head,
                                  is_tail=self.backend.is_tail, backend=info, capacity=capacity,
                                  verified=self.config.verified, manifest_id=self.config.manifest_id,
-                                 aliases=list(self.config.aliases))
+                                 aliases=list(self.config.aliases), link_rtt_ms=dict(self.links.rtt_ms),
+                                 rss_bytes=resident_bytes())
 
     @property
     def _registry_timeout_s(self) -> float:
@@ -327,6 +334,11 @@ class Node(NatsActor):
         """Open a session here (``opener``); a head's answer waits until the hops after it have opened."""
         assert self.runtime is not None
         return await self.opener.open(self.runtime, request)
+
+    def _route_peers(self) -> list[tuple[str, str]]:
+        """The nodes next to this one on its open sessions' routes (``LinkProbe`` measures them)."""
+        return [peer for s in list(self.sessions.values())
+                for peer in route_neighbours(s.route, s.hop_index, self.config.node_id).items()]
 
     def sequences_in_use(self) -> int:
         """Backend sequences the open sessions hold or have reserved: one per choice."""
