@@ -6,9 +6,9 @@ it. ``python -m tests.bench.llama_server`` builds the binary (if it is not cache
 
 The build: ``pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36`` (the sdist, ~75 MB) into
 ``~/.cache/swarmroute/bench/sdist``, unpacked into a scratch directory there; CMake configures ``vendor/llama.cpp``
-portable (``GGML_NATIVE=OFF`` with AVX2/AVX-512 on and no AMX flags: on an AMX CPU a native build crashes on the first
-decode, see docs/llamacpp-backend.md), static, without curl, OpenSSL, tests, examples or the web UI, and builds only
-the ``llama-server`` target (~10 minutes on 2 cores). The binary is kept as
+portable (``GGML_NATIVE=OFF`` with AVX2 on, the AVX-512 parts this CPU has, and no AMX flags: on an AMX CPU a
+native build crashes on the first decode, see docs/llamacpp-backend.md), static, without curl, OpenSSL, tests,
+examples or the web UI, and builds only the ``llama-server`` target (~10 minutes on 2 cores). The binary is kept as
 ``~/.cache/swarmroute/bench/llama-server-<version>-<flags hash>/llama-server``; later runs reuse it, and the scratch
 tree is removed. A file lock keeps two concurrent builds apart. Nothing of llama.cpp lives in the repository.
 """
@@ -35,6 +35,20 @@ import httpx
 
 VERSION = "0.3.36"
 BENCH_HOME = Path.home() / ".cache" / "swarmroute" / "bench"
+_AVX512 = {"avx512f": "-DGGML_AVX512=ON", "avx512_vnni": "-DGGML_AVX512_VNNI=ON",
+           "avx512_bf16": "-DGGML_AVX512_BF16=ON", "avx512vbmi": "-DGGML_AVX512_VBMI=ON"}
+"""AVX-512 parts, each built only where this CPU has it: a portable build with AVX-512 on dies of SIGILL on a CPU
+without it (the AMD EPYC of these machines has AVX2 only)."""
+
+
+def _cpu_has() -> set[str]:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DBUILD_SHARED_LIBS=OFF",
@@ -43,10 +57,7 @@ CMAKE_FLAGS = (
     "-DGGML_AVX2=ON",
     "-DGGML_FMA=ON",
     "-DGGML_F16C=ON",
-    "-DGGML_AVX512=ON",
-    "-DGGML_AVX512_VNNI=ON",
-    "-DGGML_AVX512_BF16=ON",
-    "-DGGML_AVX512_VBMI=ON",
+    *(flag for cpu, flag in _AVX512.items() if "avx512f" in _cpu_has() and cpu in _cpu_has()),
     "-DLLAMA_CURL=OFF",
     "-DLLAMA_OPENSSL=OFF",
     "-DLLAMA_BUILD_TESTS=OFF",
@@ -54,6 +65,7 @@ CMAKE_FLAGS = (
     "-DLLAMA_BUILD_UI=OFF",
     "-DLLAMA_USE_PREBUILT_UI=OFF",
 )
+
 TARGET = "llama-server"
 
 
