@@ -335,12 +335,13 @@ async def test_fifty_requests_rejected_after_routing_leave_the_capacity_as_it_wa
     assert queue.admitted == 0 and not sum(queue.dropped.values())
 
 
-# ---- the default `swarmroute up`: 2 llama.cpp nodes of 4 sessions, the bundled model ----------------------------
+# ---- `swarmroute up`: 2 llama.cpp nodes of 4 sessions, the bundled model -----------------------------------------
 
 GEMMA = "gemma-3-270m"
 UP_STREAMS = 64
 UP_CAPACITY = 4
-"""Routes the default up holds at once: both nodes are on every route, each holds 4 sessions."""
+"""Routes the up below holds at once: both nodes are on every route, each holds 4 sessions (``--max-sessions 4``:
+the default, from this machine's memory, holds far more than 64 streams of the bundled model, so none would wait)."""
 
 
 @pytest.mark.slow
@@ -348,12 +349,11 @@ async def test_up_serves_64_concurrent_streams_through_the_queue_and_rejections_
         children: Children, tmp_path: Path) -> None:
     # The default queue wait (120 s) is a client-facing limit; on a machine shared with other jobs 64 streams can
     # take longer than that to get through 4 slots, and every stream completing is what this test is about. The
-    # gateway's liveness probe is off here: on a machine loaded far beyond its cores it can find a head that has
-    # already freed a completed session while its end is still on the way (the head frees every hop before it
-    # publishes the end, and the gateway waits 0.5 s for it: gateway/live_session.py LOST_GRACE_S), failing a stream
-    # that completed; seen in 2 of 4 runs at a load average of ~15 on 2 cores, independent of the queue.
-    up = children.add(Up(env={"SWARMROUTE_HOME": str(tmp_path / "home"), "SWARMROUTE_GATEWAY_PORT": str(free_port()),
-                              "SWARMROUTE_QUEUE_WAIT_S": "900", "SWARMROUTE_LIVENESS_PROBE_S": "0"}))
+    # gateway's liveness probe is on (its default): a head probed after it freed a completed session, before its end
+    # arrived, says the session ended (tests/test_endings.py).
+    up = children.add(Up("--max-sessions", str(UP_CAPACITY),
+                         env={"SWARMROUTE_HOME": str(tmp_path / "home"), "SWARMROUTE_GATEWAY_PORT": str(free_port()),
+                              "SWARMROUTE_QUEUE_WAIT_S": "900"}))
     assert await asyncio.to_thread(up.banner.wait, 600), up.output
     assert up.proc.poll() is None, up.output
     url = up.gateway_url()
