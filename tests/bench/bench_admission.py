@@ -11,8 +11,8 @@ Everything is the bundled Gemma 3 270M Q4_K_M on this machine, streamed ``/v1/co
 stream, each stream its own prompt, 1024 tokens of context per session everywhere. Configurations, kept up for the
 whole run and interleaved level by level:
 
-* ``route-1``       one node, ``--threads 2``, 4 sessions (tracker, gateway and node their own processes,
-                    tests/bench/route_procs.py);
+* ``route-1``       one node, ``--threads 2`` (``--one-node-threads``), 4 sessions (tracker, gateway and node
+                    their own processes, tests/bench/route_procs.py);
 * ``route-2``       two nodes, ``--threads 1`` each, 4 sessions each (layers 0:9, 9:18): 4 routes, like
                     llama-server's 4 slots;
 * ``route-2-mem``   the same two nodes with the sessions ``swarmroute up`` gives them by default: what this machine's
@@ -54,9 +54,12 @@ import openai
 from tests.bench.route_procs import MODEL_ID, N_LAYERS, ProcessRoute, load_line
 
 CONFIGS = {"route-1": [2], "route-2": [1, 1]}
+"""Each configuration's nodes by their ``--threads`` (``--one-node-threads`` replaces route-1's)."""
 MEMORY_ROUTE = "route-2-mem"
-ROUTE_SETTINGS = {"queue_wait_s": 900.0}
-"""Every stream is to get its turn: the queue's wait outlasts the longest level. The liveness probe stays on."""
+ROUTE_SETTINGS = {"queue_wait_s": 900.0, "token_timeout_s": 120.0, "first_token_timeout_s": 600.0}
+"""Every stream is to get its turn and to finish on a machine loaded far beyond its cores: the queue's wait outlasts
+the longest level, and a token may take 2 minutes (the default 15 s failed a stream of route-1 at a load average of
+19 on 2 cores). The liveness probe stays on."""
 LLAMA_SERVER = "llama-server"
 SLOTS = 4
 CTX = 1024
@@ -192,11 +195,18 @@ def memory_sessions(model: Path) -> int:
     return min(chosen.counts)
 
 
-async def start_routes(model: Path, home: Path, memory_route: bool) -> dict[str, ProcessRoute]:
-    """Every swarmroute configuration, started one after the other (each waits for its route to be complete)."""
+async def start_routes(model: Path, home: Path, memory_route: bool, one_node_threads: int) -> dict[str, ProcessRoute]:
+    """Every swarmroute configuration, started one after the other (each waits for its route to be complete). Their
+    nodes' OpenMP threads wait passively when all of them together outnumber the cores, as ``swarmroute up``'s do
+    (``swarmroute.launcher.local_node_env``): a spinning idle node takes the cores from the one computing."""
     plan: dict[str, tuple[list[int], int]] = {name: (threads, SLOTS) for name, threads in CONFIGS.items()}
+    plan["route-1"] = ([one_node_threads], SLOTS)
     if memory_route:
         plan[MEMORY_ROUTE] = ([1, 1], memory_sessions(model))
+    from swarmroute.launcher import local_node_env
+
+    threads = [t for spec, _ in plan.values() for t in spec]
+    os.environ.update(local_node_env(len(threads), max(threads)))  # the nodes inherit this process's environment
     routes: dict[str, ProcessRoute] = {}
     try:
         for name, (threads, sessions) in plan.items():
@@ -219,7 +229,7 @@ async def run(args: argparse.Namespace) -> int:
     ratios: dict[str, list[float]] = {}
     why_not = ""
     with tempfile.TemporaryDirectory(prefix="bench-admission-") as tmp:
-        routes = await start_routes(model, Path(tmp), not args.no_memory_route)
+        routes = await start_routes(model, Path(tmp), not args.no_memory_route, args.one_node_threads)
         try:
             async with maybe_llama_server(model, not args.no_llama_server) as (server_url, why_not):
                 targets = {n: (r.url, MODEL_ID) for n, r in routes.items()}
@@ -320,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--level-timeout", type=float, default=900.0,
                         help="seconds one level (or the 16 waves) may take before its streams are cut")
     parser.add_argument("--no-llama-server", action="store_true", help="skip the llama-server comparison")
+    parser.add_argument("--one-node-threads", type=int, default=2, help="route-1's node's --threads")
     parser.add_argument("--no-memory-route", action="store_true",
                         help=f"skip {MEMORY_ROUTE} (the 2-node route with up's memory-derived sessions)")
     return asyncio.run(run(parser.parse_args(argv)))
