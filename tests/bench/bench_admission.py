@@ -56,10 +56,12 @@ from tests.bench.route_procs import MODEL_ID, N_LAYERS, ProcessRoute, load_line
 CONFIGS = {"route-1": [2], "route-2": [1, 1]}
 """Each configuration's nodes by their ``--threads`` (``--one-node-threads`` replaces route-1's)."""
 MEMORY_ROUTE = "route-2-mem"
-ROUTE_SETTINGS = {"queue_wait_s": 900.0, "token_timeout_s": 120.0, "first_token_timeout_s": 600.0}
+ROUTE_SETTINGS = {"queue_wait_s": 900.0, "token_timeout_s": 120.0, "first_token_timeout_s": 600.0,
+                  "hop_timeout_s": 120.0}
 """Every stream is to get its turn and to finish on a machine loaded far beyond its cores: the queue's wait outlasts
-the longest level, and a token may take 2 minutes (the default 15 s failed a stream of route-1 at a load average of
-19 on 2 cores). The liveness probe stays on."""
+the longest level, a token may take 2 minutes (the default 15 s failed a stream of route-1 at a load average of 19 on
+2 cores), and so may one hop's step (the default 10 s failed all 64 streams of route-2-mem, whose tail prefilled the
+64 prompts at once at a load average of 23). The liveness probe stays on."""
 LLAMA_SERVER = "llama-server"
 SLOTS = 4
 CTX = 1024
