@@ -43,7 +43,7 @@ from actors.node.reuse import Reuse
 from actors.node.session import NodeSession
 from bus.capability import HEADER_CAPABILITY, HEADER_SESSION_TOKEN
 from bus.http_edge import EXCEPTION_HANDLERS, read_model
-from schemas.errors import BadRequestError, SessionEndedError, SessionNotFoundError
+from schemas.errors import BadRequestError, SessionNotFoundError
 from schemas.node import NodeAdvertisement
 from schemas.route import ReplayRequest, RouteUpdate
 from schemas.session import FailureReason, Prompt, SessionOpen, SessionOpened, TokenizeReply
@@ -143,9 +143,8 @@ class ControlApi:
 
     async def _status(self, request: Request) -> Response:
         sid = request.path_params["sid"]
-        ended = self.endings.phase(sid) if sid not in self.sessions else None
-        if ended is not None:
-            raise SessionEndedError(f"session {sid} ended ({ended.value}) on node {self.node_id}")
+        if sid not in self.sessions:
+            self.endings.check(sid, self.node_id)
         s = self._member(request)
         return JSONResponse({"session_id": s.id, "position": s.position, "phase": s.phase.value,
                              "frames_received": s.frames_received, "bytes_received": s.bytes_received,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 
+from schemas.errors import SessionEndedError
 from schemas.session import SessionPhase
 
 ENDINGS_REMEMBERED = 4096
@@ -30,3 +31,9 @@ class Endings:
     def phase(self, session_id: str) -> SessionPhase | None:
         """How ``session_id`` ended here, if this node headed it and still remembers."""
         return self._phases.get(session_id)
+
+    def check(self, session_id: str, node_id: str) -> None:
+        """``SessionEndedError`` if ``session_id`` (no longer held here) ended on this node."""
+        phase = self._phases.get(session_id)
+        if phase is not None:
+            raise SessionEndedError(f"session {session_id} ended ({phase.value}) on node {node_id}")
