@@ -63,7 +63,7 @@ class Silence:
 async def first_lost(client: NodeClient, hops: Sequence[Hop], session_id: str, *,
                      session_token: str | None = None) -> tuple[str, str] | None:
     """The first of ``hops`` whose process is gone or that no longer holds the session, and why; ``None`` while
-    each holds it or cannot say."""
+    each holds it, cannot say, or (a head) says the session ended there: its end is on the bus, nothing is lost."""
     states = await asyncio.gather(*(client.session_state(h.node_id, h.endpoint, session_id,
                                                          session_token=session_token) for h in hops))
     for hop, state in zip(hops, states, strict=True):

@@ -28,7 +28,7 @@ WINDOW_CONTENT_TYPE = "application/x-swarmroute-window"
 SNAPSHOT_CONTENT_TYPE = "application/x-swarmroute-snapshot"
 """A snapshot segment (``bus.snapshot``)."""
 """A token frame (``bus.frame.encode_token``); the tokens endpoint also takes a JSON ``TokenEvent``."""
-SessionState = Literal["open", "gone", "unreachable", "unknown"]
+SessionState = Literal["open", "ended", "gone", "unreachable", "unknown"]
 
 
 class NodeClient:
@@ -149,16 +149,19 @@ class NodeClient:
 
     async def session_state(self, node: str, endpoint: str, session_id: str, *, timeout: float = 1.0,
                             session_token: str | None = None) -> SessionState:
-        """Whether a node still holds a session: ``open``, ``gone`` (it answers but does not hold it: restarted, or
-        freed it), ``unreachable`` (nothing listens: the process died) or ``unknown`` (no answer in time: busy, or a
-        network that drops packets; proves nothing)."""
+        """Whether a node still holds a session: ``open``, ``ended`` (the head freed it because it ended: its end is
+        published or on its way), ``gone`` (it answers but does not hold it: restarted, or freed it), ``unreachable``
+        (nothing listens: the process died) or ``unknown`` (no answer in time: busy, or a network that drops
+        packets; proves nothing)."""
         try:
             await self._request(node, "GET", f"{endpoint}/v1/sessions/{session_id}", timeout=timeout,
                                 extra=_auth(session_token))
         except HopError as exc:
             if exc.kind == "unreachable":
                 return "unreachable"
-            return "gone" if exc.peer_status == 404 else "unknown"
+            if exc.peer_status == 404:
+                return "ended" if exc.peer_error is not None and exc.peer_error.code == "session_ended" else "gone"
+            return "unknown"
         return "open"
 
     # ---- issue #18: snapshots on a standby holder, route repair -------------------------------------------------

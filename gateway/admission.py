@@ -60,6 +60,9 @@ NO_CAPACITY = "capacity_exceeded"
 """The code of a refusal that means "no free slot now" (tracker or node): the request waits instead."""
 FIRST_RETRY_S = 0.02
 """The head of the queue asks again this soon after a refusal, doubling up to ``queue_poll_s``."""
+WOKEN_RETRY_S = 0.02
+"""After a session here ended and the try it woke still found no capacity (the freed node's advertisement may not
+have reached the tracker yet), the head of the queue asks again this soon, doubling up to ``queue_poll_s``."""
 NOTIFY_EVERY_S = 1.0
 """A waiting stream gets a fresh ``queued`` chunk at least this often (its ETA moves), and when its position does."""
 RATE_WINDOW = 32
@@ -396,13 +399,17 @@ class AdmissionQueue:
     async def _dispatch(self, queue: ModelQueue) -> None:
         """Give turns in line order, up to a window of tries at once: it grows by one with each admission (slots
         free in waves, and a wave's opens then overlap instead of queueing behind each other) and falls back to one
-        at the first "no capacity"; then, once the tries in flight are done, wait for a session to end here or the
-        backoff (doubling up to ``poll_s``) before the next."""
+        at the first "no capacity"; then, once the tries in flight are done, wait for a session to end here (since
+        those tries began) or the backoff (doubling up to ``poll_s``) before the next."""
         backoff, window = FIRST_RETRY_S, 1
         trying: set[asyncio.Future[Outcome]] = set()
         loop = asyncio.get_running_loop()
         try:
             while queue.lines or trying:
+                if not trying:
+                    # From here on a session that ends wakes the wait below, even while these tries are in flight
+                    # (cleared after them, the news of a slot freed meanwhile was lost until the next poll).
+                    queue.wake.clear()
                 for ticket in queue.order():
                     if len(trying) >= window:
                         break
@@ -422,13 +429,12 @@ class AdmissionQueue:
                 window = 1
                 if trying:
                     continue  # the tries still in flight find out the same: wait for them first
-                queue.wake.clear()
                 woken = False
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(backoff):
                         await queue.wake.wait()
                         woken = True
-                backoff = FIRST_RETRY_S if woken else min(backoff * 2, self.limits.poll_s)
+                backoff = WOKEN_RETRY_S if woken else min(backoff * 2, self.limits.poll_s)
         finally:
             queue.dispatcher = None
 

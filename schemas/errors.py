@@ -117,6 +117,13 @@ class SessionNotFoundError(NotFoundError):
     code = "session_not_found"
 
 
+class SessionEndedError(SessionNotFoundError):
+    """The node no longer holds the session because it ended there (its head published, or is publishing, the
+    end): a liveness probe's "ended", not "lost" (``actors.node.endings``)."""
+
+    code = "session_ended"
+
+
 class MethodNotAllowedError(SwarmrouteError):
     """The path exists, but not for this method; ``allow`` lists the methods it takes (the ``Allow`` header)."""
 

@@ -16,6 +16,7 @@ from schemas.node import ALL_LAYERS
 from schemas.settings import Settings
 
 if TYPE_CHECKING:
+    from artifacts.model_shape import ModelShape
     from swarmroute.artifact_prep import PreparedArtifact
 
 DEFAULT_SESSIONS = 4
@@ -105,15 +106,28 @@ def memory_sessions(prepared: PreparedArtifact, memory: int | None, context: int
     llama.cpp can hold; ``DEFAULT_SESSIONS`` when the node declares no memory. ``--max-sessions`` overrides it."""
     if memory is None:
         return DEFAULT_SESSIONS
-    import llama_cpp
-
     from artifacts.gguf_shape import shape_from_manifest
-    from artifacts.layer_split import PlanSettings, gib, sessions_held
+    from artifacts.layer_split import gib
 
     shape = shape_from_manifest(prepared.manifest)
-    held = sessions_held(shape, prepared.start, prepared.end, memory, PlanSettings(context=context))
+    return sessions_in_memory(shape, prepared.start, prepared.end, memory, context, what=f"--memory {gib(memory)}")
+
+
+def sessions_in_memory(shape: ModelShape, start: int, end: int, memory: int, context: int, *, what: str) -> int:
+    """Sessions whose caches at ``context`` fit in ``memory`` beside the weights of layers ``[start, end)`` (the
+    planner's costs, ``artifacts.layer_split.sessions_held``), at most ``session_limit()``; ``what`` names the memory
+    in the refusal when not even one fits."""
+    from artifacts.layer_split import PlanSettings, sessions_held
+
+    held = sessions_held(shape, start, end, memory, PlanSettings(context=context))
     if held < 1:
-        raise BadRequestError(f"--memory {gib(memory)} does not hold layers [{prepared.start}, {prepared.end}) and "
-                              f"one session's cache at a context of {context} tokens; give more memory or a smaller "
-                              f"--ctx", param="memory")
-    return min(held, int(llama_cpp.llama_max_parallel_sequences()) - 1)  # one is the KV scratch (issue #18)
+        raise BadRequestError(f"{what} does not hold layers [{start}, {end}) and one session's cache at a context "
+                              f"of {context} tokens; give more memory or a smaller --ctx", param="memory")
+    return min(held, session_limit())
+
+
+def session_limit() -> int:
+    """The most sessions one llama.cpp context holds: its parallel sequences but one, the KV scratch (issue #18)."""
+    import llama_cpp
+
+    return int(llama_cpp.llama_max_parallel_sequences()) - 1

@@ -10,6 +10,7 @@ names a child that dies and restarts it; Ctrl-C (or SIGTERM) stops every child.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -24,7 +25,7 @@ from bus.server import EmbeddedNats, NatsServerConfig
 from schemas.errors import SwarmrouteError, validation_message
 from schemas.fleet import Fleet, GatewaySpec, ModelSpec, NodeSpec, SeederSpec, TrackerSpec
 from schemas.settings import Settings
-from swarmroute.backends import DEFAULT_SESSIONS
+from swarmroute.backends import DEFAULT_CTX, DEFAULT_SESSIONS
 from swarmroute.fleet_members import LocalFleet
 from swarmroute.supervisor import Supervisor
 
@@ -107,6 +108,48 @@ def local_node_env(n_local: int, threads: int) -> dict[str, str]:
     return {k: v for k, v in PASSIVE_WAIT.items() if k not in own}
 
 
+@dataclasses.dataclass(frozen=True)
+class UpSessions:
+    """The session count of each of ``up``'s nodes, in route order, and why (``up`` prints it)."""
+
+    counts: list[int]
+    why: str
+
+
+def up_sessions(args: argparse.Namespace, path: Path | None, n_layers: int, n_nodes: int,
+                memory: int | None = None) -> UpSessions:
+    """``--max-sessions`` if given; else, for llama.cpp nodes, what ``memory`` (default: this machine's available
+    memory, ``swarmroute.provision.available_memory``) split evenly among the ``n_nodes`` local nodes holds for
+    each node's layers at ``--ctx``: the planner's weights and KV cost per session, the computation ``swarmroute
+    node --memory`` makes (``swarmroute.backends.sessions_in_memory``, issue #30). Other backends have no such cost
+    model: ``DEFAULT_SESSIONS``."""
+    if args.max_sessions:
+        return UpSessions([args.max_sessions] * n_nodes, f"{args.max_sessions} sessions per node (--max-sessions)")
+    if args.backend != "llamacpp" or path is None:
+        return UpSessions([DEFAULT_SESSIONS] * n_nodes, f"{DEFAULT_SESSIONS} sessions per node (the {args.backend} "
+                                                        f"backend's default; --max-sessions to choose)")
+    from artifacts.plan import load_shape
+    from swarmroute.backends import session_limit, sessions_in_memory
+    from swarmroute.fleet_members import split_layers
+    from swarmroute.provision import available_memory
+
+    shape = load_shape(path)
+    total = available_memory() if memory is None else memory
+    each = total // n_nodes
+    context = args.ctx or DEFAULT_CTX
+    ranges = split_layers(n_layers, n_nodes)
+    where = f"{_gib(each)} per node ({_gib(total)} available on this machine, split over {n_nodes})"
+    counts = [sessions_in_memory(shape, start, end, each, context, what=where) for start, end in ranges]
+    held = ", ".join(f"node-{i + 1} [{a},{b}) {n}" for i, ((a, b), n) in enumerate(zip(ranges, counts, strict=True)))
+    capped = f"; llama.cpp holds at most {session_limit()}" if session_limit() in counts else ""
+    return UpSessions(counts, f"sessions per node from memory: {held} ({where} holds that many {context}-token "
+                              f"caches beside the node's layers{capped}; --max-sessions to choose)")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
 def listen(host: str, port: int) -> str:
     """``host:port`` as a fleet file writes it (``[::1]:0`` for an IPv6 host)."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -122,13 +165,15 @@ def up_model(args: argparse.Namespace, model_id: str, n_layers: int) -> ModelSpe
 
 
 def up_fleet(args: argparse.Namespace, settings: Settings, model: ModelSpec, *, nodes: int, gateway: str,
-             memory: str | None = None, seeders: Sequence[SeederSpec] = ()) -> Fleet:
+             memory: str | None = None, seeders: Sequence[SeederSpec] = (),
+             sessions: Sequence[int] | None = None) -> Fleet:
     """The fleet ``up`` runs: one tracker, ``node-1``..``node-N`` as ``up``'s options describe them (listening on
-    the bind host, any free port; ``memory`` each, to be assigned their layers; ``--threads`` each, else an equal
-    share of this machine's cores, ``local_threads``), one gateway listening on ``gateway``, and ``seeders``; in
-    this process's namespace."""
+    the bind host, any free port; ``memory`` each, to be assigned their layers; ``sessions[i]`` sessions, else
+    ``--max-sessions`` or ``DEFAULT_SESSIONS``; ``--threads`` each, else an equal share of this machine's cores,
+    ``local_threads``), one gateway listening on ``gateway``, and ``seeders``; in this process's namespace."""
     threads = args.threads or local_threads(nodes)
-    node_specs = [NodeSpec(name=f"node-{i + 1}", max_sessions=args.max_sessions or DEFAULT_SESSIONS, ctx=args.ctx,
+    counts = list(sessions) if sessions is not None else [args.max_sessions or DEFAULT_SESSIONS] * nodes
+    node_specs = [NodeSpec(name=f"node-{i + 1}", max_sessions=counts[i], ctx=args.ctx,
                            threads=threads, wire_dtype=args.wire_dtype, listen=listen(settings.bind_host, 0),
                            memory=memory)
                   for i in range(nodes)]
@@ -159,12 +204,21 @@ def run_up(args: argparse.Namespace, settings: Settings) -> int:
     host = args.host or settings.bind_host
     if args.port is None:
         args.port = settings.gateway_port
-    local = local_fleet("up", lambda: LocalFleet(
-        up_fleet(args, settings, up_model(args, model_id, n_layers), nodes=n_nodes, gateway=listen(host, args.port)),
-        home=settings.home, log_level=args.log_level or "warning",
-        node_env=local_node_env(n_nodes, args.threads or local_threads(n_nodes))))
+    chosen: list[UpSessions] = []
+
+    def fleet() -> LocalFleet:
+        path = Path(args.model) if args.backend != "stub" and args.model else None
+        chosen.append(up_sessions(args, path, n_layers, n_nodes))
+        return LocalFleet(
+            up_fleet(args, settings, up_model(args, model_id, n_layers), nodes=n_nodes,
+                     gateway=listen(host, args.port), sessions=chosen[0].counts),
+            home=settings.home, log_level=args.log_level or "warning",
+            node_env=local_node_env(n_nodes, args.threads or local_threads(n_nodes)))
+
+    local = local_fleet("up", fleet)
     if local is None:
         return 2
+    print(f"swarmroute up: {chosen[0].why}", file=sys.stderr, flush=True)
     settings.home.mkdir(parents=True, exist_ok=True)
     nats = EmbeddedNats(NatsServerConfig(store_dir=settings.home / "nats-up", host=settings.bind_host))
     nats.start()

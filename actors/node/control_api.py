@@ -32,6 +32,7 @@ from starlette.routing import Route as HttpRoute
 
 from actors.backend import Backend
 from actors.node.admission import Admission
+from actors.node.endings import Endings
 from actors.node.engine import StepEngine
 from actors.node.head_session import HeadSession
 from actors.node.hop_session import HopSession
@@ -57,7 +58,7 @@ class ControlApi:
                  metrics: NodeMetrics, standby: StandbyApi, sessions: dict[str, NodeSession],
                  open_session: Callable[[SessionOpen], Awaitable[SessionOpened]],
                  advertisement: Callable[[], NodeAdvertisement], beat_soon: Callable[[], None],
-                 max_body_bytes: int) -> None:
+                 max_body_bytes: int, endings: Endings | None = None) -> None:
         self.node_id = node_id
         self.backend = backend
         self.engine = engine
@@ -72,6 +73,8 @@ class ControlApi:
         """Heartbeat now: what the trackers route by changed (a kept prefix, a reservation that ended)."""
         """Kept prefixes gained keys: the node heartbeats at once, so trackers learn where the next turn's is."""
         self.max_body_bytes = max_body_bytes
+        self.endings = endings or Endings()
+        """Sessions this node headed that ended: a probe of one hears "ended", not "not open"."""
 
     def app(self) -> Starlette:
         routes = [
@@ -139,6 +142,9 @@ class ControlApi:
         return JSONResponse(opened.model_dump(mode="json"), status_code=201)
 
     async def _status(self, request: Request) -> Response:
+        sid = request.path_params["sid"]
+        if sid not in self.sessions:
+            self.endings.check(sid, self.node_id)
         s = self._member(request)
         return JSONResponse({"session_id": s.id, "position": s.position, "phase": s.phase.value,
                              "frames_received": s.frames_received, "bytes_received": s.bytes_received,
