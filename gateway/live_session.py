@@ -37,6 +37,7 @@ from bus.liveness import Silence
 from bus.subjects import Subjects
 from gateway import fanout
 from schemas.prefix import conversation_keys
+from schemas.reasoning import ReasoningStart
 from schemas.route import Route
 from schemas.session import (
     TOKEN_SUBJECT_MESSAGES,
@@ -103,6 +104,8 @@ class LiveSession:
         """Request choices per route choice: ``n`` when greedy (``gateway.fanout``: the route decodes one), else 1."""
         self._held = 0  # fanned-out copies of a token not yet yielded (they count in ``backlog``)
         self.tool_format: ToolCallFormat | None = None  # how the head asked the model to write tool calls
+        self.reasoning: ReasoningStart | None = None
+        """Where the reply starts relative to a think block (``schemas.reasoning``); None: plain text."""
         self.prompt = prompt
         self.reply: list[str] = []
         """Choice 0's text so far: with the prompt, the prefix keys of what the hops keep (issue #18)."""
@@ -136,11 +139,12 @@ class LiveSession:
         self.telemetry = self.snapshot(SessionPhase.ROUTING, seq=0)
 
     def opened(self, *, choices: int, fan_out: int, prompt_tokens: int, max_tokens: int,
-               tool_format: ToolCallFormat | None) -> None:
-        """The head opened the route: the route's choices, each fanned out to ``fan_out`` request choices, and the
-        prompt and budget as the head settled them."""
+               tool_format: ToolCallFormat | None, reasoning: ReasoningStart | None = None) -> None:
+        """The head opened the route: the route's choices, each fanned out to ``fan_out`` request choices, the
+        prompt and budget as the head settled them, and where the reply starts relative to a think block."""
         self.n, self.seen, self.fan_out = choices, [0] * choices, fan_out
         self.n_prompt, self.max_tokens, self.tool_format = prompt_tokens, max_tokens, tool_format
+        self.reasoning = reasoning
         self.opened_at = time.monotonic()
 
     def snapshot(self, phase: SessionPhase, *, seq: int | None = None,

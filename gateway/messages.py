@@ -22,5 +22,7 @@ def head_messages(messages: list[ChatMessage]) -> list[dict[str, object]]:
             turn["tool_call_id"] = m.tool_call_id
         if m.name is not None:
             turn["name"] = m.name
+        if m.reasoning_content is not None:  # a reasoning model's earlier turn: templates that show it read it
+            turn["reasoning_content"] = m.reasoning_content
         out.append(turn)
     return out

@@ -4,8 +4,9 @@ One ``ChoiceReply`` per choice (n > 1 interleaves them; ``TokenEvent.index`` say
 choice needs and nothing more: a tool-call parser when the request had tools (the reply's text becomes
 ``delta.tool_calls``), the logprobs of tokens whose text has not been sent yet when logprobs were asked for (text
 can be held back by a stop string or an incomplete call; its logprobs ride the next chunk that goes out), and, for a
-whole reply, the text and logprobs so far. A plain request's tokens skip all of it (``Replies.plain``: the serving
-loop splices the text into a pre-rendered chunk).
+whole reply, the text and logprobs so far. For a model whose template marks reasoning, a reasoning parser in front
+of all that splits the think block off (``gateway.reasoning``: it becomes ``reasoning_content``). A plain request's
+tokens skip all of it (``Replies.plain``: the serving loop splices the text into a pre-rendered chunk).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 from typing import Any, Literal
 
 from gateway.logprobs import chat_logprobs, completion_logprobs
+from gateway.reasoning import ReasoningParser, split_reply
 from gateway.tools import ToolCallParser, chat_delta, chat_message, finish_reason, parse_reply
 from schemas.openai import (
     ChatChoice,
@@ -24,6 +26,7 @@ from schemas.openai import (
     CompletionChoice,
     CompletionLogprobs,
 )
+from schemas.reasoning import ReasoningStart
 from schemas.session import FinishReason, SessionEnd, TokenEvent, TokenLogprobs
 from schemas.tools import ToolCallFormat
 
@@ -34,6 +37,8 @@ Kind = Literal["chat", "completion"]
 class ChoiceReply:
     index: int
     parser: ToolCallParser | None = None
+    thinker: ReasoningParser | None = None
+    """Splits the think block off the reply's text, ahead of ``parser``."""
     pending: list[TokenLogprobs] = dataclasses.field(default_factory=list)
     """Logprobs of tokens whose text has not gone out yet."""
     text: list[str] = dataclasses.field(default_factory=list)
@@ -48,16 +53,22 @@ class Replies:
     """Every choice of one request. ``kind`` picks the shapes (chat chunks and messages, or completion choices)."""
 
     def __init__(self, kind: Kind, *, n: int, logprobs: bool, tool_format: ToolCallFormat | None,
-                 cid: str, model: str, prefix: str = "") -> None:
+                 cid: str, model: str, prefix: str = "", reasoning: ReasoningStart | None = None,
+                 inline_reasoning: bool = False) -> None:
+        """``reasoning``: where the reply starts relative to a think block when it is to be split off (chat only);
+        ``inline_reasoning``: a whole reply keeps the block in its content too (``deepseek-legacy``)."""
         self.kind = kind
         self.want_logprobs = logprobs
         self.tool_format = tool_format
+        self.reasoning = reasoning if kind == "chat" else None
+        self.inline_reasoning = inline_reasoning
         self.cid, self.model, self.prefix = cid, model, prefix
         self.created = int(time.time())
         """One timestamp for every chunk of the reply, as OpenAI sends them."""
         self.choices = [ChoiceReply(i, parser=ToolCallParser(tool_format) if tool_format else None,
+                                    thinker=ReasoningParser(self.reasoning) if self.reasoning else None,
                                     offset=len(prefix)) for i in range(n)]
-        self.plain = n == 1 and not logprobs and tool_format is None
+        self.plain = n == 1 and not logprobs and tool_format is None and self.reasoning is None
         """Nothing per token but the text: the serving loop's fast path."""
 
     # ---- streamed ------------------------------------------------------------------------------------------------
@@ -107,6 +118,12 @@ class Replies:
                 return None
             return _dump(CompletionChoice(index=choice.index, text=text, finish_reason=finish,
                                           logprobs=self._completion_lps(choice)))
+        thought = ""
+        if choice.thinker is not None:
+            thought, text = choice.thinker.feed(text) if text else ("", "")
+            if final:
+                more_thought, more_text = choice.thinker.finish()
+                thought, text = thought + more_thought, text + more_text
         delta: ChatDelta | None
         if choice.parser is not None:
             deltas = choice.parser.feed(text) if text else []
@@ -117,6 +134,8 @@ class Replies:
             delta = chat_delta(deltas)
         else:
             delta = ChatDelta(content=text) if text else None
+        if thought:
+            delta = (delta or ChatDelta()).model_copy(update={"reasoning_content": thought})
         if delta is None and not final:
             return None
         if final:
@@ -149,7 +168,8 @@ class Replies:
         finishes = {c.index: c.finish_reason for c in end.choices}
         out = []
         for choice in self.choices:
-            text = "".join(choice.text)
+            raw = "".join(choice.text)
+            thought, text = split_reply(raw, self.reasoning) if self.reasoning else (None, raw)
             finish = choice.finish_reason or finishes.get(choice.index) or end.finish_reason
             if self.tool_format is not None:
                 reply = parse_reply(text, self.tool_format)
@@ -157,6 +177,10 @@ class Replies:
                 reason = finish_reason(bool(reply.tool_calls), finish)
             else:
                 message, reason = ChatMessageOut(content=text), finish
+            if self.reasoning is not None:
+                inline = raw[:len(raw) - len(text)] if self.inline_reasoning else ""  # the block, as written
+                content = inline + (message.content or "") if inline else message.content
+                message = message.model_copy(update={"content": content, "reasoning_content": thought})
             out.append(ChatChoice(index=choice.index, message=message, finish_reason=reason,
                                   logprobs=chat_logprobs(choice.logprobs) if self.want_logprobs else None))
         return out

@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from gateway import sse
 from gateway.background import BackgroundResponses
 from gateway.live_session import LiveSession
+from gateway.reasoning import splits
 from gateway.responses import ResponseReply, chat_messages, request_logprobs, request_tools, sse_event, text_format
 from gateway.serving import OpenAIServing, StreamState, constrain_hook, refuse_unsupported, telemetry_extra
 from gateway.session_opener import GenerationRequest
@@ -26,9 +27,10 @@ from schemas.openai_responses import ResponseEvent, ResponsesRequest
 from schemas.session import Prompt, SamplingParams, SessionEnd, TokenEvent
 
 
-def _reply(req: ResponsesRequest, session: LiveSession) -> ResponseReply:
+def _reply(req: ResponsesRequest, session: LiveSession, split: bool) -> ResponseReply:
+    """``split``: the server's reasoning format asks for a think block apart (a ``reasoning`` item, issue #27)."""
     return ResponseReply(req, response_id=f"resp_{session.id}", prompt_tokens=session.n_prompt,
-                         tool_format=session.tool_format)
+                         tool_format=session.tool_format, reasoning=session.reasoning if split else None)
 
 
 class ResponsesServing:
@@ -57,7 +59,7 @@ class ResponsesServing:
                 raise BadRequestError("'background': this gateway keeps no background responses", param="background")
             return await self.background.create(req, generation)
         session = await self.serving.sessions.start(generation)
-        reply = _reply(req, session)
+        reply = _reply(req, session, splits(self.serving.reasoning_format(None), session.reasoning, streamed=False))
         if req.stream:
             state = StreamState(session, include_usage=False, include_telemetry=False)
             return StreamingResponse(self._stream(session, state, reply), media_type="text/event-stream",

@@ -5,7 +5,9 @@
 ``response.content_part.added``, ``response.output_text.delta``..., ``response.output_text.done``,
 ``response.content_part.done``, or for a call ``response.function_call_arguments.delta``...,
 ``response.function_call_arguments.done``; then ``response.output_item.done``; and last ``response.completed``
-(``response.incomplete`` when ``max_output_tokens`` cut it, ``response.failed`` when the route failed).
+(``response.incomplete`` when ``max_output_tokens`` cut it, ``response.failed`` when the route failed). A reply's
+think block (``gateway.reasoning``, issue #27) comes first, as a ``reasoning`` item: ``response.output_item.added``,
+``response.reasoning_text.delta``..., ``response.reasoning_text.done``, ``response.output_item.done``.
 
 Pure conversion: the serving loop feeds it the parser's deltas and the tokens' logprobs as they arrive.
 """
@@ -20,6 +22,7 @@ from typing import Any
 
 from gateway.constraints import FormatKind, check_schema, tool_set
 from gateway.logprobs import responses_logprobs
+from gateway.reasoning import ReasoningDelta, ReasoningParser
 from gateway.tools import ArgumentsDelta, CallStart, ContentDelta, ReplyDelta, ToolCallParser
 from schemas.openai_responses import (
     ContentPartAddedEvent,
@@ -39,6 +42,11 @@ from schemas.openai_responses import (
     OutputText,
     OutputTextDeltaEvent,
     OutputTextDoneEvent,
+    ReasoningItem,
+    ReasoningItemIn,
+    ReasoningText,
+    ReasoningTextDeltaEvent,
+    ReasoningTextDoneEvent,
     ResponseCompletedEvent,
     ResponseCreatedEvent,
     ResponseError,
@@ -52,6 +60,7 @@ from schemas.openai_responses import (
     TextFormatJsonObject,
     TextFormatJsonSchema,
 )
+from schemas.reasoning import ReasoningStart
 from schemas.session import FinishReason, SessionEnd, SessionPhase, TokenEvent, TokenLogprobs
 from schemas.tools import FunctionSpec, ToolCallFormat, ToolSet
 
@@ -72,12 +81,17 @@ def _derived_id(prefix: str, response_id: str, n: int) -> str:
 
 def chat_messages(req: ResponsesRequest) -> list[dict[str, object]]:
     """The conversation as chat messages (what the head renders): ``instructions`` as the system turn, function
-    calls grouped into the assistant turn that made them, their outputs as ``role: tool`` turns."""
+    calls grouped into the assistant turn that made them, their outputs as ``role: tool`` turns, and a reasoning
+    item as the ``reasoning_content`` of the assistant turn after it (templates that show reasoning read it)."""
     messages: list[dict[str, object]] = []
+    thought: str | None = None
     if req.instructions:
         messages.append({"role": "system", "content": req.instructions})
     items = [MessageItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
     for item in items:
+        if isinstance(item, ReasoningItemIn):
+            thought = "".join(p.text for p in item.content or item.summary)
+            continue
         if isinstance(item, MessageItem):
             messages.append({"role": item.role, "content": item.text()})
         elif isinstance(item, FunctionCallItem):
@@ -91,6 +105,9 @@ def chat_messages(req: ResponsesRequest) -> list[dict[str, object]]:
         else:
             assert isinstance(item, FunctionCallOutputItem)
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+        if thought is not None and messages[-1]["role"] == "assistant":
+            messages[-1].setdefault("reasoning_content", thought)
+        thought = None
     return messages
 
 
@@ -159,6 +176,9 @@ class ResponseBuilder:
         self._logprobs: list[TokenLogprobs] = []
         self._pending_logprobs: list[TokenLogprobs] = []
         self._calls: dict[int, tuple[int, FunctionCall]] = {}
+        self._reasoning: ReasoningItem | None = None
+        self._reasoning_index = -1
+        self._reasoning_text: list[str] = []
         self._want_logprobs = wants_logprobs(req)
 
     def _next(self) -> int:
@@ -176,12 +196,17 @@ class ResponseBuilder:
         return [ResponseCreatedEvent(sequence_number=self._next(), response=self._snapshot()),
                 ResponseInProgressEvent(sequence_number=self._next(), response=self._snapshot())]
 
-    def feed(self, deltas: Sequence[ReplyDelta], logprobs: Sequence[TokenLogprobs] = ()) -> list[ResponseEvent]:
-        """The parser's deltas for one or more tokens, and those tokens' logprobs (when asked for)."""
+    def feed(self, deltas: Sequence[ReplyDelta | ReasoningDelta],
+             logprobs: Sequence[TokenLogprobs] = ()) -> list[ResponseEvent]:
+        """The parsers' deltas for one or more tokens, and those tokens' logprobs (when asked for)."""
         events: list[ResponseEvent] = []
         if self._want_logprobs:
             self._pending_logprobs.extend(logprobs)
         for delta in deltas:
+            if isinstance(delta, ReasoningDelta):
+                events += self._reasoning_delta(delta.text)
+                continue
+            events += self._close_reasoning(cut=False)
             if isinstance(delta, ContentDelta):
                 events += self._text_delta(delta.text)
             elif isinstance(delta, CallStart):
@@ -200,6 +225,32 @@ class ResponseBuilder:
                 events.append(FunctionCallArgumentsDeltaEvent(sequence_number=self._next(), item_id=item.id,
                                                               output_index=index, delta=delta.text))
         return events
+
+    def _reasoning_delta(self, text: str) -> list[ResponseEvent]:
+        events: list[ResponseEvent] = []
+        if self._reasoning is None:
+            self._reasoning = ReasoningItem(id=self._item_id("rs"), status="in_progress")
+            self._reasoning_index = len(self.response.output)
+            self.response.output.append(self._reasoning)
+            events.append(OutputItemAddedEvent(sequence_number=self._next(), output_index=self._reasoning_index,
+                                               item=self._reasoning.model_copy(deep=True)))
+        self._reasoning_text.append(text)
+        events.append(ReasoningTextDeltaEvent(sequence_number=self._next(), item_id=self._reasoning.id,
+                                              output_index=self._reasoning_index, delta=text))
+        return events
+
+    def _close_reasoning(self, *, cut: bool) -> list[ResponseEvent]:
+        """The think block ended (the answer began, or the reply ended: ``cut`` by the token limit)."""
+        item = self._reasoning
+        if item is None or item.status != "in_progress":
+            return []
+        text = "".join(self._reasoning_text)
+        item.content = [ReasoningText(text=text)]
+        item.status = "incomplete" if cut else "completed"
+        return [ReasoningTextDoneEvent(sequence_number=self._next(), item_id=item.id,
+                                       output_index=self._reasoning_index, text=text),
+                OutputItemDoneEvent(sequence_number=self._next(), output_index=self._reasoning_index,
+                                    item=item.model_copy(deep=True))]
 
     def _text_delta(self, text: str) -> list[ResponseEvent]:
         events: list[ResponseEvent] = []
@@ -239,8 +290,8 @@ class ResponseBuilder:
     def finish(self, finish_reason: FinishReason | None, *, input_tokens: int, output_tokens: int,
                ) -> list[ResponseEvent]:
         """Close every open item and the response: ``completed``, or ``incomplete`` when cut by the token limit."""
-        events = self._close_message()
         cut = finish_reason == "length"
+        events = self._close_reasoning(cut=cut) + self._close_message()
         for index, item in sorted(self._calls.values(), key=lambda c: c[0]):
             if item.status == "in_progress":
                 item.status = "incomplete" if cut else "completed"
@@ -299,21 +350,29 @@ class ResponseReply:
     one session's events gives the same stream events (issue #31)."""
 
     def __init__(self, req: ResponsesRequest, *, response_id: str, prompt_tokens: int,
-                 tool_format: ToolCallFormat | None, created_at: float | None = None) -> None:
+                 tool_format: ToolCallFormat | None, created_at: float | None = None,
+                 reasoning: ReasoningStart | None = None) -> None:
+        """``reasoning``: where the reply starts relative to a think block, when it is to be split off into a
+        ``reasoning`` item (issue #27)."""
         self.builder = ResponseBuilder(req, response_id=response_id, created_at=created_at)
         self.prompt_tokens = prompt_tokens
         self.tokens = 0
         tools = request_tools(req) is not None
         self.parser = ToolCallParser(tool_format) if tools and tool_format is not None else None
+        self.thinker = ReasoningParser(reasoning) if reasoning is not None else None
 
     def token(self, event: TokenEvent) -> list[ResponseEvent]:
         self.tokens += 1
-        deltas: list[ReplyDelta]
+        thought, text = self.thinker.feed(event.text) if self.thinker and event.text else ("", event.text)
+        return self.builder.feed(self._deltas(thought, text), [event.logprobs] if event.logprobs is not None else [])
+
+    def _deltas(self, thought: str, text: str) -> list[ReplyDelta | ReasoningDelta]:
+        deltas: list[ReplyDelta | ReasoningDelta] = [ReasoningDelta(thought)] if thought else []
         if self.parser is not None:
-            deltas = self.parser.feed(event.text) if event.text else []
-        else:
-            deltas = [ContentDelta(event.text)] if event.text else []
-        return self.builder.feed(deltas, [event.logprobs] if event.logprobs is not None else [])
+            deltas += self.parser.feed(text) if text else []
+        elif text:
+            deltas.append(ContentDelta(text))
+        return deltas
 
     def collect(self, event: TokenEvent) -> None:
         """A whole reply: the builder accumulates; its events are not sent."""
@@ -326,7 +385,8 @@ class ResponseReply:
             failure = end.failure
             return self.builder.fail(failure.kind if failure else end.phase.value,
                                      failure.describe() if failure else f"session ended: {end.phase.value}")
-        events = self.builder.feed(self.parser.finish()[0]) if self.parser is not None else []
+        events = self.builder.feed(self._deltas(*self.thinker.finish())) if self.thinker is not None else []
+        events += self.builder.feed(self.parser.finish()[0]) if self.parser is not None else []
         completion = end.completion_tokens or self.tokens
         return events + self.builder.finish(end.finish_reason, input_tokens=self.prompt_tokens,
                                             output_tokens=completion)

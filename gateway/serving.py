@@ -2,7 +2,8 @@
 
 Streaming follows the official client's tolerances: the first chunk already carries the route under the
 ``swarmroute`` key, before any token; choice-less telemetry chunks only when ``stream_options.include_telemetry``;
-usage on a last choice-less chunk with ``stream_options.include_usage``; a failure mid-stream is an error chunk
+usage on a last choice-less chunk with ``stream_options.include_usage``; llama.cpp-style ``timings`` on the last
+chunk, and on every token's with ``timings_per_token`` (``gateway.timings``); a failure mid-stream is an error chunk
 followed by ``[DONE]``. Choices (n > 1), logprobs and tool calls are assembled per choice by ``gateway.replies``;
 the Responses API is ``gateway.response_stream``.
 """
@@ -27,9 +28,11 @@ from gateway.constraints import chat_logprobs as logprobs_asked
 from gateway.live_session import Event, LiveSession
 from gateway.messages import head_messages
 from gateway.metrics import GatewayMetrics, RequestClock
+from gateway.reasoning import splits
 from gateway.replies import Replies
 from gateway.session_manager import SessionManager
 from gateway.session_opener import Constrain, GenerationRequest
+from gateway.timings import TimingsClock, timings
 from schemas.errors import BadRequestError, RouteFailedError, SwarmrouteError
 from schemas.openai import (
     TELEMETRY_KEY,
@@ -41,6 +44,7 @@ from schemas.openai import (
     _GenerationRequest,
     unsupported_param,
 )
+from schemas.reasoning import ReasoningFormat
 from schemas.session import Prompt, SamplingParams, SessionEnd, SessionPhase, TokenEvent
 from schemas.telemetry import GenerationTelemetry
 from schemas.tools import ToolSet
@@ -79,14 +83,27 @@ def telemetry_extra(snap: GenerationTelemetry | None) -> dict[str, Any]:
     return {TELEMETRY_KEY: snap.model_dump(mode="json")} if snap is not None else {}
 
 
+def timings_extra(session: LiveSession, completion_tokens: int) -> dict[str, Any]:
+    """A reply's final llama.cpp-style ``timings`` (issue #26), from the route's last telemetry."""
+    return {"timings": timings(session.n_prompt, completion_tokens, session.telemetry).model_dump(mode="json")}
+
+
 class StreamState:
     """Shared event loop of both endpoints; ``make_chunk`` builds an endpoint-specific chunk."""
 
-    def __init__(self, session: LiveSession, *, include_usage: bool, include_telemetry: bool) -> None:
+    def __init__(self, session: LiveSession, *, include_usage: bool, include_telemetry: bool,
+                 timings_per_token: bool = False) -> None:
         self.session = session
         self.include_usage = include_usage
         self.include_telemetry = include_telemetry
         self.sent_seq = -1
+        self.clock = TimingsClock() if timings_per_token else None
+        """llama-server's ``timings_per_token``: each token's chunk carries the figures so far."""
+
+    def running_timings(self) -> dict[str, Any]:
+        if self.clock is None:
+            return {}
+        return {"timings": self.clock.running(self.session.n_prompt, self.session.telemetry).model_dump(mode="json")}
 
     def fresh_telemetry(self) -> GenerationTelemetry | None:
         snap = self.session.telemetry
@@ -186,7 +203,7 @@ class OpenAIServing:
         (a busy machine, many streams) catches up in one send instead of one per token. Each token is still its
         own SSE event."""
         done = False
-        token_chunk = _ChunkTemplate(replies) if replies.plain else None
+        token_chunk = _ChunkTemplate(replies) if replies.plain and state.clock is None else None
         try:
             yield sse.data({**replies.opening(), **telemetry_extra(state.fresh_telemetry())})
             out: list[bytes] = []
@@ -210,6 +227,8 @@ class OpenAIServing:
                 out.append(sse.data({**replies.chunk([]), **telemetry_extra(state.fresh_telemetry())}))
         elif isinstance(event, TokenEvent):
             self.clock(session).token()
+            if state.clock is not None:
+                state.clock.token()
             if token_chunk is not None:  # plain: nothing per token but the text
                 if event.text:
                     snap = state.fresh_telemetry()
@@ -219,13 +238,17 @@ class OpenAIServing:
                 return
             body = replies.token(event)
             if body is not None:
-                out.append(sse.data({**replies.chunk([body]), **telemetry_extra(state.fresh_telemetry())}))
+                out.append(sse.data({**replies.chunk([body]), **telemetry_extra(state.fresh_telemetry()),
+                                     **state.running_timings()}))
         elif event.phase is SessionPhase.COMPLETE:
             *firsts, last = replies.closing(event)
+            usage = self._usage(session, event)
+            final = timings_extra(session, usage.completion_tokens)  # on the stream's last chunk, as llama-server
             out.extend(sse.data(replies.chunk([body])) for body in firsts)
-            out.append(sse.data({**replies.chunk([last]), **telemetry_extra(session.telemetry)}))
+            out.append(sse.data({**replies.chunk([last]), **telemetry_extra(session.telemetry),
+                                 **({} if state.include_usage else final)}))
             if state.include_usage:
-                out.append(sse.data({**replies.chunk([]), "usage": self._usage(session, event).model_dump()}))
+                out.append(sse.data({**replies.chunk([]), "usage": usage.model_dump(), **final}))
         else:
             out.append(sse.data({**failure_body(event), **telemetry_extra(session.telemetry)}))
 
@@ -239,16 +262,24 @@ class OpenAIServing:
             model=req.model, prompt=Prompt(messages=head_messages(req.messages), tools=tools), prompt_tokens=None,
             max_tokens=req.max_completion_tokens or req.max_tokens, sampling=_sampling(req, logprobs_asked(req)),
             stop=req.stop_list(), ignore_eos=req.ignore_eos, n=req.n, constrain=constrain_hook(kind, schema, tools)))
+        fmt = self.reasoning_format(req.reasoning_format)
         replies = Replies("chat", n=req.n, logprobs=req.logprobs, tool_format=session.tool_format if tools else None,
-                          cid=f"chatcmpl-{session.id}", model=req.model)
+                          cid=f"chatcmpl-{session.id}", model=req.model,
+                          reasoning=session.reasoning if splits(fmt, session.reasoning, streamed=req.stream) else None,
+                          inline_reasoning=fmt == "deepseek-legacy")
         if req.stream:
             return self._streaming(session, req, replies)
         end = await self.collect(session, request, replies)
         self.raise_if_failed(end)
-        body = ChatCompletion(id=replies.cid, model=req.model, usage=self._usage(session, end),
-                              choices=replies.chat_choices(end))
-        return JSONResponse({**body.model_dump(mode="json"), **telemetry_extra(session.telemetry)},
+        usage = self._usage(session, end)
+        body = ChatCompletion(id=replies.cid, model=req.model, usage=usage, choices=replies.chat_choices(end))
+        return JSONResponse({**body.model_dump(mode="json"), **telemetry_extra(session.telemetry),
+                             **timings_extra(session, usage.completion_tokens)},
                             headers={"x-swarmroute-session": session.id})
+
+    def reasoning_format(self, asked: ReasoningFormat | None) -> ReasoningFormat:
+        """The request's ``reasoning_format``, else the server's (``Settings.reasoning_format``)."""
+        return asked or self.sessions.settings.reasoning_format
 
     async def completion(self, req: CompletionRequest, request: Request) -> Response:
         refuse_unsupported(req)
@@ -269,15 +300,17 @@ class OpenAIServing:
             return self._streaming(session, req, replies)
         end = await self.collect(session, request, replies)
         self.raise_if_failed(end)
-        body = Completion(id=replies.cid, model=req.model, usage=self._usage(session, end),
-                          choices=replies.completion_choices(end))
-        return JSONResponse({**body.model_dump(mode="json"), **telemetry_extra(session.telemetry)},
+        usage = self._usage(session, end)
+        body = Completion(id=replies.cid, model=req.model, usage=usage, choices=replies.completion_choices(end))
+        return JSONResponse({**body.model_dump(mode="json"), **telemetry_extra(session.telemetry),
+                             **timings_extra(session, usage.completion_tokens)},
                             headers={"x-swarmroute-session": session.id})
 
     def _streaming(self, session: LiveSession, req: _GenerationRequest, replies: Replies) -> StreamingResponse:
         opts = req.stream_options
         state = StreamState(session, include_usage=bool(opts and opts.include_usage),
-                        include_telemetry=bool(opts and opts.include_telemetry))
+                            include_telemetry=bool(opts and opts.include_telemetry),
+                            timings_per_token=req.timings_per_token)
         return StreamingResponse(self._stream(session, state, replies), media_type="text/event-stream",
                                  headers={"cache-control": "no-cache", "x-swarmroute-session": session.id})
 

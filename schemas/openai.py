@@ -28,6 +28,7 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from schemas.reasoning import ReasoningFormat
 from schemas.session import MAX_CHOICES, MAX_TOP_LOGPROBS
 from schemas.tools import FunctionSpec
 
@@ -39,7 +40,8 @@ UNSUPPORTED_PARAMS: dict[str, str] = {
     "functions": "the deprecated 'functions' is not supported: use 'tools'",
     "function_call": "the deprecated 'function_call' is not supported: use 'tool_choice'",
     "logit_bias": "logit_bias is not supported",
-    "reasoning_effort": "this server serves no reasoning models",
+    "reasoning_effort": "reasoning_effort is not supported: a model reasons as its chat template says "
+                        "(reasoning_format chooses how its reasoning is returned)",
     "best_of": "best_of > 1 is not supported",
     "suffix": "suffix (insertion) is not supported",
 }
@@ -146,6 +148,8 @@ class ChatMessage(RequestPart):
     tool_call_id: str | None = None
     name: str | None = None
     refusal: str | None = Field(default=None, description="an assistant's refusal, sent back: rendered as its text")
+    reasoning_content: str | None = Field(default=None, description="an assistant's reasoning, sent back (llama-server"
+                                          " and DeepSeek's field): given to the template, which may render it")
     # What the SDK's ``message.model_dump()`` holds besides, sent back with a history: annotations are ignored,
     # audio and function_call accepted when null.
     annotations: list[Any] | None = None
@@ -281,6 +285,8 @@ class _GenerationRequest(RequestBody):
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     repeat_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
     ignore_eos: bool = False
+    timings_per_token: bool = Field(default=False, description="llama-server's: llama.cpp-style ``timings`` on "
+                                    "every streamed chunk, not only the last")
     # OpenAI parameters that change nothing about the reply: accepted, checked, ignored.
     user: str | None = None
     store: bool | None = None
@@ -315,6 +321,8 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: list[FunctionTool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    reasoning_format: ReasoningFormat | None = Field(default=None, description="llama-server's: how a reply's think "
+                                                     "block is returned (None: the server's setting)")
 
     @field_validator("messages")
     @classmethod
@@ -392,6 +400,30 @@ class CompletionRequest(_GenerationRequest):
         return v
 
 
+def _absent(v: object) -> bool:
+    return v is None
+
+
+class Timings(BaseModel):
+    """llama-server's ``timings`` (tools/server/server-common.cpp, ``server_slot_stats::to_json``), from what the
+    route measured: ``prompt_n`` prompt tokens computed and ``cache_n`` reused (together the prompt), the prefill's
+    wall time; ``predicted_n`` tokens generated, the time from the first to the last (the first token comes with the
+    prefill, so the per-token figures divide by ``predicted_n - 1`` decode steps); the speculative drafts verified
+    and accepted, present only when there were any."""
+
+    cache_n: int
+    prompt_n: int
+    prompt_ms: float
+    prompt_per_token_ms: float
+    prompt_per_second: float
+    predicted_n: int
+    predicted_ms: float
+    predicted_per_token_ms: float
+    predicted_per_second: float
+    draft_n: int | None = Field(default=None, exclude_if=_absent)
+    draft_n_accepted: int | None = Field(default=None, exclude_if=_absent)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
@@ -427,6 +459,8 @@ class CompletionLogprobs(BaseModel):
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = Field(default=None, exclude_if=_absent)
+    """The reply's think block, for a model whose template marks reasoning (absent otherwise)."""
     tool_calls: list[ToolCall] | None = None
 
 
@@ -463,6 +497,7 @@ class ToolCallDelta(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 

@@ -96,7 +96,25 @@ class FunctionCallOutputItem(_Part):
         return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
 
 
-InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem, Field(discriminator="type")]
+class ReasoningTextIn(_Part):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItemIn(_Part):
+    """An earlier reply's reasoning, sent back as input (as the SDK's docs ask): accepted, and not rendered (chat
+    templates drop earlier turns' reasoning)."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[ReasoningTextIn] = Field(default_factory=list)
+    content: list[ReasoningTextIn] | None = None
+    encrypted_content: str | None = None
+    status: str | None = None
+
+
+InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItemIn,
+                      Field(discriminator="type")]
 
 
 class FunctionToolParam(_Part):
@@ -302,7 +320,22 @@ class FunctionCall(BaseModel):
     status: ItemStatus
 
 
-OutputItem = OutputMessage | FunctionCall
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(BaseModel):
+    """A reply's think block (issue #27), before its message or calls: the text in ``content``, no summary."""
+
+    id: str
+    type: Literal["reasoning"] = "reasoning"
+    summary: list[ReasoningText] = Field(default_factory=list)
+    content: list[ReasoningText] = Field(default_factory=list)
+    status: ItemStatus
+
+
+OutputItem = OutputMessage | FunctionCall | ReasoningItem
 
 
 class InputTokensDetails(BaseModel):
@@ -458,6 +491,22 @@ class FunctionCallArgumentsDoneEvent(_Event):
     arguments: str
 
 
+class ReasoningTextDeltaEvent(_Event):
+    type: Literal["response.reasoning_text.delta"] = "response.reasoning_text.delta"
+    item_id: str
+    output_index: int
+    content_index: int = 0
+    delta: str
+
+
+class ReasoningTextDoneEvent(_Event):
+    type: Literal["response.reasoning_text.done"] = "response.reasoning_text.done"
+    item_id: str
+    output_index: int
+    content_index: int = 0
+    text: str
+
+
 class ErrorEvent(_Event):
     type: Literal["error"] = "error"
     code: str | None = None
@@ -468,7 +517,7 @@ class ErrorEvent(_Event):
 ResponseEvent = (ResponseCreatedEvent | ResponseInProgressEvent | ResponseCompletedEvent | ResponseIncompleteEvent
                  | ResponseFailedEvent | OutputItemAddedEvent | OutputItemDoneEvent | ContentPartAddedEvent
                  | ContentPartDoneEvent | OutputTextDeltaEvent | OutputTextDoneEvent | FunctionCallArgumentsDeltaEvent
-                 | FunctionCallArgumentsDoneEvent | ErrorEvent)
+                 | FunctionCallArgumentsDoneEvent | ReasoningTextDeltaEvent | ReasoningTextDoneEvent | ErrorEvent)
 
 
 # ---- background responses (issue #31) ----------------------------------------------------------------------------

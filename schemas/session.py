@@ -12,6 +12,7 @@ from pydantic import Field, field_validator, model_validator
 from schemas.base import WireModel, WirePart
 from schemas.constraint import OutputConstraint
 from schemas.errors import BadRequestError, ContextLengthError
+from schemas.reasoning import ReasoningStart
 from schemas.route import Route
 from schemas.snapshot import StandbyRef
 from schemas.tools import ToolCallFormat, ToolSet
@@ -210,6 +211,10 @@ class SessionOpened(WireModel):
                         description="prompt positions this hop took from a kept session's KV (prefix reuse)")
     max_tokens: int | None = Field(default=None, ge=1, exclude_if=_none,
                                    description="head, opened with ``fit_max_tokens``: the budget it settled on")
+    reasoning: ReasoningStart | None = Field(
+        default=None, exclude_if=_none,
+        description="head: where the reply starts relative to a think block, when the model's template marks "
+                    "reasoning (``schemas.reasoning``; issue #27); None: plain text")
 
 
 class Resume(WireModel):

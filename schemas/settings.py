@@ -7,6 +7,8 @@ from pathlib import Path
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from schemas.reasoning import ReasoningFormat
+
 
 def _default_home() -> Path:
     return Path.home() / ".cache" / "swarmroute"
@@ -228,3 +230,11 @@ class Settings(BaseSettings):
     responses_replicas: int = Field(default=1, ge=1, le=5)
     """JetStream replicas of each background response's stream: 3 on a 3-server cluster, so a response survives
     losing a NATS server as well as its gateway."""
+
+    # ---- Reasoning apart from the answer (issue #27) -----------------------------------------------------------
+
+    reasoning_format: ReasoningFormat = "auto"
+    """llama-server's ``--reasoning-format`` for chat replies of models whose template marks reasoning: ``auto`` and
+    ``deepseek`` stream the think block as ``reasoning_content``, ``deepseek-legacy`` keeps it inline in ``content``
+    (a whole reply also gets ``reasoning_content``), ``none`` leaves it unparsed. A request's ``reasoning_format``
+    overrides it (``schemas.reasoning``)."""

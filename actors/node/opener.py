@@ -27,6 +27,7 @@ from actors.node.session import NodeSession, SessionStart
 from bus import frame as frames
 from bus.nodeclient import NodeClient
 from schemas.errors import BadRequestError, CapacityError, ContextLengthError
+from schemas.reasoning import ReasoningStart
 from schemas.session import CONTEXT_CAP, Resume, SessionOpen, SessionOpened, session_budget
 
 
@@ -88,7 +89,14 @@ class SessionOpener:
             await session.route_opened()  # its first frame waits for the later hops' answers, and so does this
         return SessionOpened(session_id=request.session_id, node_id=self.node_id,
                              prompt_tokens=len(request.prompt_tokens), reused=session.reused,
-                             max_tokens=request.max_tokens if request.fit_max_tokens else None)
+                             max_tokens=request.max_tokens if request.fit_max_tokens else None,
+                             reasoning=self._reasoning(request))
+
+    def _reasoning(self, request: SessionOpen) -> ReasoningStart | None:
+        """The head tells the gateway where the reply starts relative to a think block (issue #27), read from the
+        prompt's last tokens: the gateway only sees the reply. A backend without a template says nothing."""
+        start = getattr(self.backend, "reasoning_start", None)
+        return start(request.prompt_tokens) if request.hop_index == 0 and start is not None else None
 
     def _check(self, request: SessionOpen) -> None:
         """This node can hold the session: the route names it with its layers, and it has a sequence per choice."""

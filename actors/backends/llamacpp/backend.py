@@ -56,6 +56,7 @@ from schemas.errors import (
     SnapshotError,
 )
 from schemas.node import BackendInfo, LayerRange
+from schemas.reasoning import ReasoningStart
 from schemas.session import CONTEXT_CAP, Prompt, SamplingParams
 from schemas.tools import ToolCallFormat
 
@@ -240,6 +241,11 @@ class LlamaCppBackend(HoldsSessions[_Session]):
         """Head: how this model is asked to write tool calls; the node reports it in ``TokenizeReply.tool_format``
         for prompts with tools."""
         return self._text.tool_format()
+
+    def reasoning_start(self, prompt_tokens: list[int]) -> ReasoningStart | None:
+        """Head: where a reply to this prompt starts relative to a think block, when the template marks reasoning
+        (``SessionOpened.reasoning``, issue #27)."""
+        return self._text.reasoning_start(prompt_tokens)
 
     def token_bytes(self, token: int) -> bytes:
         return self._text.token_bytes(token)
