@@ -85,6 +85,12 @@ class Settings(BaseSettings):
     """Let llama.cpp put weights in ggml's AMX buffer type on CPUs that have AMX. Off by default: on some of them
     the first matrix multiply there crashes the node (docs/llamacpp-backend.md); CPU_REPACK stays on either way."""
 
+    llama_batch_invariant: bool = False
+    """llama.cpp nodes keep one KV stream per session and compute each session in a pass of its own, so a greedy or
+    seeded session's tokens do not depend on what else the node computes at the same time. Off by default: it costs
+    about half the aggregate decode rate of 4 concurrent streams (docs/llamacpp-backend.md, "Batch invariance").
+    Every node of a route should agree: KV snapshots and reuse move only between nodes of the same setting."""
+
     prefill_chunk: int = Field(default=256, ge=1, le=8192)
     """Prompt tokens per prefill frame."""
 

@@ -60,6 +60,12 @@ class LlamaCppConfig:
     """Let ggml put weights in its AMX buffer type. Off: on some AMX CPUs the first matrix multiply there crashes
     the process (``actors/backends/llamacpp/cpu_buffers.py``); the CPU_REPACK path stays on either way."""
 
+    batch_invariant: bool = False
+    """A session's tokens do not depend on what else the node computes at the same time: one KV stream per sequence
+    (``kv_unified = false``) and one ``llama_decode`` per session of a step. Off by default: it gives up batching
+    across sessions, about half the aggregate decode rate of 4 streams (docs/llamacpp-backend.md, "Batch
+    invariance"). Off: one unified cache, every step in one ubatch; results move with the batch's shape."""
+
     def __post_init__(self) -> None:
         self.model_path = Path(self.model_path)
         self.shard_dir = Path(self.shard_dir) if self.shard_dir is not None else None
