@@ -51,6 +51,7 @@ from actors.backends.llamacpp.cpu_buffers import buffer_types
 from actors.backends.llamacpp.ggml_capture import LayerCapture
 from actors.backends.llamacpp.kv_state import KvCells
 from actors.backends.llamacpp.placement import file_sha256, place
+from actors.backends.llamacpp.resident import ResidentPrefixes
 from actors.backends.llamacpp.sampling import Sampler
 from actors.backends.llamacpp.streams import stream_layout
 from actors.backends.llamacpp.vocabulary import Vocabulary
@@ -126,6 +127,8 @@ class LlamaCppBackend(HoldsSessions[_Session]):
                                                 wording=_WORDING)
         # The last sequence id is the scratch one KV segments pass through (``kv_state.KvCells``).
         self._free_seqs = list(range(config.n_seq_max - 2, -1, -1))
+        self._resident = ResidentPrefixes(config.resident_prefixes)
+        """Finished sessions' sequences kept for prefix reuse (issue #26): they hold the ids beyond max_sessions."""
         self._kv_bytes = 0
         self._kv_refreshed = 0.0
         self._decodes = 0
@@ -427,6 +430,88 @@ class LlamaCppBackend(HoldsSessions[_Session]):
             for token in tokens:
                 sampler.accept(token)
 
+    # --- resident prefixes (issue #26; ``resident``, ``actors.node.reuse.ResidentKv``) ---------------------------
+
+    @property
+    def resident_slots(self) -> int:
+        """Finished sessions this context can keep parked (0: a cache that copies only whole sequences)."""
+        return 0 if self._kv.whole_sequences else self._resident.slots
+
+    def park_session(self, session_id: str, handle: str) -> bool:
+        """Close the session but keep its sequence's cells under ``handle`` for prefix reuse (the least recently
+        used parked one goes if every slot is taken). False, and nothing done, when this context keeps none (no
+        slots, or a cache that copies only whole sequences)."""
+        with self._lock:
+            self._require_open()
+            if self.resident_slots <= 0 or session_id not in self._sessions:
+                return False
+            while self._resident.full:
+                self._evict_parked()
+            session = self._sessions.pop(session_id)
+            assert session is not None
+            if session.sampler is not None:
+                session.sampler.close()
+            self._resident.park(handle, session.seq_id, session.position)
+            return True
+
+    def parked_prefixes(self) -> dict[str, int]:
+        """The parked sequences still held, with the positions each holds."""
+        with self._lock:
+            return self._resident.positions()
+
+    def adopt_parked(self, handle: str, session_id: str, n: int) -> None:
+        """Give a just-opened session (at position 0) positions ``[0, n)`` of a parked sequence."""
+        with self._lock:
+            self._require_open()
+            parked = self._resident.get(handle)
+            session = self._sessions[session_id]
+            if parked is None:
+                raise SnapshotError(f"no parked prefix {handle} (evicted)")
+            if session.position != 0 or not 0 < n <= parked.positions:
+                raise BadRequestError(f"cannot adopt {n} positions of a parked prefix of {parked.positions} into a "
+                                      f"session at {session.position}")
+            if self.config.batch_invariant:  # streams copy whole; the positions past n are dropped again
+                llama_cpp.llama_memory_seq_cp(self._memory, parked.seq_id, session.seq_id, -1, -1)
+                self._copies_pending = True
+                self._kv.truncate(session.seq_id, n)
+            else:
+                llama_cpp.llama_memory_seq_cp(self._memory, parked.seq_id, session.seq_id, 0, n)
+            if self._kv.span(session.seq_id)[1] != n - 1:
+                llama_cpp.llama_memory_seq_rm(self._memory, session.seq_id, -1, -1)
+                raise SnapshotError(f"the parked prefix {handle} lacks positions below {n}")
+            session.position = n
+
+    def export_parked(self, handle: str, start: int, end: int) -> bytes:
+        """``export_kv`` of a parked sequence (demoting it to host memory)."""
+        with self._lock:
+            self._require_open()
+            parked = self._resident.get(handle)
+            if parked is None or not 0 <= start < end <= parked.positions:
+                raise SnapshotError(f"no parked prefix {handle} holding [{start}, {end})")
+            self._flush_copies()
+            return self._kv.export(parked.seq_id, start, end)
+
+    def drop_parked(self, handle: str) -> None:
+        with self._lock:
+            parked = self._resident.drop(handle)
+            if parked is not None:
+                self._release(parked.seq_id)
+
+    def _evict_parked(self) -> bool:
+        handle = self._resident.oldest()
+        if handle is None:
+            return False
+        parked = self._resident.drop(handle)
+        assert parked is not None
+        self._resident.evicted += 1
+        self._release(parked.seq_id)
+        return True
+
+    def _release(self, seq_id: int) -> None:
+        if self._ctx is not None:
+            llama_cpp.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
+        self._free_seqs.append(seq_id)
+
     def kv_bytes_in_use(self, *, fresh: bool = False) -> int:
         """KV bytes the open sessions hold, as of the last refresh (at most ``_KV_REFRESH_S`` old). Lock-free unless
         ``fresh``: the node asks from its event loop (heartbeats, metrics), which must never wait for a decode."""
@@ -492,6 +577,10 @@ class LlamaCppBackend(HoldsSessions[_Session]):
         if self._capture is not None and self._capture.copies_out:
             self._capture.arm(self._batch.n)
         rc = llama_cpp.llama_decode(self._ctx, self._batch.struct())
+        while rc == 1 and self._evict_parked():  # no room: kept prefixes go, never a running session's KV
+            if self._capture is not None and self._capture.copies_out:
+                self._capture.arm(self._batch.n)
+            rc = llama_cpp.llama_decode(self._ctx, self._batch.struct())
         self._decodes += 1
         if rc != 0:
             self._after_failed_decode(rc, sessions, batch)
