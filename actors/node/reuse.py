@@ -94,7 +94,7 @@ class Reuse:
             if name not in parked:  # the backend evicted it under memory pressure
                 self._lost(name)
         names = [n for n in names if n in parked]
-        if len(parked) < resident.slots or not names:
+        if len(parked) < resident.resident_slots or not names:
             return
         name = names[0]
         entry = self.cache.get(name)
