@@ -392,10 +392,16 @@ class CompletionRequest(_GenerationRequest):
         return v
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+    """Prompt positions taken from KV the route kept from an earlier request (issue #26, prefix reuse)."""
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
 class TopLogprob(BaseModel):

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 from schemas.snapshot import prefix_hash
 
-MAX_KEYS = 32
+MAX_KEYS = 64
 """Routing keys a node advertises (the most recent entries')."""
 
 
