@@ -13,6 +13,7 @@ other sessions for more than a chunk; a prefix that ends inside a piece imports 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 from actors.backend import KvBackend
@@ -153,16 +154,8 @@ class Reuse:
         if not took and seeded is not None and n_seed >= want:
             segments, end = seeded[0], seeded[2]
             blobs = [self._held.blob(s.digest)[1] for s in segments]
-            await self._engine.call(kv.import_kv, session_id, blobs, end)
-            if end > want:
-                await self._engine.call(kv.truncate, session_id, want)
-            took = want
-        if not took:
-            return 0
-        if not await self._engine.call(kv.kv_continues, session_id):
-            log.info("session %s: the reused KV lacks windowed cells; prefilling from the start", session_id[:8])
-            await self._engine.call(kv.truncate, session_id, 0)
-            return 0
+            took = want if await self._engine.call(self._place, session_id,
+                                                   lambda: kv.import_kv(session_id, blobs, end), end, want) else 0
         return took
 
     async def _from_entry(self, session_id: str, name: str, entry: Kept, want: int) -> int:
@@ -178,8 +171,8 @@ class Reuse:
         resident = self._resident
         if entry.resident and resident is not None:
             try:
-                await self._engine.call(resident.adopt_parked, name, session_id, want)
-                return want
+                adopt = lambda: resident.adopt_parked(name, session_id, want)  # noqa: E731
+                return want if await self._engine.call(self._place, session_id, adopt, want, want) else 0
             except SnapshotError:
                 self._lost(name)  # evicted under memory pressure since
                 if not entry.pieces:
@@ -187,14 +180,28 @@ class Reuse:
         pieces = -(-want // entry.chunk)
         end = min(pieces * entry.chunk, len(entry.tokens))
         try:
-            await self._engine.call(kv.import_kv, session_id, entry.pieces[:pieces], end)
+            load = lambda: kv.import_kv(session_id, entry.pieces[:pieces], end)  # noqa: E731
+            return want if await self._engine.call(self._place, session_id, load, end, want) else 0
         except SnapshotError as exc:  # the backend refused it (import_kv leaves the session as it was)
             log.warning("session %s: kept prefix %s not imported (%s); recomputing it", session_id[:8], name[:8], exc)
             self.cache.discard(name)
             return 0
+
+    def _place(self, session_id: str, load: Callable[[], None], end: int, want: int) -> bool:
+        """On the worker, in one call (no other step between): ``load`` positions ``[0, end)`` into the session,
+        cut them to ``want``, and check the result continues; False, with the session back at 0, when it lacks
+        windowed cells its next position attends to."""
+        kv = self._kv
+        assert kv is not None
+        load()
         if end > want:
-            await self._engine.call(kv.truncate, session_id, want)
-        return want
+            kv.truncate(session_id, want)
+        if kv.kv_continues(session_id):
+            return True
+        log.info("session %s: the reused KV lacks windowed cells; prefilling from the start", session_id[:8])
+        kv.truncate(session_id, 0)
+        return False
+
     def _seed(self, prompt: list[int]) -> tuple[list[SnapshotSegment], int, int] | None:
         """The held snapshot chain of this node's layers whose tokens ``prompt`` extends the furthest: its
         segments to import, the positions that reuses, and where those segments end."""

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import os
 import random
@@ -304,11 +305,13 @@ async def run_case(client: openai.AsyncOpenAI, case: str, index: int, count: Cou
 
 async def run_cases(args: argparse.Namespace) -> int:
     model = _model_path()
-    build()
+    if not args.without_llama_server:
+        build()
     count = Counter(model)
     ctx = 2048
     load = [os.getloadavg()[0]]
-    systems = ["llama-server", *(f"{n} node{'s' if n > 1 else ''}" for n in CASE_ROUTES)]
+    systems = [*([] if args.without_llama_server else ["llama-server"]),
+               *(f"{n} node{'s' if n > 1 else ''}" for n in CASE_ROUTES)]
     results: dict[tuple[str, str], list[Reply]] = {(sy, c): [] for sy in systems for c in CASES}
     with tempfile.TemporaryDirectory(prefix="bench-reuse-cases-") as tmp:
         work = Path(tmp)
@@ -318,13 +321,15 @@ async def run_cases(args: argparse.Namespace) -> int:
             async with Swarms() as swarms:
                 clients = {}
                 for n, layers in CASE_ROUTES.items():
-                    clients[systems[n]] = await start_route(swarms, nats.url, work / f"r{n}", model,
-                                                            namespace=f"r{n}", ctx=ctx, prefix_cache_mb=None,
-                                                            layers=layers)
-                async with llama_server(model, threads=1, ctx=ctx,
-                                        extra=("--jinja", "--chat-template-file", str(template))) as server:
-                    clients["llama-server"] = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused",
-                                                                 max_retries=0, timeout=600)
+                    name = f"{n} node{'s' if n > 1 else ''}"
+                    clients[name] = await start_route(swarms, nats.url, work / f"r{n}", model, namespace=f"r{n}",
+                                                      ctx=ctx, prefix_cache_mb=None, layers=layers)
+                async with contextlib.AsyncExitStack() as stack:
+                    if not args.without_llama_server:
+                        server = await stack.enter_async_context(llama_server(
+                            model, threads=1, ctx=ctx, extra=("--jinja", "--chat-template-file", str(template))))
+                        clients["llama-server"] = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused",
+                                                                     max_retries=0, timeout=600)
                     for client in clients.values():
                         swarms.on_teardown(client.close)
                         await chat(client, [{"role": "user", "content": "Say hello."}], 4)
@@ -347,14 +352,14 @@ def report_cases(results: dict[tuple[str, str], list[Reply]], systems: list[str]
           f"{args.rounds} rounds; ms (reused/prompt positions) and x llama-server")
     print(f"{'case':<9}" + "".join(f"{sy:>26}" for sy in systems))
     for case in CASES:
-        base = _median([r.ttft for r in results[("llama-server", case)]])
+        base = _median([r.ttft for r in results.get(("llama-server", case), [])])
         cells = []
         for system in systems:
             replies = results[(system, case)]
             ttft = _median([r.ttft for r in replies])
             reused = _median([float(r.reused) for r in replies])
             prompt = _median([float(r.prompt) for r in replies])
-            ratio = "" if system == "llama-server" else f" {ttft / base:.2f}x"
+            ratio = "" if system == "llama-server" or base != base else f" {ttft / base:.2f}x"
             cells.append(f"{ttft * 1e3:.0f} ({reused:.0f}/{prompt:.0f}){ratio}")
         print(f"{case:<9}" + "".join(f"{c:>26}" for c in cells))
     print(f"load average (1 min) at the start, after each round: {', '.join(f'{x:.2f}' for x in load)} on "
@@ -366,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (medians are printed)")
     parser.add_argument("--history", type=int, default=1000,
                         help="tokens of turn 1's system prompt and user message together")
+    parser.add_argument("--without-llama-server", action="store_true",
+                        help="--cases: swarmroute only (llama-server not built yet)")
     parser.add_argument("--cases", action="store_true",
                         help="issue #26: warm TTFT of each reuse case on 1, 2 and 3 nodes against llama-server")
     args = parser.parse_args(argv)
