@@ -287,7 +287,41 @@ def tool_turn(messages: list[dict[str, str]], reply: str, turn: int) -> list[dic
     return [*messages, {"role": "assistant", "content": reply}, {"role": "user", "content": result}]
 
 
-async def run_case(client: openai.AsyncOpenAI, case: str, index: int, count: Counter) -> Reply:
+class InProcess:
+    """The fallback baseline while llama-server is not built (``--without-llama-server``): llama.cpp in this
+    process (llama-cpp-python's ``Llama``, 1 thread, one sequence), whose ``generate`` keeps the previous request's
+    KV and evaluates only the tokens after the longest common prefix, as llama-server's slot does; the same Gemma
+    template renders the messages. No HTTP, no JSON: a lower bound of llama-server's warm TTFT."""
+
+    def __init__(self, model: Path, ctx: int) -> None:
+        import llama_cpp
+
+        from actors.backends.llamacpp.chat_template import ChatTemplate
+
+        self._llm = llama_cpp.Llama(str(model), n_ctx=ctx, n_threads=1, n_threads_batch=1, verbose=False)
+        self._template = ChatTemplate(GEMMA_TEMPLATE, "fallback:gemma3", bos_token="<bos>")
+
+    def _chat(self, messages: list[dict[str, str]], max_tokens: int) -> Reply:
+        started = time.perf_counter()
+        tokens = self._llm.tokenize(self._template.render(messages).encode(), add_bos=False, special=True)
+        held = 0
+        for a, b in zip(self._llm._input_ids, tokens[:-1], strict=False):  # noqa: SLF001 - what generate reuses
+            if a != b:
+                break
+            held += 1
+        out: list[int] = []
+        ttft = 0.0
+        for token in self._llm.generate(tokens, temp=0.0, top_k=1, reset=True):
+            if not out:
+                ttft = time.perf_counter() - started
+            out.append(token)
+            if len(out) >= max_tokens or self._llm.token_eos() == token:
+                break
+        text = self._llm.detokenize(out).decode(errors="replace")
+        return Reply(text or " ", ttft, held, len(tokens))
+
+
+async def run_case(client: openai.AsyncOpenAI | InProcess, case: str, index: int, count: Counter) -> Reply:
     requests, loop = case_requests(case, index, count)
     reply = None
     messages = requests[0]
@@ -298,7 +332,11 @@ async def run_case(client: openai.AsyncOpenAI, case: str, index: int, count: Cou
         elif not loop:
             messages = requests[turn]
         last = turn == len(requests) - 1
-        reply = await chat(client, messages, TURN2_TOKENS if last else REPLY_TOKENS if loop else TURN2_TOKENS)
+        max_tokens = TURN2_TOKENS if last else REPLY_TOKENS if loop else TURN2_TOKENS
+        if isinstance(client, InProcess):
+            reply = await asyncio.to_thread(client._chat, messages, max_tokens)  # noqa: SLF001
+        else:
+            reply = await chat(client, messages, max_tokens)
     assert reply is not None
     return reply
 
@@ -310,8 +348,8 @@ async def run_cases(args: argparse.Namespace) -> int:
     count = Counter(model)
     ctx = 2048
     load = [os.getloadavg()[0]]
-    systems = [*([] if args.without_llama_server else ["llama-server"]),
-               *(f"{n} node{'s' if n > 1 else ''}" for n in CASE_ROUTES)]
+    baseline = "llama.cpp in-process" if args.without_llama_server else "llama-server"
+    systems = [baseline, *(f"{n} node{'s' if n > 1 else ''}" for n in CASE_ROUTES)]
     results: dict[tuple[str, str], list[Reply]] = {(sy, c): [] for sy in systems for c in CASES}
     with tempfile.TemporaryDirectory(prefix="bench-reuse-cases-") as tmp:
         work = Path(tmp)
@@ -319,7 +357,7 @@ async def run_cases(args: argparse.Namespace) -> int:
         template.write_text(GEMMA_TEMPLATE)
         with EmbeddedNats(NatsServerConfig(store_dir=work / "nats")) as nats:
             async with Swarms() as swarms:
-                clients = {}
+                clients: dict[str, Any] = {}
                 for n, layers in CASE_ROUTES.items():
                     name = f"{n} node{'s' if n > 1 else ''}"
                     clients[name] = await start_route(swarms, nats.url, work / f"r{n}", model, namespace=f"r{n}",
@@ -333,6 +371,8 @@ async def run_cases(args: argparse.Namespace) -> int:
                     for client in clients.values():
                         swarms.on_teardown(client.close)
                         await chat(client, [{"role": "user", "content": "Say hello."}], 4)
+                    if args.without_llama_server:
+                        clients[baseline] = InProcess(model, ctx)
                     for r in range(args.rounds):
                         for case in CASES:
                             for system in systems:
@@ -349,17 +389,17 @@ async def run_cases(args: argparse.Namespace) -> int:
 def report_cases(results: dict[tuple[str, str], list[Reply]], systems: list[str], args: argparse.Namespace,
                  load: list[float]) -> None:
     print(f"\nWarm TTFT of each reuse case (issue #26), Gemma 3 270M Q4_K_M, 1 thread per process, medians of "
-          f"{args.rounds} rounds; ms (reused/prompt positions) and x llama-server")
+          f"{args.rounds} rounds; ms (reused/prompt positions) and x {systems[0]}")
     print(f"{'case':<9}" + "".join(f"{sy:>26}" for sy in systems))
     for case in CASES:
-        base = _median([r.ttft for r in results.get(("llama-server", case), [])])
+        base = _median([r.ttft for r in results[(systems[0], case)]])
         cells = []
         for system in systems:
             replies = results[(system, case)]
             ttft = _median([r.ttft for r in replies])
             reused = _median([float(r.reused) for r in replies])
             prompt = _median([float(r.prompt) for r in replies])
-            ratio = "" if system == "llama-server" or base != base else f" {ttft / base:.2f}x"
+            ratio = "" if system == systems[0] else f" {ttft / base:.2f}x"
             cells.append(f"{ttft * 1e3:.0f} ({reused:.0f}/{prompt:.0f}){ratio}")
         print(f"{case:<9}" + "".join(f"{c:>26}" for c in cells))
     print(f"load average (1 min) at the start, after each round: {', '.join(f'{x:.2f}' for x in load)} on "
@@ -372,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--history", type=int, default=1000,
                         help="tokens of turn 1's system prompt and user message together")
     parser.add_argument("--without-llama-server", action="store_true",
-                        help="--cases: swarmroute only (llama-server not built yet)")
+                        help="--cases: llama.cpp in this process as the baseline (llama-server not built yet)")
     parser.add_argument("--cases", action="store_true",
                         help="issue #26: warm TTFT of each reuse case on 1, 2 and 3 nodes against llama-server")
     args = parser.parse_args(argv)
