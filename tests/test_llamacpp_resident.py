@@ -70,6 +70,7 @@ def test_a_parked_prefix_is_adopted_and_the_session_goes_on_as_a_cold_one(backen
     run(backend, "first", PROMPT)
     assert backend.park_session("first", "kept")
     assert backend.parked_prefixes() == {"kept": len(PROMPT) + 7}
+    assert all(backend.seq_cells(s) == (-1, -1) for s in range(backend.max_sessions))  # sessions' ids all free
     diverging = [*PROMPT[:290], 901, 902, 903]
     for prompt, n in ((PROMPT, len(PROMPT) - 1), (diverging, 290)):  # the same prompt again; one that diverges
         backend.open_session("warm", prompt_tokens=prompt, sampling=GREEDY)

@@ -126,9 +126,10 @@ class LlamaCppBackend(HoldsSessions[_Session]):
         self._sessions = SessionTable[_Session]("llama.cpp", config.max_sessions, tail=self.is_tail,
                                                 wording=_WORDING)
         # The last sequence id is the scratch one KV segments pass through (``kv_state.KvCells``).
-        self._free_seqs = list(range(config.n_seq_max - 2, -1, -1))
+        self._free_seqs = list(range(config.max_sessions - 1, -1, -1))
         self._resident = ResidentPrefixes(config.resident_prefixes)
-        """Finished sessions' sequences kept for prefix reuse (issue #26): they hold the ids beyond max_sessions."""
+        """Finished sessions' KV kept for prefix reuse (issue #26), under the sequence ids after the sessions'."""
+        self._resident_seqs = list(range(config.n_seq_max - 2, config.max_sessions - 1, -1))
         self._kv_bytes = 0
         self._kv_refreshed = 0.0
         self._decodes = 0
@@ -438,20 +439,24 @@ class LlamaCppBackend(HoldsSessions[_Session]):
         return 0 if self._kv.whole_sequences else self._resident.slots
 
     def park_session(self, session_id: str, handle: str) -> bool:
-        """Close the session but keep its sequence's cells under ``handle`` for prefix reuse (the least recently
-        used parked one goes if every slot is taken). False, and nothing done, when this context keeps none (no
-        slots, or a cache that copies only whole sequences)."""
+        """Close the session but keep its cells under ``handle`` for prefix reuse, in a sequence of their own (the
+        least recently used parked one goes if every slot is taken): on the unified cache the cells are only
+        tagged with it. False, and nothing done, when this context keeps none (no slots, or a cache that copies
+        only whole sequences)."""
         with self._lock:
             self._require_open()
             if self.resident_slots <= 0 or session_id not in self._sessions:
                 return False
-            while self._resident.full:
+            while not self._resident_seqs:
                 self._evict_parked()
             session = self._sessions.pop(session_id)
             assert session is not None
-            if session.sampler is not None:
-                session.sampler.close()
-            self._resident.park(handle, session.seq_id, session.position)
+            seq = self._resident_seqs.pop()
+            llama_cpp.llama_memory_seq_rm(self._memory, seq, -1, -1)
+            llama_cpp.llama_memory_seq_cp(self._memory, session.seq_id, seq, -1, -1)
+            self._copies_pending = self._copies_pending or self.config.batch_invariant
+            self._resident.park(handle, seq, session.position)
+            self._free(session)
             return True
 
     def parked_prefixes(self) -> dict[str, int]:
@@ -472,7 +477,7 @@ class LlamaCppBackend(HoldsSessions[_Session]):
                                       f"session at {session.position}")
             if self.config.batch_invariant:  # streams copy whole; the positions past n are dropped again
                 llama_cpp.llama_memory_seq_cp(self._memory, parked.seq_id, session.seq_id, -1, -1)
-                self._copies_pending = True
+                self._copies_pending = True  # copied at the next decode (``_flush_copies`` before KV moves)
                 self._kv.truncate(session.seq_id, n)
             else:
                 llama_cpp.llama_memory_seq_cp(self._memory, parked.seq_id, session.seq_id, 0, n)
@@ -510,7 +515,7 @@ class LlamaCppBackend(HoldsSessions[_Session]):
     def _release(self, seq_id: int) -> None:
         if self._ctx is not None:
             llama_cpp.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
-        self._free_seqs.append(seq_id)
+        self._resident_seqs.append(seq_id)
 
     def kv_bytes_in_use(self, *, fresh: bool = False) -> int:
         """KV bytes the open sessions hold, as of the last refresh (at most ``_KV_REFRESH_S`` old). Lock-free unless

@@ -1,9 +1,10 @@
 """Finished sessions' KV kept resident in the llama.cpp context (issue #26, token-exact prefix reuse), as
 llama-server's slots keep theirs: the first tier of prefix reuse, before the node's host-memory pieces.
 
-A finished session's sequence is *parked* instead of freed: its cells stay where they are, under a sequence id of
-the context's spare ones (``LlamaCppConfig.resident_prefixes``), and a new session *adopts* any prefix of it with
-``llama_memory_seq_cp``. On the unified cache that only tags the cells with the new sequence id (nothing is copied
+A finished session's cells are *parked*: they stay where they are, tagged (``llama_memory_seq_cp``) with one of the
+context's spare sequence ids (``LlamaCppConfig.resident_prefixes``, after the sessions' ids, which are all free again
+once their sessions close), and a new session *adopts* any prefix of them with ``llama_memory_seq_cp``. On the
+unified cache that only tags the cells with the new sequence id (nothing is copied
 or computed); with per-sequence streams the whole stream is copied at the next decode and the positions past the
 prefix are dropped again. Either way the adopted positions are the very cells the finished session computed.
 
