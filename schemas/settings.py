@@ -201,6 +201,13 @@ class Settings(BaseSettings):
     prefix_cache_sessions: int = Field(default=4, ge=0)
     """Most finished sessions a node keeps for reuse (llama.cpp: sequences beyond ``max_sessions``)."""
 
+    prefix_reuse: str = Field(default="chunk", pattern=r"^(token|chunk)$")
+    """``token`` (issue #26): a new session reuses the longest common token prefix, down to the token, and llama.cpp
+    keeps finished sessions' KV resident in its context; ``chunk`` (issue #18): whole prefill chunks only, from host
+    memory, so the rest computes in the very chunks, and cells, a cold run's does: bit for bit on llama.cpp's unified
+    cache, where a parked prefix's cells (or a prompt's last tokens computed as a short batch) move a session's
+    logits by up to ~1 (docs/architecture.md, "Prefix reuse")."""
+
     # ---- Hide the network (issue #20): speculative decoding across the route -----------------------------------
 
     speculation: str = Field(default="off", pattern=r"^(off|ngram|model)$")

@@ -37,7 +37,8 @@ SYSTEM = ("You are a careful assistant for a harbour office. You answer question
 async def routes(module_nats: EmbeddedNats, gemma_path: Path,
                  tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple[Swarm, Swarm]]:
     work = tmp_path_factory.mktemp("reuse")
-    common: dict[str, Any] = dict(max_sessions=2, threads=1, cuts=(0, 9, 18), n_ctx=2048, prefill_chunk=64)
+    common: dict[str, Any] = dict(max_sessions=2, threads=1, cuts=(0, 9, 18), n_ctx=2048, prefill_chunk=64,
+                                  prefix_reuse="token")
     async with contextlib.AsyncExitStack() as stack:
         warm = await stack.enter_async_context(gemma_route(module_nats.url, gemma_path, work / "warm",
                                                            namespace="reuse-warm", **common))

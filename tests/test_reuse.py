@@ -16,7 +16,7 @@ CHUNK = 4
 
 
 def settings_for(nats_url: str, home: Any, **kw: Any) -> Settings:
-    return make_settings(nats_url, home, prefill_chunk=CHUNK, **kw)
+    return make_settings(nats_url, home, prefill_chunk=CHUNK, prefix_reuse="token", **kw)
 
 
 async def chat(swarm: Swarm, messages: list[dict[str, str]], max_tokens: int = 24) -> tuple[str, dict[str, Any]]:

@@ -25,7 +25,7 @@ SYSTEM = [2, *[3 + (i * 11) % 250 for i in range(60)]]
 
 
 def settings_for(nats_url: str, home: Path, **kw: Any) -> Settings:
-    return make_settings(nats_url, home, prefill_chunk=16, **kw)
+    return make_settings(nats_url, home, prefill_chunk=16, prefix_reuse="token", **kw)
 
 
 async def complete(swarm: Swarm, prompt: list[int], max_tokens: int = 8) -> Any:

@@ -48,7 +48,10 @@ log = logging.getLogger(__name__)
 
 class Reuse:
     def __init__(self, engine: StepEngine, cache: PrefixCache, held: SnapshotStore, *, model_id: str,
-                 layers: LayerRange) -> None:
+                 layers: LayerRange, exact: bool = True) -> None:
+        self.exact = exact
+        """Down to the token, resident where the backend can park (``prefix_reuse = token``); else whole chunks of
+        host pieces (``chunk``)."""
         self._engine = engine
         self.cache = cache
         self._held = held
@@ -69,7 +72,9 @@ class Reuse:
     @property
     def _resident(self) -> ResidentKv | None:
         backend = self._engine.backend
-        return backend if isinstance(backend, ResidentKv) and backend.resident_slots > 0 else None
+        if self.exact and isinstance(backend, ResidentKv) and backend.resident_slots > 0:
+            return backend
+        return None
 
     async def keep(self, session_id: str, tokens: list[int], position: int, chunk: int, token: str | None) -> None:
         """Keep a completed session's KV (positions ``[0, position)``) before it is freed: parked in the backend
@@ -124,13 +129,17 @@ class Reuse:
             if entry.resident and resident is not None:
                 await self._engine.call(resident.drop_parked, name)
 
+    def _whole(self, n: int, chunk: int) -> int:
+        """``n`` reusable positions as this node reuses them: all (``exact``), or whole chunks."""
+        return n if self.exact or chunk <= 0 else n // chunk * chunk
+
     def reusable(self, prompt: list[int], chunk: int) -> int:
         """How many positions of ``prompt`` this node could give a new session (nothing is imported)."""
         if self._kv is None or not self.cache.enabled:
             return 0
         kept = self.cache.match(prompt)
         seeded = self._seed(prompt)
-        return max(kept[2] if kept is not None else 0, seeded[1] if seeded is not None else 0)
+        return self._whole(max(kept[2] if kept is not None else 0, seeded[1] if seeded is not None else 0), chunk)
 
     async def start(self, session_id: str, prompt: list[int], chunk: int, limit: int | None) -> int:
         """Give a just-opened session (at position 0) the longest prefix of ``prompt`` this node can rebuild, at
@@ -146,6 +155,7 @@ class Reuse:
         want = max(n_kept, n_seed)
         if limit is not None:
             want = min(want, limit)
+        want = self._whole(want, chunk)
         if want <= 0:
             return 0
         took = 0

@@ -163,7 +163,7 @@ async def start_route(swarms: Swarms, nats_url: str, home: Path, model: Path, *,
     """Two ``swarmroute node`` processes (``--threads 1``), an in-process tracker and gateway; the client."""
     extra: dict[str, object] = {} if prefix_cache_mb is None else {"prefix_cache_mb": prefix_cache_mb}
     settings: Settings = make_settings(nats_url, home, namespace=namespace, token_timeout_s=60.0,
-                                       first_token_timeout_s=120.0, hop_timeout_s=60.0, **extra)
+                                       first_token_timeout_s=120.0, hop_timeout_s=60.0, prefix_reuse="token", **extra)
     for i, hop in enumerate(layers):
         await swarms.node_process(settings, f"{namespace}-n{i + 1}", [
             "--backend", "llamacpp", "--model", str(model), "--model-id", MODEL, "--layers", hop,

@@ -5,7 +5,8 @@ A finished session's cells are *parked*: they stay where they are, tagged (``lla
 context's spare sequence ids (``LlamaCppConfig.resident_prefixes``, after the sessions' ids, which are all free again
 once their sessions close), and a new session *adopts* any prefix of them with ``llama_memory_seq_cp``. On the
 unified cache that only tags the cells with the new sequence id (nothing is copied or computed); with per-sequence
-streams the whole stream is copied at the next decode and the positions past the prefix are dropped again. Either way the adopted positions are the very cells the finished session computed.
+streams the whole stream is copied at the next decode and the positions past the prefix are dropped again. Either
+way the adopted positions are the very cells the finished session computed.
 
 Parked sequences hold cells of the context's one budget (``n_ctx`` per session), never cells of their own: when a
 running session's step finds no room, the backend drops the least recently used parked sequence and decodes again
