@@ -94,6 +94,7 @@ class LiveSession:
         self.id = session_id
         self.route: Route | None = None
         self.n_prompt = 0
+        self.n_cached = 0
         """Prompt tokens, as the head counted them."""
         self.max_tokens = 0
         self.telemetry: GenerationTelemetry | None = None
@@ -139,9 +140,12 @@ class LiveSession:
         self.telemetry = self.snapshot(SessionPhase.ROUTING, seq=0)
 
     def opened(self, *, choices: int, fan_out: int, prompt_tokens: int, max_tokens: int,
-               tool_format: ToolCallFormat | None, reasoning: ReasoningStart | None = None) -> None:
+               tool_format: ToolCallFormat | None, reasoning: ReasoningStart | None = None,
+               reused: int = 0) -> None:
         """The head opened the route: the route's choices, each fanned out to ``fan_out`` request choices, the
-        prompt and budget as the head settled them, and where the reply starts relative to a think block."""
+        prompt and budget as the head settled them (``reused``: prompt positions taken from kept KV), and where the
+        reply starts relative to a think block."""
+        self.n_cached = reused
         self.n, self.seen, self.fan_out = choices, [0] * choices, fan_out
         self.n_prompt, self.max_tokens, self.tool_format = prompt_tokens, max_tokens, tool_format
         self.reasoning = reasoning

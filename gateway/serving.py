@@ -40,6 +40,7 @@ from schemas.openai import (
     ChatCompletionRequest,
     Completion,
     CompletionRequest,
+    PromptTokensDetails,
     Usage,
     _GenerationRequest,
     unsupported_param,
@@ -196,7 +197,8 @@ class OpenAIServing:
     def _usage(self, session: LiveSession, end: SessionEnd | None) -> Usage:
         completion = end.completion_tokens if end and end.completion_tokens else session.tokens_seen
         return Usage(prompt_tokens=session.n_prompt, completion_tokens=completion,
-                     total_tokens=session.n_prompt + completion)
+                     total_tokens=session.n_prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=session.n_cached))
 
     async def _stream(self, session: LiveSession, state: StreamState, replies: Replies) -> AsyncIterator[bytes]:
         """Events that are already waiting when one is rendered go out in the same write: a gateway that fell behind

@@ -156,7 +156,7 @@ class SessionOpener:
             opened = await self._nodes.open(route, request_open)
         session.opened(choices=route_n, fan_out=request.n // route_n, prompt_tokens=opened.prompt_tokens,
                        max_tokens=opened.max_tokens or max_tokens, tool_format=tool_format,
-                       reasoning=opened.reasoning)
+                       reasoning=opened.reasoning, reused=opened.reused)
 
     def _speculation(self, sampling: SamplingParams, n: int, hops: int) -> Speculation | None:
         """Verify windows for a session whose next token is a function of the logits alone (one choice, no grammar,

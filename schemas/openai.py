@@ -424,10 +424,16 @@ class Timings(BaseModel):
     draft_n_accepted: int | None = Field(default=None, exclude_if=_absent)
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+    """Prompt positions taken from KV the route kept from an earlier request (issue #26, prefix reuse)."""
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
 class TopLogprob(BaseModel):

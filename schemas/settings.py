@@ -87,6 +87,12 @@ class Settings(BaseSettings):
     """Let llama.cpp put weights in ggml's AMX buffer type on CPUs that have AMX. Off by default: on some of them
     the first matrix multiply there crashes the node (docs/llamacpp-backend.md); CPU_REPACK stays on either way."""
 
+    llama_batch_invariant: bool = False
+    """llama.cpp nodes keep one KV stream per session and compute each session in a pass of its own, so a greedy or
+    seeded session's tokens do not depend on what else the node computes at the same time. Off by default: it costs
+    about half the aggregate decode rate of 4 concurrent streams (docs/llamacpp-backend.md, "Batch invariance").
+    Every node of a route should agree: KV snapshots and reuse move only between nodes of the same setting."""
+
     prefill_chunk: int = Field(default=256, ge=1, le=8192)
     """Prompt tokens per prefill frame."""
 
@@ -196,6 +202,13 @@ class Settings(BaseSettings):
 
     prefix_cache_sessions: int = Field(default=4, ge=0)
     """Most finished sessions a node keeps for reuse (llama.cpp: sequences beyond ``max_sessions``)."""
+
+    prefix_reuse: str = Field(default="chunk", pattern=r"^(token|chunk)$")
+    """``token`` (issue #26): a new session reuses the longest common token prefix, down to the token, and llama.cpp
+    keeps finished sessions' KV resident in its context; ``chunk`` (issue #18): whole prefill chunks only, from host
+    memory, so the rest computes in the very chunks, and cells, a cold run's does: bit for bit on llama.cpp's unified
+    cache, where a parked prefix's cells (or a prompt's last tokens computed as a short batch) move a session's
+    logits by up to ~1 (docs/architecture.md, "Prefix reuse")."""
 
     # ---- Hide the network (issue #20): speculative decoding across the route -----------------------------------
 

@@ -89,7 +89,8 @@ def _llamacpp(args: argparse.Namespace, settings: Settings, start: int | None, e
                        allow_unproven=args.allow_unproven_architecture)
     sessions = args.max_sessions or memory_sessions(prepared, getattr(args, "memory", None), args.ctx or DEFAULT_CTX)
     options: dict[str, Any] = dict(model_path=prepared.path, max_sessions=sessions, threads=threads,
-                                   native_dir=settings.home / "native", allow_amx=settings.llama_amx)
+                                   native_dir=settings.home / "native", allow_amx=settings.llama_amx,
+                                   batch_invariant=settings.llama_batch_invariant)
     if args.ctx:
         options["n_ctx"] = args.ctx
     if (prepared.start, prepared.end) == (0, prepared.manifest.n_layers):

@@ -14,21 +14,44 @@ def kept(tokens: list[int], chunk: int = 4, *, piece: int = 10) -> Kept:
 
 def test_reuse_is_whole_chunks_and_leaves_the_last_prompt_token() -> None:
     assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2 and common_prefix([], [1]) == 0
+    assert reusable(shared=10, prompt=20) == 10 and reusable(shared=20, prompt=20) == 19  # token-exact: chunk 1
     assert reusable(shared=10, prompt=20, chunk=4) == 8
     assert reusable(shared=20, prompt=20, chunk=4) == 16  # the same prompt again: its last chunk is computed
     assert reusable(shared=21, prompt=21, chunk=4) == 20
     assert reusable(shared=3, prompt=20, chunk=4) == 0
 
 
-def test_the_longest_match_wins_and_superseded_entries_go() -> None:
+def test_the_longest_match_wins_down_to_the_token_and_superseded_entries_go() -> None:
     cache = PrefixCache(max_entries=4, max_bytes=10_000)
     cache.keep("a", kept(list(range(12))))
     cache.keep("b", kept([9, 9, 9, 9, 9]))
-    match = cache.match([*range(12), 50, 51], chunk=4)
-    assert match is not None and match[1] == 12 and match[0].tokens == list(range(12))
-    assert cache.match([9, 9, 9, 9, 9, 1], chunk=8) is None  # kept with chunks of 4
-    cache.keep("c", kept(list(range(20))))  # holds all "a" held
-    assert len(cache) == 2 and cache.get("a") is None
+    match = cache.match([*range(12), 50, 51])
+    assert match is not None and match[2] == 12 and match[0] == "a" and match[1].tokens == list(range(12))
+    diverging = cache.match([*range(7), 99, 98])  # diverges after 7 tokens: exactly those are reused
+    assert diverging is not None and diverging[0] == "a" and diverging[2] == 7
+    again = cache.match([9, 9, 9, 9, 9])  # the same prompt again: all but its last token
+    assert again is not None and again[0] == "b" and again[2] == 4
+    assert cache.match([5, 1]) is None
+    gone = cache.keep("c", kept(list(range(20))))  # holds all "a" held
+    assert len(cache) == 2 and cache.get("a") is None and [name for name, _ in gone] == ["a"]
+
+
+def test_a_resident_entry_wins_a_tie_and_every_entry_checks_its_hashes() -> None:
+    cache = PrefixCache(max_entries=4, max_bytes=10_000)
+    cache.keep("host", kept([1, 2, 3, 4, 5, 6]))
+    cache.keep("parked", Kept(tokens=[1, 2, 3, 4, 5, 7], pieces=[], chunk=4, resident=True))
+    match = cache.match([1, 2, 3, 4, 5, 8])
+    assert match is not None and match[0] == "parked" and match[2] == 5
+    host = cache.get("host")
+    assert host is not None and host.intact(6) and host.intact(3)
+    host.pieces[1] = b"x" * 10  # the second piece (positions 4..) no longer what was kept
+    assert host.intact(4) and not host.intact(5)
+    host.tokens[0] = 42
+    assert not host.intact(1)
+    parked = cache.get("parked")
+    assert parked is not None and parked.intact(5) and parked.size == 0
+    parked.with_pieces([b"ab", b"cd"])  # demoted to host memory
+    assert not parked.resident and parked.intact(5) and parked.size == 4 and cache.resident() == []
 
 
 def test_entries_go_oldest_first_within_the_budgets() -> None:

@@ -107,7 +107,8 @@ class Node(NatsActor):
         self.metrics.snapshots_held.set_function(lambda: float(self.snapshots.bytes_used))
         self.reuse = Reuse(self.engine, PrefixCache(max_entries=settings.prefix_cache_sessions,
                                                     max_bytes=int(settings.prefix_cache_mb * 2**20)),
-                           self.snapshots, model_id=config.model_id, layers=backend.layers)
+                           self.snapshots, model_id=config.model_id, layers=backend.layers,
+                           exact=settings.prefix_reuse == "token")
         """Completed sessions' KV kept for requests that start the same way (issue #18)."""
         self.metrics.prefix_cache_sessions.set_function(lambda: float(len(self.reuse.cache)))
         self.draft_engine = StepEngine(draft) if draft is not None else None

@@ -205,6 +205,8 @@ class HopSession(NodeSession):
         self.positions_received += header.n_positions
         if header.kind is not FrameKind.PREFILL:
             self.phase = SessionPhase.DECODE
+        else:
+            asyncio.get_running_loop().call_soon(self.rt.metrics.prefill_positions.inc, header.n_positions)
         # n > 1: the last prefill chunk (the one the tail samples after) forks the prompt's KV into every choice.
         forks = self.choices.fork_ids() if header.kind is FrameKind.PREFILL and header.sample else ()
         window = header.kind is FrameKind.VERIFY and self.is_tail  # the tail judges it from every row's logits

@@ -27,6 +27,9 @@ Series (all names prefixed ``swarmroute_``)::
     node_repairs_total{outcome}               head: route repairs, repaired | failed (issue #18)
     node_prefix_reused_positions_total        prompt positions taken from kept KV instead of computed
     node_prefix_cache_sessions                finished sessions whose KV is kept for reuse
+    node_prefill_positions_total              prompt positions this node computed (prefill chunks; reused ones are
+                                              not: with reuse, the new tokens only, issue #26)
+    node_prefix_rejected_total                kept prefixes that failed their hashes (dropped and recomputed)
     node_spec_windows_total{source}           head: verify windows sent, by draft source (issue #20)
     node_spec_drafts_total{source,outcome}    head: drafts the tail judged, accepted | rejected; the acceptance
                                               rate is accepted / (accepted + rejected)
@@ -125,6 +128,10 @@ class NodeMetrics:
                                     "yet judged", registry=r)
         self._speculating: set[InFlight] = set()
         self.spec_in_flight.set_function(lambda: float(sum(s.windows_in_flight() for s in self._speculating)))
+        self.prefill_positions = Counter("swarmroute_node_prefill_positions", "Prompt positions computed in "
+                                         "prefill chunks", registry=r)
+        self.prefix_rejected = Counter("swarmroute_node_prefix_rejected", "Kept prefixes that failed their hashes",
+                                       registry=r)
         self.prefix_cache_sessions = Gauge("swarmroute_node_prefix_cache_sessions", "Finished sessions whose KV "
                                            "is kept for reuse", registry=r)
 

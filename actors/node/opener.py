@@ -155,7 +155,9 @@ class SessionOpener:
             if opening is not None and self.reuse.reusable(request.prompt_tokens, request.prefill_chunk):
                 # Prefix reuse: the head reuses no more than every hop after it holds (issue #18).
                 limit = min(o.reused for o in await opening.result())
+            rejected = self.reuse.rejected
             reused = await self.reuse.start(request.session_id, request.prompt_tokens, request.prefill_chunk, limit)
+            self.metrics.prefix_rejected.inc(self.reuse.rejected - rejected)
         start = SessionStart(session_token=session_token, reused=reused, opening=opening)
         if request.hop_index == 0:
             return HeadSession(rt, request, hidden_shape=self.hidden_shape, on_closed=self.on_closed, start=start)

@@ -20,8 +20,13 @@ async def prefill(head: HeadPort) -> list[SampledToken] | None:
     chunk = head.request.prefill_chunk
     announced = False
     sampled: list[SampledToken] = []
-    for start in range(head.position, len(tokens), chunk):
-        part = tokens[start:start + chunk]
+    # After a reused prefix the first chunk ends where a cold prefill's does: the chunks after it then compute
+    # exactly what a cold run's compute (issue #26).
+    starts = [head.position, *range((head.position // chunk + 1) * chunk, len(tokens), chunk)]
+    for start, stop in zip(starts, [*starts[1:], len(tokens)], strict=True):
+        if start >= len(tokens):
+            break
+        part = tokens[start:stop]
         last = start + len(part) >= len(tokens)
         first = head.choices.first
         # n > 1: the last chunk forks the prompt's KV into every choice (on the tail: their first tokens too).
@@ -39,6 +44,7 @@ async def prefill(head: HeadPort) -> list[SampledToken] | None:
         out, timing = await head.compute(first, item, queued)
         forks = head.fork(first.position) if item.forks else []
         head.touch()
+        head.rt.metrics.prefill_positions.inc(len(part))
         if head.is_tail:
             if last:
                 stamps = (head.stamp(timing),)

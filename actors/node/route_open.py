@@ -12,8 +12,8 @@ the gateway turns back into the ``HopError`` it would have seen opening the hop 
 around, a 4xx (a full node, a refused grant) reaches the client as before.
 
 Prefix reuse keeps its rule: the head reuses no more than the least any later hop reuses. When the head itself has
-something to reuse it waits for those answers before it starts; a short prompt (less than one whole prefill chunk,
-which is never reused) has nothing to wait for.
+something to reuse it waits for those answers before it starts; a prompt it holds no prefix of has nothing to wait
+for.
 """
 
 from __future__ import annotations

@@ -27,12 +27,26 @@ Rounds are interleaved (each round runs all four in that order); printed are med
 ratios: the cold/reuse speedup per system (issue #18's target: swarmroute's reuse >= 5x faster than cold), and each
 swarmroute TTFT against llama-server's in the same state. The load average is printed too: the machine is shared, so
 compare only the ratios of one run. Nothing here asserts a timing.
+
+``--cases`` (issue #26) measures instead the warm TTFT of each token-exact reuse case on routes of 1, 2 and 3
+``swarmroute node`` processes (``--threads 1`` each; layers 0:18 | 0:9, 9:18 | 0:6, 6:12, 12:18) against llama-server
+with 1 thread and its prompt cache, each request preceded by the one it reuses (so each system holds exactly that):
+
+* ``same``      a short chat prompt (~40 tokens) sent again;
+* ``diverge``   a ~700-token prompt, then the same prompt with its last words changed;
+* ``system``    one ~500-token system prompt, one user, then another user (only the system prompt is shared);
+* ``tool``      a tool loop: the conversation, the model's reply and a tool result (as a user turn: the Gemma
+                template has no tool role) appended, twice; the second append is timed.
+
+Printed per case: each system's median warm TTFT, the positions it reused (swarmroute telemetry / llama-server
+``timings.cache_n``), and the ratio to llama-server (issue #26's target: within 1.2x).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import os
 import random
@@ -145,18 +159,18 @@ def turn2(messages: list[dict[str, str]], reply: str) -> list[dict[str, str]]:
 
 
 async def start_route(swarms: Swarms, nats_url: str, home: Path, model: Path, *, namespace: str, ctx: int,
-                      prefix_cache_mb: float | None) -> openai.AsyncOpenAI:
+                      prefix_cache_mb: float | None, layers: tuple[str, ...] = LAYERS) -> openai.AsyncOpenAI:
     """Two ``swarmroute node`` processes (``--threads 1``), an in-process tracker and gateway; the client."""
     extra: dict[str, object] = {} if prefix_cache_mb is None else {"prefix_cache_mb": prefix_cache_mb}
     settings: Settings = make_settings(nats_url, home, namespace=namespace, token_timeout_s=60.0,
-                                       first_token_timeout_s=120.0, hop_timeout_s=60.0, **extra)
-    for i, layers in enumerate(LAYERS):
+                                       first_token_timeout_s=120.0, hop_timeout_s=60.0, prefix_reuse="token", **extra)
+    for i, hop in enumerate(layers):
         await swarms.node_process(settings, f"{namespace}-n{i + 1}", [
-            "--backend", "llamacpp", "--model", str(model), "--model-id", MODEL, "--layers", layers,
+            "--backend", "llamacpp", "--model", str(model), "--model-id", MODEL, "--layers", hop,
             "--threads", "1", "--ctx", str(ctx), "--max-sessions", "2"])
     tracker = await swarms.actor(Tracker(settings))
     gateway = await swarms.actor(Gateway(settings, port=0))
-    await wait_model(tracker, MODEL, timeout=180, n_nodes=len(LAYERS))
+    await wait_model(tracker, MODEL, timeout=180, n_nodes=len(layers))
     return openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=600)
 
 
@@ -246,13 +260,163 @@ def report(results: dict[str, list[Reply]], args: argparse.Namespace, matched: i
           f"{os.cpu_count()} cores (the machine is shared: compare ratios within this run)")
 
 
+CASE_ROUTES = {1: ("0:18",), 2: ("0:9", "9:18"), 3: ("0:6", "6:12", "12:18")}
+CASES = ("same", "diverge", "system", "tool")
+
+
+def case_requests(case: str, index: int, count: Counter) -> tuple[list[list[dict[str, str]]], bool]:
+    """The requests of one case, the last one timed; True when a request extends the previous reply (``tool``)."""
+    rng = random.Random(index)
+    place = rng.choice(_PLACES)
+    if case == "same":
+        messages = [{"role": "user", "content": f"Logbook {index}: name one boat that might sail from {place}."}]
+        return [messages, messages], False
+    if case in ("diverge", "system"):
+        long = conversation(index, 700 if case == "diverge" else 500, count)
+        if case == "diverge":
+            changed = long[1]["content"].rsplit(" ", 3)[0] + " sent the least cargo today?"
+            return [long, [long[0], {"role": "user", "content": changed}]], False
+        return [[long[0], {"role": "user", "content": q}] for q in
+                (f"Which boats came from {place}?", "Which cargo was the heaviest, in one word?")], False
+    first = conversation(index, 300, count)
+    return [first, [], []], True
+
+
+def tool_turn(messages: list[dict[str, str]], reply: str, turn: int) -> list[dict[str, str]]:
+    result = f'Tool result (get_tide #{turn}): {{"harbour": "Northport", "high_tide": "14:0{turn}"}}'
+    return [*messages, {"role": "assistant", "content": reply}, {"role": "user", "content": result}]
+
+
+class InProcess:
+    """The fallback baseline while llama-server is not built (``--without-llama-server``): llama.cpp in this
+    process (llama-cpp-python's ``Llama``, 1 thread, one sequence), whose ``generate`` keeps the previous request's
+    KV and evaluates only the tokens after the longest common prefix, as llama-server's slot does; the same Gemma
+    template renders the messages. No HTTP, no JSON: a lower bound of llama-server's warm TTFT."""
+
+    def __init__(self, model: Path, ctx: int) -> None:
+        import llama_cpp
+
+        from actors.backends.llamacpp.chat_template import ChatTemplate
+
+        self._llm = llama_cpp.Llama(str(model), n_ctx=ctx, n_threads=1, n_threads_batch=1, verbose=False)
+        self._template = ChatTemplate(GEMMA_TEMPLATE, "fallback:gemma3", bos_token="<bos>")
+
+    def _chat(self, messages: list[dict[str, str]], max_tokens: int) -> Reply:
+        started = time.perf_counter()
+        tokens = self._llm.tokenize(self._template.render(messages).encode(), add_bos=False, special=True)
+        held = 0
+        for a, b in zip(self._llm._input_ids, tokens[:-1], strict=False):  # noqa: SLF001 - what generate reuses
+            if a != b:
+                break
+            held += 1
+        out: list[int] = []
+        ttft = 0.0
+        for token in self._llm.generate(tokens, temp=0.0, top_k=1, reset=True):
+            if not out:
+                ttft = time.perf_counter() - started
+            out.append(token)
+            if len(out) >= max_tokens or self._llm.token_eos() == token:
+                break
+        text = self._llm.detokenize(out).decode(errors="replace")
+        return Reply(text or " ", ttft, held, len(tokens))
+
+
+async def run_case(client: openai.AsyncOpenAI | InProcess, case: str, index: int, count: Counter) -> Reply:
+    requests, loop = case_requests(case, index, count)
+    reply = None
+    messages = requests[0]
+    for turn in range(len(requests)):
+        if loop and turn:
+            assert reply is not None
+            messages = tool_turn(messages, reply.text, turn)
+        elif not loop:
+            messages = requests[turn]
+        last = turn == len(requests) - 1
+        max_tokens = TURN2_TOKENS if last else REPLY_TOKENS if loop else TURN2_TOKENS
+        if isinstance(client, InProcess):
+            reply = await asyncio.to_thread(client._chat, messages, max_tokens)  # noqa: SLF001
+        else:
+            reply = await chat(client, messages, max_tokens)
+    assert reply is not None
+    return reply
+
+
+async def run_cases(args: argparse.Namespace) -> int:
+    model = _model_path()
+    if not args.without_llama_server:
+        build()
+    count = Counter(model)
+    ctx = 2048
+    load = [os.getloadavg()[0]]
+    baseline = "llama.cpp in-process" if args.without_llama_server else "llama-server"
+    systems = [baseline, *(f"{n} node{'s' if n > 1 else ''}" for n in CASE_ROUTES)]
+    results: dict[tuple[str, str], list[Reply]] = {(sy, c): [] for sy in systems for c in CASES}
+    with tempfile.TemporaryDirectory(prefix="bench-reuse-cases-") as tmp:
+        work = Path(tmp)
+        template = work / "gemma.jinja"
+        template.write_text(GEMMA_TEMPLATE)
+        with EmbeddedNats(NatsServerConfig(store_dir=work / "nats")) as nats:
+            async with Swarms() as swarms:
+                clients: dict[str, Any] = {}
+                for n, layers in CASE_ROUTES.items():
+                    name = f"{n} node{'s' if n > 1 else ''}"
+                    clients[name] = await start_route(swarms, nats.url, work / f"r{n}", model, namespace=f"r{n}",
+                                                      ctx=ctx, prefix_cache_mb=None, layers=layers)
+                async with contextlib.AsyncExitStack() as stack:
+                    if not args.without_llama_server:
+                        server = await stack.enter_async_context(llama_server(
+                            model, threads=1, ctx=ctx, extra=("--jinja", "--chat-template-file", str(template))))
+                        clients["llama-server"] = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused",
+                                                                     max_retries=0, timeout=600)
+                    for client in clients.values():
+                        swarms.on_teardown(client.close)
+                        await chat(client, [{"role": "user", "content": "Say hello."}], 4)
+                    if args.without_llama_server:
+                        clients[baseline] = InProcess(model, ctx)
+                    for r in range(args.rounds):
+                        for case in CASES:
+                            for system in systems:
+                                results[(system, case)].append(await run_case(clients[system], case, 100 * r + 7,
+                                                                              count))
+                        load.append(os.getloadavg()[0])
+                        print(f"round {r + 1}/{args.rounds}: " + "; ".join(
+                            f"{c} " + "/".join(f"{results[(sy, c)][-1].ttft * 1e3:.0f}" for sy in systems)
+                            for c in CASES) + " ms", file=sys.stderr, flush=True)
+    report_cases(results, systems, args, load)
+    return 0
+
+
+def report_cases(results: dict[tuple[str, str], list[Reply]], systems: list[str], args: argparse.Namespace,
+                 load: list[float]) -> None:
+    print(f"\nWarm TTFT of each reuse case (issue #26), Gemma 3 270M Q4_K_M, 1 thread per process, medians of "
+          f"{args.rounds} rounds; ms (reused/prompt positions) and x {systems[0]}")
+    print(f"{'case':<9}" + "".join(f"{sy:>26}" for sy in systems))
+    for case in CASES:
+        base = _median([r.ttft for r in results[(systems[0], case)]])
+        cells = []
+        for system in systems:
+            replies = results[(system, case)]
+            ttft = _median([r.ttft for r in replies])
+            reused = _median([float(r.reused) for r in replies])
+            prompt = _median([float(r.prompt) for r in replies])
+            ratio = "" if system == systems[0] else f" {ttft / base:.2f}x"
+            cells.append(f"{ttft * 1e3:.0f} ({reused:.0f}/{prompt:.0f}){ratio}")
+        print(f"{case:<9}" + "".join(f"{c:>26}" for c in cells))
+    print(f"load average (1 min) at the start, after each round: {', '.join(f'{x:.2f}' for x in load)} on "
+          f"{os.cpu_count()} cores (the machine is shared: compare ratios within this run)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (medians are printed)")
     parser.add_argument("--history", type=int, default=1000,
                         help="tokens of turn 1's system prompt and user message together")
+    parser.add_argument("--without-llama-server", action="store_true",
+                        help="--cases: llama.cpp in this process as the baseline (llama-server not built yet)")
+    parser.add_argument("--cases", action="store_true",
+                        help="issue #26: warm TTFT of each reuse case on 1, 2 and 3 nodes against llama-server")
     args = parser.parse_args(argv)
-    return asyncio.run(run(args))
+    return asyncio.run(run_cases(args) if args.cases else run(args))
 
 
 if __name__ == "__main__":

@@ -112,15 +112,17 @@ async def start_swarm(settings: Settings, backends: Sequence[Backend], *, model_
 @contextlib.asynccontextmanager
 async def gemma_route(nats_url: str, gemma_path: Path, work: Path, *, namespace: str, max_sessions: int,
                       threads: int = 2, model_id: str = "gemma", cuts: Sequence[int] = (0, 12, 18),
-                      n_ctx: int = 1024, **settings: Any) -> AsyncIterator[Swarm]:
+                      n_ctx: int = 1024, batch_invariant: bool = False, **settings: Any) -> AsyncIterator[Swarm]:
     """The bundled Gemma 3 270M as a real llama.cpp route (one shard per pair of ``cuts``, ``n_ctx`` per session),
     served as ``model_id`` with generous timeouts (llama.cpp on a 2-core machine shared with other test processes)
-    and ``settings`` on top; stopped, and its backends closed, at the end (``Swarm.backends``)."""
+    and ``settings`` on top (``batch_invariant``: the backends' option); stopped, and its backends closed, at the end
+    (``Swarm.backends``)."""
     from actors.backends import load_backend
 
     (work / "shards").mkdir(parents=True, exist_ok=True)
     backends = [load_backend("llamacpp", model_path=gemma_path, n_ctx=n_ctx, max_sessions=max_sessions,
-                             threads=threads, layer_start=a, layer_end=b, shard_dir=work / "shards")
+                             threads=threads, layer_start=a, layer_end=b, shard_dir=work / "shards",
+                             batch_invariant=batch_invariant)
                 for a, b in itertools.pairwise(cuts)]
     config = make_settings(nats_url, work / "home", namespace=namespace, **{
         "token_timeout_s": 60.0, "first_token_timeout_s": 120.0, "hop_timeout_s": 60.0, **settings})

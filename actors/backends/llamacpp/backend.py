@@ -1,9 +1,17 @@
 """The llama.cpp backend: one GGUF (a whole model or a layer-range shard) served through llama-cpp-python's C API.
 
-One model, one context shared by every session. Each session owns a llama.cpp sequence id (its KV cells); the KV
-cache is unified (``kv_unified``) so that a step mixing prefill chunks of one session with decode positions of
-others is a single ``llama_decode`` call over one ubatch, its rows in batch order. ``n_ctx`` is per session: the
-context holds ``n_ctx * max_sessions`` cells and the backend stops any session at ``n_ctx`` positions.
+One model, one context shared by every session. Each session owns a llama.cpp sequence id (its KV cells).
+``n_ctx`` is per session: the backend stops any session at ``n_ctx`` positions.
+
+Batch invariance (``LlamaCppConfig.batch_invariant``): every sequence has its own KV stream (``kv_unified =
+false``), so a session's cells sit where its own history put them and its attention reads only them, and a step
+runs one ``llama_decode`` per session: what a row computes in ggml's CPU kernels depends on the rows beside it in
+the ubatch (``_passes``), so no other session's rows ever are. A session's logits are then bit-identical alone or
+batched. Forks copy the source's stream (``llama_memory_seq_cp`` across streams copies buffers at the start of the
+next decode; a KV export or import before that runs a one-row decode of the scratch sequence first,
+``_flush_copies``). Without it, the KV cache is unified and a step is a single ``llama_decode`` over one ubatch
+(prefill chunks of one session beside decode positions of others); where a session's cells land in the shared
+cache, and with them the order its attention sums in, then depends on the other sessions (docs/llamacpp-backend.md).
 
 Layer ranges: a shard GGUF (``artifacts.shard``) holds layers ``[start, end)`` renumbered from 0. The head looks
 tokens up itself; every other hop is fed the previous hop's hidden states through ``llama_batch.embd``. A non-tail
@@ -43,6 +51,7 @@ from actors.backends.llamacpp.cpu_buffers import buffer_types
 from actors.backends.llamacpp.ggml_capture import LayerCapture
 from actors.backends.llamacpp.kv_state import KvCells
 from actors.backends.llamacpp.placement import file_sha256, place
+from actors.backends.llamacpp.resident import ResidentPrefixes
 from actors.backends.llamacpp.sampling import Sampler
 from actors.backends.llamacpp.streams import stream_layout
 from actors.backends.llamacpp.vocabulary import Vocabulary
@@ -93,6 +102,8 @@ class _Session:
     """Tail: what forks of this session sample with."""
     penalty_window: list[int] = dataclasses.field(default_factory=list)
     """Tail: the prompt's last ``penalty_last_n`` tokens, for the penalty samplers of forks."""
+    logits: np.ndarray[Any, np.dtype[np.float32]] | None = None
+    """Tail: a copy of the last sampled row when a later pass of the same step overwrote llama.cpp's."""
 
 
 def _init_llama(verbose: bool) -> None:
@@ -116,10 +127,15 @@ class LlamaCppBackend(HoldsSessions[_Session]):
         self._sessions = SessionTable[_Session]("llama.cpp", config.max_sessions, tail=self.is_tail,
                                                 wording=_WORDING)
         # The last sequence id is the scratch one KV segments pass through (``kv_state.KvCells``).
-        self._free_seqs = list(range(config.n_seq_max - 2, -1, -1))
+        self._free_seqs = list(range(config.max_sessions - 1, -1, -1))
+        self._resident = ResidentPrefixes(config.resident_prefixes)
+        """Finished sessions' KV kept for prefix reuse (issue #26), under the sequence ids after the sessions'."""
+        self._resident_seqs = list(range(config.n_seq_max - 2, config.max_sessions - 1, -1))
         self._kv_bytes = 0
         self._kv_refreshed = 0.0
         self._decodes = 0
+        self._copies_pending = False
+        """Forks queued stream copies llama.cpp has not run yet (it runs them at the start of the next decode)."""
         self._model: Any = None
         self._ctx: Any = None
         try:
@@ -155,7 +171,11 @@ class LlamaCppBackend(HoldsSessions[_Session]):
             raise ModelLoadError(f"llama.cpp could not create a context for {self._path} "
                                  f"({self.config.max_sessions} x {self._n_ctx} tokens)")
         self._memory = llama_cpp.llama_get_memory(self._ctx)
-        self._kv = KvCells(self._ctx, self._memory, scratch=self.config.n_seq_max - 1, n_swa=self._sliding_window(),
+        n_swa = self._sliding_window()
+        # llama.cpp sizes a windowed layer's stream to its window and one ubatch, in 256s (llama-kv-cache-iswa.cpp).
+        swa_cells = -(-min(int(llama_cpp.llama_n_ctx_seq(self._ctx)), n_swa + self.config.n_batch) // 256) * 256
+        self._kv = KvCells(self._ctx, self._memory, scratch=self.config.n_seq_max - 1, n_swa=n_swa,
+                           streams=self.config.batch_invariant, swa_cells=swa_cells,
                            whole_sequences=self._streams.whole_sequence_kv)
         # A hop that takes its streams through the injected node is fed token ids (see ``_fill``).
         self._batch = Batch(self.config.n_batch, 0 if self.is_head or self._inject else self._n_embd)
@@ -164,11 +184,12 @@ class LlamaCppBackend(HoldsSessions[_Session]):
     def _context_params(self) -> llama_cpp.llama_context_params:
         c = self.config
         p: llama_cpp.llama_context_params = llama_cpp.llama_context_default_params()
-        p.n_ctx = self._n_ctx * c.max_sessions
+        # Per-sequence streams split n_ctx evenly, the scratch sequence's stream included.
+        p.n_ctx = self._n_ctx * (c.n_seq_max if c.batch_invariant else c.max_sessions)
         p.n_batch = p.n_ubatch = c.n_batch
         p.n_seq_max = c.n_seq_max
         p.n_threads = p.n_threads_batch = self._threads
-        p.kv_unified = True
+        p.kv_unified = not c.batch_invariant
         # Windowed layers keep only their window per sequence: sessions never roll back, so the full-size SWA
         # cache (llama.cpp's default, for prefix reuse) would only cost memory.
         p.swa_full = False
@@ -282,7 +303,8 @@ class LlamaCppBackend(HoldsSessions[_Session]):
     def fork_session(self, session_id: str, fork_ids: list[str]) -> list[StepOutput]:
         """n > 1: see ``actors.backend.ForkingBackend.fork_session``. The forks' sequences share the session's KV
         cells (``llama_memory_seq_cp`` on the unified cache tags the cells with the new sequence ids; nothing is
-        copied) until each writes its own positions."""
+        copied) until each writes its own positions; with per-sequence streams each fork gets a copy of the
+        source's stream, cell for cell, so it computes what the source would."""
         with self._lock:
             self._require_open()
             return self._fork(self._sessions[session_id], fork_ids)
@@ -293,6 +315,7 @@ class LlamaCppBackend(HoldsSessions[_Session]):
             try:
                 llama_cpp.llama_memory_seq_rm(self._memory, fork.seq_id, -1, -1)
                 llama_cpp.llama_memory_seq_cp(self._memory, source.seq_id, fork.seq_id, -1, -1)
+                self._copies_pending = self.config.batch_invariant
                 if self.is_tail:
                     assert source.sampling is not None
                     fork.sampling, fork.penalty_window = source.sampling, source.penalty_window
@@ -364,6 +387,7 @@ class LlamaCppBackend(HoldsSessions[_Session]):
         with self._lock:
             self._require_open()
             session = self._sessions.exporting(session_id, start, end)
+            self._flush_copies()
             if self._kv.whole_sequences:
                 return self._kv.export_whole(session.seq_id, start, end, session.position)
             return self._kv.export(session.seq_id, start, end)
@@ -373,11 +397,12 @@ class LlamaCppBackend(HoldsSessions[_Session]):
             self._require_open()
             session = self._sessions[session_id]
             before = session.position
+            self._flush_copies()
             try:
                 if self._kv.whole_sequences:
                     self._kv.load_whole(session.seq_id, blobs, before)
-                for blob in blobs if not self._kv.whole_sequences else ():
-                    self._kv.load(session.seq_id, blob)
+                else:
+                    self._kv.load_all(session.seq_id, blobs)
                 low, high = self._kv.span(session.seq_id)
                 if high != end - 1:
                     raise SnapshotError(f"the KV state holds positions up to {high}, not up to {end - 1}")
@@ -412,6 +437,92 @@ class LlamaCppBackend(HoldsSessions[_Session]):
             for token in tokens:
                 sampler.accept(token)
 
+    # --- resident prefixes (issue #26; ``resident``, ``actors.node.reuse.ResidentKv``) ---------------------------
+
+    @property
+    def resident_slots(self) -> int:
+        """Finished sessions this context can keep parked (0: a cache that copies only whole sequences)."""
+        return 0 if self._kv.whole_sequences else self._resident.slots
+
+    def park_session(self, session_id: str, handle: str) -> bool:
+        """Close the session but keep its cells under ``handle`` for prefix reuse, in a sequence of their own (the
+        least recently used parked one goes if every slot is taken): on the unified cache the cells are only
+        tagged with it. False, and nothing done, when this context keeps none (no slots, or a cache that copies
+        only whole sequences)."""
+        with self._lock:
+            self._require_open()
+            if self.resident_slots <= 0 or session_id not in self._sessions:
+                return False
+            while not self._resident_seqs:
+                self._evict_parked()
+            session = self._sessions.pop(session_id)
+            assert session is not None
+            seq = self._resident_seqs.pop()
+            llama_cpp.llama_memory_seq_rm(self._memory, seq, -1, -1)
+            llama_cpp.llama_memory_seq_cp(self._memory, session.seq_id, seq, -1, -1)
+            self._copies_pending = self._copies_pending or self.config.batch_invariant
+            self._resident.park(handle, seq, session.position)
+            self._free(session)
+            return True
+
+    def parked_prefixes(self) -> dict[str, int]:
+        """The parked sequences still held, with the positions each holds."""
+        with self._lock:
+            return self._resident.positions()
+
+    def adopt_parked(self, handle: str, session_id: str, n: int) -> None:
+        """Give a just-opened session (at position 0) positions ``[0, n)`` of a parked sequence."""
+        with self._lock:
+            self._require_open()
+            parked = self._resident.get(handle)
+            session = self._sessions[session_id]
+            if parked is None:
+                raise SnapshotError(f"no parked prefix {handle} (evicted)")
+            if session.position != 0 or not 0 < n <= parked.positions:
+                raise BadRequestError(f"cannot adopt {n} positions of a parked prefix of {parked.positions} into a "
+                                      f"session at {session.position}")
+            if self.config.batch_invariant:  # streams copy whole; the positions past n are dropped again
+                llama_cpp.llama_memory_seq_cp(self._memory, parked.seq_id, session.seq_id, -1, -1)
+                self._copies_pending = True  # copied at the next decode (``_flush_copies`` before KV moves)
+                self._kv.truncate(session.seq_id, n)
+            else:
+                llama_cpp.llama_memory_seq_cp(self._memory, parked.seq_id, session.seq_id, 0, n)
+            if self._kv.span(session.seq_id)[1] != n - 1:
+                llama_cpp.llama_memory_seq_rm(self._memory, session.seq_id, -1, -1)
+                raise SnapshotError(f"the parked prefix {handle} lacks positions below {n}")
+            session.position = n
+
+    def export_parked(self, handle: str, start: int, end: int) -> bytes:
+        """``export_kv`` of a parked sequence (demoting it to host memory)."""
+        with self._lock:
+            self._require_open()
+            parked = self._resident.get(handle)
+            if parked is None or not 0 <= start < end <= parked.positions:
+                raise SnapshotError(f"no parked prefix {handle} holding [{start}, {end})")
+            self._flush_copies()
+            return self._kv.export(parked.seq_id, start, end)
+
+    def drop_parked(self, handle: str) -> None:
+        with self._lock:
+            parked = self._resident.drop(handle)
+            if parked is not None:
+                self._release(parked.seq_id)
+
+    def _evict_parked(self) -> bool:
+        handle = self._resident.oldest()
+        if handle is None:
+            return False
+        parked = self._resident.drop(handle)
+        assert parked is not None
+        self._resident.evicted += 1
+        self._release(parked.seq_id)
+        return True
+
+    def _release(self, seq_id: int) -> None:
+        if self._ctx is not None:
+            llama_cpp.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
+        self._resident_seqs.append(seq_id)
+
     def kv_bytes_in_use(self, *, fresh: bool = False) -> int:
         """KV bytes the open sessions hold, as of the last refresh (at most ``_KV_REFRESH_S`` old). Lock-free unless
         ``fresh``: the node asks from its event loop (heartbeats, metrics), which must never wait for a decode."""
@@ -439,31 +550,85 @@ class LlamaCppBackend(HoldsSessions[_Session]):
     def step(self, batch: list[StepInput]) -> list[StepOutput]:
         with self._lock:
             self._require_open()
-            if self._streams.one_sequence_per_decode and len(batch) > 1:
-                self._check(batch)  # the whole step is refused before any of it runs
-                return [out for item in batch for out in self._step([item])]
-            return self._step(batch)
+            sessions = self._check(batch)
+            passes = self._passes(batch, sessions)
+            outputs: dict[int, StepOutput] = {}
+            done: list[tuple[_Session, int]] = []
+            try:
+                for n, group in enumerate(passes):
+                    items, riders = [batch[i] for i in group], [sessions[i] for i in group]
+                    outputs.update(zip(group, self._pass(items, riders, keep_logits=n < len(passes) - 1),
+                                       strict=True))
+                    done += [(session, item.start_position) for item, session in zip(items, riders, strict=True)]
+            except BaseException:
+                # A later pass failed: the step fails whole, so the passes that ran give their positions back.
+                for session, position in done:
+                    llama_cpp.llama_memory_seq_rm(self._memory, session.seq_id, position, -1)
+                    session.position, session.sampled_row, session.logits = position, -1, None
+                raise
+            self._refresh_kv_bytes()
+            return [outputs[i] for i in range(len(batch))]
 
-    def _step(self, batch: list[StepInput]) -> list[StepOutput]:
-        sessions = self._check(batch)
+    def _passes(self, batch: list[StepInput], sessions: list[_Session]) -> list[list[int]]:
+        """The step's items (indices) by ``llama_decode`` call: all in one (unified cache), or, batch-invariant, each
+        session's alone. Sharing a ubatch changes a row's numbers even with per-sequence streams: CPU_REPACK
+        multiplies 4-row blocks with a gemm and the rest with a gemv, which round differently, and without it a
+        session's logits still moved (by up to 0.84) when three other streams' rows shared its pass (measured;
+        docs/llamacpp-backend.md, "Batch invariance"). deepseek4 also decodes one sequence per pass: its captured
+        and injected stream rows must stay in batch order (``streams``)."""
+        del sessions
+        if not (self.config.batch_invariant or self._streams.one_sequence_per_decode):
+            return [list(range(len(batch)))]
+        return [[i] for i in range(len(batch))]
+
+    def _pass(self, batch: list[StepInput], sessions: list[_Session], *, keep_logits: bool) -> list[StepOutput]:
+        """One ``llama_decode`` of ``batch``; ``keep_logits``: another pass of the step follows, so sampled rows are
+        copied (``last_logits``)."""
         spans = self._fill(batch, sessions)
         if self._capture is not None and self._capture.copies_out:
             self._capture.arm(self._batch.n)
         rc = llama_cpp.llama_decode(self._ctx, self._batch.struct())
+        while rc == 1 and self._evict_parked():  # no room: kept prefixes go, never a running session's KV
+            if self._capture is not None and self._capture.copies_out:
+                self._capture.arm(self._batch.n)
+            rc = llama_cpp.llama_decode(self._ctx, self._batch.struct())
         self._decodes += 1
         if rc != 0:
             self._after_failed_decode(rc, sessions, batch)
         if self._inject:
             assert self._capture is not None
             self._capture.fed()
+        self._copies_pending = False
         outputs = self._collect(batch, sessions, spans)
         for item, session in zip(batch, sessions, strict=True):
             session.position = item.start_position + item.n_positions
+            if keep_logits and session.sampled_row >= 0:
+                session.logits = self._rows(session.sampled_row, session.sampled_row + 1)[0]
         for item, session, output in zip(batch, sessions, outputs, strict=True):
             if item.forks:
                 output.forks = self._fork(session, item.forks)
-        self._refresh_kv_bytes()
         return outputs
+
+    def _flush_copies(self) -> None:
+        """Run the stream copies forks queued, before KV state is read or written: llama.cpp runs them only at the
+        start of a decode, so one row of the (empty) scratch sequence is decoded and dropped again."""
+        if not self._copies_pending:
+            return
+        scratch = self.config.n_seq_max - 1
+        self._batch.clear()
+        hidden = None if self.is_head else np.zeros((1, self._n_embd), dtype=np.float32)
+        self._batch.add(scratch, 0, tokens=[0] if self.is_head else None, hidden=hidden,
+                        output="all" if self._capture is not None else "none")
+        if self._capture is not None:
+            self._capture.arm(1)
+        rc = llama_cpp.llama_decode(self._ctx, self._batch.struct())
+        self._decodes += 1
+        if self._capture is not None and rc == 0:
+            self._capture.take()
+        llama_cpp.llama_memory_seq_rm(self._memory, scratch, -1, -1)
+        if rc != 0:
+            raise BackendError(f"llama_decode failed with status {rc} applying the forks' KV copies")
+        self._copies_pending = False
 
     def _check(self, batch: list[StepInput]) -> list[_Session]:
         if not batch:
@@ -541,7 +706,7 @@ class LlamaCppBackend(HoldsSessions[_Session]):
         outputs = []
         for item, session, (lo, hi) in zip(batch, sessions, spans, strict=True):
             token, logprobs = None, None
-            session.sampled_row = -1
+            session.sampled_row, session.logits = -1, None
             if item.rows:
                 outputs.append(StepOutput(rows=self._rows(lo, hi)))
                 continue
@@ -566,7 +731,10 @@ class LlamaCppBackend(HoldsSessions[_Session]):
         """The logits the session's last sample was drawn from (a copy; valid until the next step). Tail only:
         for diagnostics and tests that need to tell a near-tie from a real divergence."""
         with self._lock:
-            row = self._sessions[session_id].sampled_row
+            session = self._sessions[session_id]
+            if session.logits is not None:
+                return session.logits.copy()
+            row = session.sampled_row
             ptr = llama_cpp.llama_get_logits_ith(self._ctx, row) if row >= 0 else None
             if not ptr:
                 raise BadRequestError(f"session {session_id} sampled nothing in the last step")

@@ -60,18 +60,32 @@ class LlamaCppConfig:
     """Let ggml put weights in its AMX buffer type. Off: on some AMX CPUs the first matrix multiply there crashes
     the process (``actors/backends/llamacpp/cpu_buffers.py``); the CPU_REPACK path stays on either way."""
 
+    batch_invariant: bool = False
+    """A session's tokens do not depend on what else the node computes at the same time: one KV stream per sequence
+    (``kv_unified = false``) and one ``llama_decode`` per session of a step. Off by default: it gives up batching
+    across sessions, about half the aggregate decode rate of 4 streams (docs/llamacpp-backend.md, "Batch
+    invariance"). Off: one unified cache, every step in one ubatch; results move with the batch's shape."""
+
+    resident_prefixes: int = 2
+    """Finished sessions whose KV stays in the context for prefix reuse (``resident``): sequence ids beyond
+    ``max_sessions``. They take no cells of their own: a running session that needs their cells evicts them. Each
+    costs a sliding window of cells in a windowed model's SWA cache (llama.cpp sizes it per sequence)."""
+
     def __post_init__(self) -> None:
         self.model_path = Path(self.model_path)
         self.shard_dir = Path(self.shard_dir) if self.shard_dir is not None else None
         self.native_dir = Path(self.native_dir) if self.native_dir is not None else None
-        if self.n_ctx < 1 or self.max_sessions < 1 or self.n_batch < 1 or self.threads < 0:
-            raise ValueError("n_ctx, max_sessions and n_batch must be positive and threads non-negative")
+        if self.n_ctx < 1 or self.max_sessions < 1 or self.n_batch < 1 or self.threads < 0 \
+                or self.resident_prefixes < 0:
+            raise ValueError("n_ctx, max_sessions and n_batch must be positive and threads and resident_prefixes "
+                             "non-negative")
         if self.n_seq_max > llama_cpp.llama_max_parallel_sequences():
-            raise ValueError(f"max_sessions {self.max_sessions} + 1 exceed llama.cpp's "
+            raise ValueError(f"max_sessions {self.max_sessions} + resident_prefixes {self.resident_prefixes} + 1 "
+                             f"exceed llama.cpp's "
                              f"{llama_cpp.llama_max_parallel_sequences()} sequences")
 
     @property
     def n_seq_max(self) -> int:
-        """Sequences of the context: one per session, and the scratch sequence KV segments are exported and
-        imported through (issue #18)."""
-        return self.max_sessions + 1
+        """Sequences of the context: one per session, one per resident prefix (issue #26), and the scratch
+        sequence KV segments are exported and imported through (issue #18)."""
+        return self.max_sessions + self.resident_prefixes + 1

@@ -23,6 +23,11 @@ refused with ``SnapshotError`` (a snapshot chain then restarts from position 0).
 rollback ring (``n_rs_seq``) as deep as a verify window, so speculation's rejected positions can be dropped; a
 deeper cut (prefix reuse of a shorter prefix) is refused with ``SnapshotError``.
 
+Per-sequence streams (``streams=True``, the batch-invariant layout): none of the above tagging works across
+streams, so a range is cut out of the sequence's whole state and an import merges the sequence's cells with the
+imported ones (``kv_format``); a piece is one stream-free ``kv_format.pack``, and a windowed layer's cells older
+than the window of the highest position are dropped on import (they are masked, and would not fit its stream).
+
 Not thread-safe: the backend calls these under its lock, on its worker thread.
 """
 
@@ -33,7 +38,9 @@ import struct
 from typing import Any
 
 import llama_cpp
+import numpy as np
 
+from actors.backends.llamacpp import kv_format
 from schemas.errors import BackendError, SnapshotError
 
 _PIECES = struct.Struct("<I")
@@ -63,7 +70,8 @@ def _pieces(blob: bytes) -> list[bytes]:
 class KvCells:
     """The KV operations on one context's unified cache, with ``scratch`` a sequence id no session uses."""
 
-    def __init__(self, ctx: Any, memory: Any, scratch: int, n_swa: int, *, whole_sequences: bool = False) -> None:
+    def __init__(self, ctx: Any, memory: Any, scratch: int, n_swa: int, streams: bool = False,
+                 swa_cells: int = 0, *, whole_sequences: bool = False) -> None:
         self._ctx = ctx
         self._memory = memory
         self._scratch = scratch
@@ -71,6 +79,10 @@ class KvCells:
         """Sliding window of the model's windowed layers; 0 when it has none."""
         self.whole_sequences = whole_sequences
         """The cache moves only whole sequences (deepseek4; see the module docstring)."""
+        self.streams = streams
+        """One KV stream per sequence (``kv_unified = false``); the context has ``scratch + 1`` of them."""
+        self.swa_cells = swa_cells
+        """With streams: cells of a windowed layer's stream (a ring its positions go round)."""
 
     def export_whole(self, seq: int, start: int, end: int, held: int) -> bytes:
         """``export`` for a cache that moves whole sequences: ``[0, held)`` only."""
@@ -102,6 +114,11 @@ class KvCells:
         """llama.cpp's serialized state of positions ``[start, end)`` of sequence ``seq``, in pieces of at most one
         window: a piece holds every cell of its positions that the sequence still has, so an import rebuilds the
         same cells in the same order, and a session rebuilt on an idle node computes what the original did."""
+        if self.streams:
+            cells = [None if c is None else c.select((c.positions >= start) & (c.positions < end))
+                     for c in self._sections(seq, self._state(seq))]
+            piece = kv_format.pack(cells)
+            return _PIECES.pack(1) + _PIECE.pack(len(piece)) + piece
         step = min(self.n_swa, end - start) if self.n_swa else end - start
         pieces = [self._export_piece(seq, a, min(a + step, end)) for a in range(start, end, step)]
         return _PIECES.pack(len(pieces)) + b"".join(_PIECE.pack(len(p)) + p for p in pieces)
@@ -125,6 +142,80 @@ class KvCells:
         (another model's or layer range's state, or no room in the cache)."""
         for piece in _pieces(blob):
             self._load_piece(seq, piece)
+
+    def load_all(self, seq: int, blobs: list[bytes]) -> None:
+        """``load`` every blob, in order (with streams, one restore of the merged cells)."""
+        if not self.streams:
+            for blob in blobs:
+                self.load(seq, blob)
+            return
+        before = self._state(seq)
+        current = self._sections(seq, before)
+        pieces = [kv_format.unpack(p) for blob in blobs for p in _pieces(blob)]
+        if any(len(p) != len(current) for p in pieces):
+            raise SnapshotError("KV state of another model or layer range (its caches differ)")
+        merged = [kv_format.merge([cells, *(p[i] for p in pieces)]) for i, cells in enumerate(current)]
+        if self.n_swa and merged[-1] is not None:
+            pos = merged[-1].positions
+            merged[-1] = merged[-1].select(pos > pos.max() - self.n_swa)
+            if len(merged) > 1 and self.swa_cells:
+                merged[-1] = self._in_place(merged[-1])
+        for cells in merged:
+            if cells is not None and np.unique(cells.positions).size != cells.n:
+                raise SnapshotError("KV pieces that overlap (a position imported twice)")
+        n_stream = self._scratch + 1
+        body = b"".join(kv_format.stream_bytes(c, n_stream, seq) for c in merged)
+        self._restore(seq, before[:kv_format.HEADER] + body, before)
+
+    def _in_place(self, cells: kv_format.Cells) -> kv_format.Cells:
+        """A windowed stream's cells in the order that restores each at the cell it had: a session's position ``p``
+        sits at cell ``p % swa_cells`` (each pass takes the cells after the last one, round the ring, and those
+        hold positions out of the window), and a restore fills the stream from cell 0 in order. Cells before the
+        window's first get placeholders at positions every later query masks. The order of the cells in a stream
+        is the order attention sums them in, so a session rebuilt so computes what the original did."""
+        pos = cells.positions.astype(np.int64)
+        ring, first = self.swa_cells, int(pos.min())
+        if len(pos) >= ring or int(pos.max()) - first + 1 != len(pos):
+            return cells  # not one run of positions: restored packed (close, not bit for bit)
+        slots = pos % ring
+        top = int(slots.max())
+        gaps = np.setdiff1d(np.arange(top + 1), slots)
+        filler = gaps + ring * ((first - 1 - gaps) // ring)  # the latest position before ``first`` at that cell
+        if len(gaps) and int(filler.min()) < 0:
+            return cells
+        both = kv_format.merge([cells.blank(filler), cells]) if len(gaps) else cells
+        assert both is not None
+        order = np.argsort(np.concatenate([gaps, slots]) if len(gaps) else slots, kind="stable")
+        return both.select(order)
+
+    def _state(self, seq: int) -> bytes:
+        size = int(llama_cpp.llama_state_seq_get_size(self._ctx, seq))
+        buf = (ctypes.c_uint8 * size)()
+        written = int(llama_cpp.llama_state_seq_get_data(self._ctx, buf, size, seq))
+        if written != size:
+            raise BackendError(f"llama.cpp wrote {written} of {size} bytes of state for sequence {seq}")
+        return bytes(buf)
+
+    def _sections(self, seq: int, state: bytes) -> list[kv_format.Cells | None]:
+        """Each cache's cells of ``seq``, whose whole state is ``state``."""
+        partial = int(llama_cpp.llama_state_seq_get_size_ext(self._ctx, seq,
+                                                             llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY))
+        sections = []
+        head = kv_format.HEADER
+        for section in kv_format.split_sections(state[head:], partial - head):
+            n_stream, cells = kv_format.stream_cells(section)
+            if n_stream != self._scratch + 1:
+                raise BackendError(f"llama.cpp wrote {n_stream} KV streams, the context has {self._scratch + 1}")
+            sections.append(cells)
+        return sections
+
+    def _restore(self, seq: int, data: bytes, before: bytes) -> None:
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if int(llama_cpp.llama_state_seq_set_data(self._ctx, buf, len(data), seq)) != len(data):
+            back = (ctypes.c_uint8 * len(before)).from_buffer_copy(before)
+            llama_cpp.llama_state_seq_set_data(self._ctx, back, len(before), seq)
+            raise SnapshotError("llama.cpp refused the KV state (another model or layer range, or a stream "
+                                "without room for it)")
 
     def _load_piece(self, seq: int, blob: bytes) -> None:
         scratch = self._scratch
