@@ -26,6 +26,7 @@ from schemas.errors import SwarmrouteError
 from schemas.settings import Settings
 from swarmroute.backends import DEFAULT_SESSIONS
 from swarmroute.foreground import BACKEND_CRASHED, drain_node, make_node, node_backend, node_id, start_node, stop_event
+from swarmroute.launcher import slug
 from swarmroute.seeder import torrent_host, upload_limit
 
 if TYPE_CHECKING:
@@ -115,6 +116,8 @@ async def _serve(args: argparse.Namespace, settings: Settings) -> int:
         except FetchCancelled:
             return 0
         args.model, args.layers, args.model_id = got.manifest.model_id, (got.start, got.end), None
+        # The operator's names, those the swarm serves the model under, and the name `up` gives it (its slug).
+        args.alias = list(dict.fromkeys([*got.aliases, slug(got.manifest.name or got.manifest.architecture)]))
         # the shard is loaded exactly as a local file is: verified in the store, proven in a child first
         built = await asyncio.to_thread(node_backend, args, settings)
         if built is None:
