@@ -8,9 +8,11 @@ Pieces that fail their SHA-1 are discarded and requested again by libtorrent; th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import ipaddress
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterable
@@ -57,9 +59,16 @@ class SwarmConfig:
     upload_limit: int = 0
     """Bytes/s per torrent, 0 for none."""
 
+    nice: int = 0
+    """Niceness of libtorrent's threads (0-19): a node that serves a model seeds at a lower CPU priority than its
+    decoding, so the pieces it uploads take only the CPU its sessions leave (tests/bench/bench_seed_while_serving.py).
+    """
+
     def __post_init__(self) -> None:
         if not is_private_address(self.listen_host):
             raise BadRequestError(f"torrent listen address {self.listen_host} is not loopback or private")
+        if not 0 <= self.nice <= 19:
+            raise BadRequestError(f"torrent thread niceness {self.nice} is not within 0-19")
 
 
 def _ip_filter() -> lt.ip_filter:
@@ -181,6 +190,31 @@ class TorrentJob:
         return True
 
 
+def _new_session(params: lt.session_params, nice: int) -> lt.session:
+    """A libtorrent session whose threads run at niceness ``nice``. Linux keeps a niceness per thread and a new
+    thread inherits its creator's: the session is built on a thread of our own that lowered its priority first, so
+    libtorrent's network thread, and the disk and hashing threads it starts later, all run below the caller's."""
+    if nice <= 0:
+        return lt.session(params)
+    made: list[lt.session] = []
+    failed: list[BaseException] = []
+
+    def build() -> None:
+        try:
+            with contextlib.suppress(OSError):  # no per-thread priority here: the session runs at the caller's
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+            made.append(lt.session(params))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread below
+            failed.append(exc)
+
+    builder = threading.Thread(target=build, name="torrent-session", daemon=True)
+    builder.start()
+    builder.join()
+    if failed:
+        raise failed[0]
+    return made[0]
+
+
 class TorrentSession:
     """One libtorrent session per process; thread-safe enough for one driver thread plus status readers."""
 
@@ -188,7 +222,7 @@ class TorrentSession:
         self.config = config or SwarmConfig()
         params = lt.session_params()
         params.settings = self._settings()  # type: ignore[assignment]  # the binding takes a plain dict
-        self._session = lt.session(params)
+        self._session = _new_session(params, self.config.nice)
         self._session.set_ip_filter(_ip_filter())
         self._jobs: dict[str, TorrentJob] = {}
         self._lock = threading.RLock()

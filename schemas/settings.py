@@ -151,6 +151,12 @@ class Settings(BaseSettings):
     member_name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]+$")
     """This process's name in its fleet (a node's is its node id): shown by $SRV discovery and ``fleet status``."""
 
+    seed_upload_limit: int = Field(default=0, ge=0)
+    """Bytes/s at most that each holder of a model's pieces (a node serving it from a local file or a fetched
+    range, a seeder) uploads them to nodes joining with the model's id; 0 for no limit. A serving node seeds at a
+    lower CPU priority than it decodes either way (docs/operations.md, "Every holder seeds"); ``--upload-limit``
+    overrides it per process."""
+
     drain_timeout_s: float = Field(default=30.0, ge=0)
     """On SIGTERM a node stops advertising and waits this long for its open sessions to finish before it stops
     (keep the container's grace period longer)."""

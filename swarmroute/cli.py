@@ -9,7 +9,7 @@ import signal
 import sys
 from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from schemas.settings import Settings
 from swarmroute import argtypes, artifact_commands, fleet, plan_command, provision, seeder
@@ -22,6 +22,9 @@ from swarmroute.foreground import (
     serve_until_signal,
     start_node,
 )
+
+if TYPE_CHECKING:
+    from actors.provisioning.holder import Holder
 
 T = TypeVar("T")
 
@@ -87,13 +90,21 @@ def cmd_node(args: argparse.Namespace) -> int:
         return BACKEND_CRASHED
     backend, identity = built
     node = make_node(args, settings, backend, identity, name=node_id(args))
+    holders: list[Holder | None] = []
+
+    async def start() -> None:
+        await start_node(node)
+        holders.append(await seeder.hold_served(args, settings, node))  # it seeds what it holds, in the background
 
     async def stop() -> None:
         await drain_node(node, settings)
+        for holder in holders:
+            if holder is not None:
+                await holder.stop()
         await node.stop()
 
     try:
-        _run(serve_until_signal(lambda: start_node(node), stop))
+        _run(serve_until_signal(start, stop))
     finally:
         backend.close()
     return 0
@@ -207,13 +218,15 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--draft-model", type=Path, default=None,
                       help="head: a small GGUF with the model's vocabulary to draft tokens for speculative sessions "
                            "(with SWARMROUTE_SPECULATION=model on the gateway)")
-    swarm = node.add_argument_group("joining from the swarm (--model-id SHA256, no --model)")
+    swarm = node.add_argument_group("the artifact swarm (a GGUF node seeds what it holds; with --model-id SHA256 "
+                                    "and no --model it fetches its layers first)")
     swarm.add_argument("--memory", type=argtypes.size, default=None,
                        help="memory to give the model, weights + KV (e.g. 24GB, 512MiB): the tracker sizes the "
                             "assigned range by it (default: what the machine has available)")
     swarm.add_argument("--manifest-id", help="accept only the manifest with this id (pinning)")
     swarm.add_argument("--torrent-host", help="address to seed from (default: --host when private, else loopback)")
     swarm.add_argument("--torrent-port", type=argtypes.port, default=0, help="torrent listen port (0: any free)")
+    seeder.add_upload_limit(swarm)
     _fleet_member(node)
     node.set_defaults(func=cmd_node)
 

@@ -26,6 +26,8 @@ from schemas.errors import SwarmrouteError
 from schemas.settings import Settings
 from swarmroute.backends import DEFAULT_SESSIONS
 from swarmroute.foreground import BACKEND_CRASHED, drain_node, make_node, node_backend, node_id, start_node, stop_event
+from swarmroute.launcher import slug
+from swarmroute.seeder import torrent_host, upload_limit
 
 if TYPE_CHECKING:
     from actors.backend import Backend
@@ -65,16 +67,6 @@ def _default_context() -> int:
     return default
 
 
-def _torrent_host(args: argparse.Namespace, settings: Settings) -> str:
-    """Where the node seeds: ``--torrent-host``, else its own listen address when that is loopback/private."""
-    from artifacts.torrent import is_private_address
-
-    if args.torrent_host:
-        return str(args.torrent_host)
-    host = args.host or settings.bind_host
-    return host if is_private_address(host) else "127.0.0.1"
-
-
 def run_node(args: argparse.Namespace, settings: Settings, runner: Callable[[Awaitable[int]], int]) -> int:
     try:
         return runner(_serve(args, settings))
@@ -84,15 +76,18 @@ def run_node(args: argparse.Namespace, settings: Settings, runner: Callable[[Awa
 
 
 async def _serve(args: argparse.Namespace, settings: Settings) -> int:
+    from actors.provisioning.holder import torrent_config
     from actors.provisioning.provisioner import ProvisionConfig, Provisioner
     from artifacts.progress import ProgressPrinter
-    from artifacts.torrent import SwarmConfig, TorrentSession
+    from artifacts.torrent import TorrentSession
     from schemas.errors import FetchCancelled
 
     name = node_id(args)
     memory = args.memory or available_memory()
     context = args.ctx or _default_context()
-    session = TorrentSession(SwarmConfig(listen_host=_torrent_host(args, settings), listen_port=args.torrent_port))
+    # It seeds what it holds from the first piece on, within the upload limit, below its decoding's CPU priority.
+    session = TorrentSession(torrent_config(settings, torrent_host(args, settings), args.torrent_port,
+                                            upload_limit(args, settings)))
     config = ProvisionConfig(node_id=name, model_id=args.model_id, memory_bytes=memory,
                              manifest_id=args.manifest_id, layers=args.layers,
                              max_sessions=args.max_sessions or DEFAULT_SESSIONS,
@@ -121,6 +116,8 @@ async def _serve(args: argparse.Namespace, settings: Settings) -> int:
         except FetchCancelled:
             return 0
         args.model, args.layers, args.model_id = got.manifest.model_id, (got.start, got.end), None
+        # The operator's names, those the swarm serves the model under, and the name `up` gives it (its slug).
+        args.alias = list(dict.fromkeys([*got.aliases, slug(got.manifest.name or got.manifest.architecture)]))
         # the shard is loaded exactly as a local file is: verified in the store, proven in a child first
         built = await asyncio.to_thread(node_backend, args, settings)
         if built is None:

@@ -3,6 +3,9 @@ only ``--model-id`` can fetch their layers from it. ``MODEL`` is a GGUF path (ha
 second copy where the filesystem allows), ``bundled`` for the bundled Gemma 3 270M, or a model id already in the
 store. It verifies what it holds, seeds exactly the verified ranges and answers manifest requests until SIGTERM;
 it is a NATS micro service (role ``seeder``), so ``fleet status`` sees it.
+
+Every other holder seeds too: a node serving a GGUF from its store (``hold_served``, below) and a node that
+fetched its range (``swarmroute.provision``), each within ``--upload-limit`` (else ``Settings.seed_upload_limit``).
 """
 
 from __future__ import annotations
@@ -10,15 +13,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from schemas.errors import SwarmrouteError
 from schemas.settings import Settings
 from swarmroute import argtypes, artifact_commands
 from swarmroute.foreground import stop_event
 
+if TYPE_CHECKING:
+    from actors.node import Node
+    from actors.provisioning.holder import Holder
+
 BUNDLED = "bundled"
+log = logging.getLogger("swarmroute")
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
@@ -28,9 +38,54 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
     p.add_argument("--listen-host", default=None, help="torrent listen address, loopback or private "
                                                        "(default: the bind host)")
     p.add_argument("--listen-port", type=argtypes.port, default=0, help="torrent listen port (0: any free port)")
-    p.add_argument("--upload-limit", type=argtypes.at_least(0), default=0, help="bytes/s, 0 for unlimited")
+    add_upload_limit(p)
     artifact_commands.add_unproven_option(p)  # shards in its store are verified (and repaired) under it
     return p
+
+
+def add_upload_limit(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    p.add_argument("--upload-limit", type=argtypes.at_least(0), default=None,
+                   help="bytes/s this process seeds the model's pieces at most, 0 for unlimited (default: "
+                        "SWARMROUTE_SEED_UPLOAD_LIMIT, unlimited unless set)")
+
+
+def upload_limit(args: argparse.Namespace, settings: Settings) -> int:
+    limit = getattr(args, "upload_limit", None)
+    return settings.seed_upload_limit if limit is None else int(limit)
+
+
+def torrent_host(args: argparse.Namespace, settings: Settings) -> str:
+    """Where a node seeds: ``--torrent-host``, else its own listen address when that is loopback/private."""
+    from artifacts.torrent import is_private_address
+
+    if args.torrent_host:
+        return str(args.torrent_host)
+    host = args.host or settings.bind_host
+    return host if is_private_address(host) else "127.0.0.1"
+
+
+async def hold_served(args: argparse.Namespace, settings: Settings, node: Node) -> Holder | None:
+    """A started node serving a GGUF artifact from its store answers manifest requests for the model and seeds its
+    pieces (``actors.provisioning.holder``), on the node's connection. None for a backend without an artifact (stub,
+    torch) or when the torrent session cannot start (said in the log: serving goes on)."""
+    from actors.provisioning.holder import Holder, HolderConfig, torrent_config
+
+    if not node.config.manifest_id:
+        return None
+    layers = node.backend.layers
+    config = HolderConfig(node_id=node.config.node_id, model_id=node.config.model_id,
+                          served=(layers.start, layers.end),
+                          torrent=torrent_config(settings, torrent_host(args, settings), args.torrent_port,
+                                                 upload_limit(args, settings)),
+                          allow_unproven=args.allow_unproven_architecture)
+    holder = Holder(config, settings, nc=node.nc)
+    try:
+        return await holder.start()
+    except (SwarmrouteError, OSError) as exc:
+        log.warning("node %s does not seed model %s: %s", node.config.node_id, node.config.model_id[:12],
+                    getattr(exc, "message", exc))
+        await holder.stop()
+        return None
 
 
 def cmd_seeder(args: argparse.Namespace, settings: Settings) -> int:
@@ -64,7 +119,8 @@ async def _seed(args: argparse.Namespace, settings: Settings) -> int:
     model_id = await asyncio.to_thread(_model_id, args.model, settings)
     name = args.node_id or settings.member_name or f"seeder-{model_id[:8]}"
     session = TorrentSession(SwarmConfig(listen_host=args.listen_host or settings.bind_host,
-                                         listen_port=args.listen_port, upload_limit=args.upload_limit))
+                                         listen_port=args.listen_port,
+                                         upload_limit=upload_limit(args, settings)))
     stop = stop_event()
     sync = ArtifactSync(settings, Store(settings.home), session,
                         SyncConfig(node_id=name, allow_unproven=args.allow_unproven_architecture), name=name)

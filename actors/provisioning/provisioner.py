@@ -27,7 +27,7 @@ from nats.aio.client import Client as NATS
 
 from actors.provisioning.artifact_sync import ArtifactSync, SyncConfig
 from actors.provisioning.leases import LeaseKeeper, Leases, lease_key, open_leases
-from actors.registry import open_registry
+from actors.registry import RegistrySnapshot, open_registry, registry_snapshot
 from artifacts.fetch import FetchOptions
 from artifacts.store import Store
 from artifacts.torrent import TorrentSession
@@ -41,6 +41,7 @@ from schemas.errors import NotFoundError, SwarmrouteError
 from schemas.manifest import ModelManifest
 from schemas.node import (
     NODE_FETCHING,
+    NODE_SERVING,
     AllLayers,
     BackendInfo,
     Capacity,
@@ -58,6 +59,8 @@ ASSIGNMENT_FILE = ".assignment"
 RETRY_STATUSES = {404, 500, 501, 503}
 """Assignment refusals worth asking again: no manifest reachable yet, a tracker that failed on the way (NATS,
 JetStream), a tracker without artifact support (another may have it), lost lease races, no tracker answering."""
+ALIAS_LOOKUP_S = 2.0
+"""Longest a joining node reads the registry for the names the swarm serves its model under."""
 ASSIGN_TIMEOUT_S = 30.0
 """How long one assignment request waits (the tracker may fetch the manifest from the swarm first)."""
 
@@ -94,7 +97,8 @@ class ProvisionConfig:
     """Accept cuts of an architecture the shard matrix has not proven."""
 
     aliases: tuple[str, ...] = ()
-    """Other names of the model, shown while fetching."""
+    """Other names of the model (the operator's), shown while fetching; the names the swarm's serving nodes give
+    the model are added to them (``Provisioner.aliases``)."""
 
     retry_s: float = 2.0
     """How long to wait before asking again for a manifest nobody offered or an assignment nobody gave."""
@@ -114,6 +118,8 @@ class Provisioned:
     """The fetch's last progress: bytes downloaded, hash failures, banned peers."""
     assignment: AssignmentReply | None
     """The tracker's answer (None for an explicit range)."""
+    aliases: tuple[str, ...] = ()
+    """The names to serve the model under: the operator's, then those the swarm's serving nodes use."""
 
 
 class Provisioner(NatsActor):
@@ -133,6 +139,8 @@ class Provisioner(NatsActor):
         self.phase = "starting"
         self.layers: tuple[int, int] | None = None
         self.manifest: ModelManifest | None = None
+        self.aliases: tuple[str, ...] = config.aliases
+        """The operator's names for the model, then the names the swarm already serves it under."""
         self._presence: asyncio.Task[None] | None = None
         self._advertised = False
 
@@ -151,6 +159,7 @@ class Provisioner(NatsActor):
         assert self.sync is not None
         manifest = self.manifest = await self.learn_manifest()
         await self.sync.hold(manifest)  # answer manifest requests and announce ourselves (we seed what we hold)
+        self.aliases = await self._swarm_aliases(manifest)
         reply = await self.take_range(manifest)
         start, end = self.layers = self._range(manifest, reply)
         self._remember(manifest, start, end)
@@ -164,7 +173,24 @@ class Provisioner(NatsActor):
                  "banned peers: %s", start, end, manifest.model_id[:12], result.progress.bytes_downloaded,
                  result.progress.bytes_needed, result.progress.bytes_downloaded / max(1, result.progress.bytes_needed),
                  result.progress.hash_failures, ", ".join(result.progress.banned_peers) or "none")
-        return Provisioned(manifest, start, end, result.shard, result.progress, reply)
+        return Provisioned(manifest, start, end, result.shard, result.progress, reply, self.aliases)
+
+    async def _swarm_aliases(self, manifest: ModelManifest) -> tuple[str, ...]:
+        """The operator's aliases, then every name the verified serving nodes of this very manifest give the model
+        (e.g. ``gemma-3-270m`` from ``swarmroute up``): a node joining with only the content id is routed to under
+        the names clients already use. A registry this node may not read (NATS roles) adds none."""
+        snapshot = RegistrySnapshot({}, {})
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(ALIAS_LOOKUP_S):
+                snapshot = await registry_snapshot(self.nc, self.subjects)
+        names = [name for advert in snapshot.adverts.values()
+                 if advert.model_id == manifest.model_id and advert.manifest_id == manifest.manifest_id
+                 and advert.state == NODE_SERVING and advert.verified for name in advert.aliases]
+        adopted = tuple(dict.fromkeys(n for n in [*self.config.aliases, *names] if n != manifest.model_id))
+        if adopted != self.config.aliases:
+            log.info("serving model %s also as %s (the names the swarm serves it under)", manifest.model_id[:12],
+                     ", ".join(adopted))
+        return adopted
 
     async def learn_manifest(self) -> ModelManifest:
         assert self.sync is not None
@@ -298,7 +324,7 @@ class Provisioner(NatsActor):
                                  layers=LayerRange(start=layers[0], end=layers[1]), is_head=layers[0] == 0,
                                  is_tail=layers[1] == manifest.n_layers, backend=info,
                                  capacity=Capacity(max_sessions=self.config.max_sessions, max_context=context),
-                                 verified=False, manifest_id=manifest.manifest_id, aliases=list(self.config.aliases),
+                                 verified=False, manifest_id=manifest.manifest_id, aliases=list(self.aliases),
                                  state=NODE_FETCHING, fetch=summary)
 
     async def _presence_loop(self) -> None:
