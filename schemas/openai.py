@@ -281,6 +281,8 @@ class _GenerationRequest(RequestBody):
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     repeat_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
     ignore_eos: bool = False
+    # swarmroute extension (issue #31): this request's tokens do not depend on what else the route computes.
+    batch_invariant: bool = False
     # OpenAI parameters that change nothing about the reply: accepted, checked, ignored.
     user: str | None = None
     store: bool | None = None
