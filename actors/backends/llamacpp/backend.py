@@ -3,15 +3,17 @@
 One model, one context shared by every session. Each session owns a llama.cpp sequence id (its KV cells).
 ``n_ctx`` is per session: the backend stops any session at ``n_ctx`` positions.
 
-Batch invariance (``LlamaCppConfig.batch_invariant``): every sequence has its own KV stream (``kv_unified =
-false``), so a session's cells sit where its own history put them and its attention reads only them, and a step
-runs one ``llama_decode`` per session: what a row computes in ggml's CPU kernels depends on the rows beside it in
-the ubatch (``_passes``), so no other session's rows ever are. A session's logits are then bit-identical alone or
-batched. Forks copy the source's stream (``llama_memory_seq_cp`` across streams copies buffers at the start of the
-next decode; a KV export or import before that runs a one-row decode of the scratch sequence first,
-``_flush_copies``). Without it, the KV cache is unified and a step is a single ``llama_decode`` over one ubatch
-(prefill chunks of one session beside decode positions of others); where a session's cells land in the shared
-cache, and with them the order its attention sums in, then depends on the other sessions (docs/llamacpp-backend.md).
+Batch invariance (``LlamaCppConfig.batch_invariant``: ``request`` for the sessions whose sampling asks, or
+``all``): every sequence has its own KV stream (``kv_unified = false``), so a session's cells sit where its own
+history put them and its attention reads only them, and a step runs each invariant session in passes of its own
+(the others share one): what a row computes in ggml's CPU kernels depends on the rows beside it in the ubatch
+(``_passes``), so no other session's rows ever are, and its positions past the prompt one row per pass (``_apart``).
+An invariant session's logits are then bit-identical alone or batched, in verify windows or not. Forks copy the
+source's stream (``llama_memory_seq_cp`` across streams copies buffers at the start of the next decode; a KV
+export or import before that runs a one-row decode of the scratch sequence first, ``_flush_copies``). Without it
+(``off``), the KV cache is unified and a step is a single ``llama_decode`` over one ubatch (prefill chunks of one
+session beside decode positions of others); where a session's cells land in the shared cache, and with them the
+order its attention sums in, then depends on the other sessions (docs/llamacpp-backend.md).
 
 Layer ranges: a shard GGUF (``artifacts.shard``) holds layers ``[start, end)`` renumbered from 0. The head looks
 tokens up itself; every other hop is fed the previous hop's hidden states through ``llama_batch.embd``. A non-tail
