@@ -222,7 +222,7 @@ async def _complete(swarm: Swarm, model: str, prompt: str, max_tokens: int, *, i
                     **kw: Any) -> str:
     """The completion's text. Verdicts of a loaded machine (load averages of 12-20 on 2 cores here) are
     retried, as nothing was compared yet: a route not complete (a node's heartbeat late: 503, or every node's: 404
-    "no live node serves", seen at a load average of 20) and a liveness probe
+    "no live node serves", seen at a load average of 20; the tracker itself late: 503) and a liveness probe
     that found the head not yet holding a session it was still opening (502 "no longer holds the session", seen
     once with 8 sessions in flight). Anything else fails the test."""
 
@@ -235,6 +235,7 @@ async def _complete(swarm: Swarm, model: str, prompt: str, max_tokens: int, *, i
         except (openai.InternalServerError, openai.NotFoundError) as e:
             if (e.status_code == 503 and "no full route" in str(e)) or \
                     (e.status_code == 404 and "no live node serves" in str(e)) or \
+                    (e.status_code == 503 and "no tracker answered" in str(e)) or \
                     (e.status_code == 502 and "no longer holds the session" in str(e)):
                 print(f"retried: {e}")
                 return ""
