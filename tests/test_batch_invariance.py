@@ -279,10 +279,21 @@ async def gemma(module_nats: EmbeddedNats, gemma_path: Path,
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def gemma_request(module_nats: EmbeddedNats, gemma_path: Path,
                         tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Swarm]:
-    """Nodes started with ``llama_batch_invariant=request`` that also decode in verify windows (ngram drafts)."""
+    """Nodes started with ``llama_batch_invariant=request``."""
     pytest.importorskip("llama_cpp")
     async with gemma_route(module_nats.url, gemma_path, tmp_path_factory.mktemp("invreq"),
                            namespace="invariance-request", max_sessions=8, threads=1, n_ctx=256,
+                           batch_invariant="request", prefix_cache_mb=0, prefill_chunk=8, **LOADED) as swarm:
+        yield swarm
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def gemma_speculating(module_nats: EmbeddedNats, gemma_path: Path,
+                            tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Swarm]:
+    """Nodes started with ``llama_batch_invariant=request`` that decode in verify windows (ngram drafts)."""
+    pytest.importorskip("llama_cpp")
+    async with gemma_route(module_nats.url, gemma_path, tmp_path_factory.mktemp("invspec"),
+                           namespace="invariance-spec", max_sessions=2, threads=1, n_ctx=256,
                            batch_invariant="request", prefix_cache_mb=0, prefill_chunk=8, speculation="ngram",
                            speculative_windows=2, **LOADED) as swarm:
         yield swarm
@@ -307,18 +318,18 @@ SPECULATED = [
 
 
 @on_module_loop
-async def test_greedy_speculation_under_invariance_is_plain_greedy(gemma: Swarm, gemma_request: Swarm) -> None:
+async def test_greedy_speculation_under_invariance_is_plain_greedy(gemma: Swarm, gemma_speculating: Swarm) -> None:
     """A verify window of an invariant session computes its positions one row per pass, so speculative greedy
-    (``gemma_request``: ngram drafts, the request asks for invariance) gives exactly plain greedy's text (``gemma``:
-    no speculation, every session invariant), here with another request in flight on each route."""
+    (``gemma_speculating``: ngram drafts, the request asks for invariance) gives exactly plain greedy's text
+    (``gemma``: no speculation, every session invariant), here with another request in flight on each route."""
     drafts = 0
     for prompt in SPECULATED:
         busy = [asyncio.create_task(_complete(s, "gemma", OTHERS[0], 64, temperature=0))
-                for s in (gemma, gemma_request)]
+                for s in (gemma, gemma_speculating)]
         await asyncio.sleep(0.05)
         try:
             plain = await _complete(gemma, "gemma", prompt, 40, temperature=0)
-            reply = await _client(gemma_request).completions.create(
+            reply = await _client(gemma_speculating).completions.create(
                 model="gemma", prompt=prompt, max_tokens=40, temperature=0,
                 extra_body={"ignore_eos": True, "batch_invariant": True})
         finally:
