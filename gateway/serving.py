@@ -64,7 +64,8 @@ def refuse_unsupported(req: BaseModel) -> None:
 def _sampling(req: _GenerationRequest, logprobs: int | None) -> SamplingParams:
     return SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                           seed=req.seed, repeat_penalty=req.repeat_penalty, presence_penalty=req.presence_penalty,
-                          frequency_penalty=req.frequency_penalty, logprobs=logprobs)
+                          frequency_penalty=req.frequency_penalty, logprobs=logprobs,
+                          batch_invariant=req.batch_invariant)
 
 
 def constrain_hook(kind: FormatKind, schema: dict[str, Any] | None, tools: ToolSet | None) -> Constrain | None:

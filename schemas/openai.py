@@ -287,6 +287,8 @@ class _GenerationRequest(RequestBody):
     ignore_eos: bool = False
     timings_per_token: bool = Field(default=False, description="llama-server's: llama.cpp-style ``timings`` on "
                                     "every streamed chunk, not only the last")
+    # swarmroute extension (issue #31): this request's tokens do not depend on what else the route computes.
+    batch_invariant: bool = False
     # OpenAI parameters that change nothing about the reply: accepted, checked, ignored.
     user: str | None = None
     store: bool | None = None

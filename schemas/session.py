@@ -84,6 +84,10 @@ class SamplingParams(WireModel):
         description="None: no logprobs; 0: the sampled token's only; N: also the N most likely tokens")
     constraint: OutputConstraint | None = Field(
         default=None, exclude_if=_none, description="what the tail's grammar sampler enforces")
+    batch_invariant: bool = Field(
+        default=False, exclude_if=lambda v: not v,
+        description="issue #31: every hop computes this session's rows in passes of their own, so its tokens do "
+                    "not depend on what else the route computes (a node that cannot refuses the open)")
 
     @field_validator("seed")
     @classmethod

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas.reasoning import ReasoningFormat
@@ -12,6 +13,10 @@ from schemas.reasoning import ReasoningFormat
 
 def _default_home() -> Path:
     return Path.home() / ".cache" / "swarmroute"
+
+
+BatchInvariance = Literal["off", "request", "all"]
+"""``Settings.llama_batch_invariant``."""
 
 
 class Settings(BaseSettings):
@@ -87,11 +92,23 @@ class Settings(BaseSettings):
     """Let llama.cpp put weights in ggml's AMX buffer type on CPUs that have AMX. Off by default: on some of them
     the first matrix multiply there crashes the node (docs/llamacpp-backend.md); CPU_REPACK stays on either way."""
 
-    llama_batch_invariant: bool = False
-    """llama.cpp nodes keep one KV stream per session and compute each session in a pass of its own, so a greedy or
-    seeded session's tokens do not depend on what else the node computes at the same time. Off by default: it costs
-    about half the aggregate decode rate of 4 concurrent streams (docs/llamacpp-backend.md, "Batch invariance").
-    Every node of a route should agree: KV snapshots and reuse move only between nodes of the same setting."""
+    llama_batch_invariant: BatchInvariance = "off"
+    """Which sessions' tokens on llama.cpp nodes do not depend on what else the node computes at the same time
+    (issue #31): ``off`` (none: one unified KV cache, every step one batched pass), ``request`` (the requests that
+    ask, with ``batch_invariant: true``; the node keeps one KV stream per sequence so that it can, and batches the
+    rest) or ``all`` (``true``/``1`` also mean all). Each invariant session is computed in passes of its own: 4
+    concurrent streams all invariant decode at about 0.6x the aggregate rate (docs/llamacpp-backend.md, "Batch
+    invariance"), so it is off by default. On an ``off`` node a request that asks is refused (400). Every node of a
+    route should agree: KV snapshots and reuse move only between nodes with per-sequence streams or only between
+    nodes without."""
+
+    @field_validator("llama_batch_invariant", mode="before")
+    @classmethod
+    def _invariance_words(cls, v: object) -> object:
+        words = {"true": "all", "1": "all", "yes": "all", "false": "off", "0": "off", "no": "off"}
+        if isinstance(v, bool):
+            return "all" if v else "off"
+        return words.get(v.strip().lower(), v.strip().lower()) if isinstance(v, str) else v
 
     prefill_chunk: int = Field(default=256, ge=1, le=8192)
     """Prompt tokens per prefill frame."""

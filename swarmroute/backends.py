@@ -128,7 +128,10 @@ def sessions_in_memory(shape: ModelShape, start: int, end: int, memory: int, con
 
 
 def session_limit() -> int:
-    """The most sessions one llama.cpp context holds: its parallel sequences but one, the KV scratch (issue #18)."""
+    """The most sessions one llama.cpp context holds: its parallel sequences but the KV scratch (issue #18) and the
+    resident prefixes (issue #26)."""
     import llama_cpp
 
-    return int(llama_cpp.llama_max_parallel_sequences()) - 1
+    from actors.backends.llamacpp.config import RESIDENT_PREFIXES
+
+    return int(llama_cpp.llama_max_parallel_sequences()) - 1 - RESIDENT_PREFIXES

@@ -112,7 +112,7 @@ async def start_swarm(settings: Settings, backends: Sequence[Backend], *, model_
 @contextlib.asynccontextmanager
 async def gemma_route(nats_url: str, gemma_path: Path, work: Path, *, namespace: str, max_sessions: int,
                       threads: int = 2, model_id: str = "gemma", cuts: Sequence[int] = (0, 12, 18),
-                      n_ctx: int = 1024, batch_invariant: bool = False, **settings: Any) -> AsyncIterator[Swarm]:
+                      n_ctx: int = 1024, batch_invariant: bool | str = False, **settings: Any) -> AsyncIterator[Swarm]:
     """The bundled Gemma 3 270M as a real llama.cpp route (one shard per pair of ``cuts``, ``n_ctx`` per session),
     served as ``model_id`` with generous timeouts (llama.cpp on a 2-core machine shared with other test processes)
     and ``settings`` on top (``batch_invariant``: the backends' option); stopped, and its backends closed, at the end

@@ -3,15 +3,17 @@
 One model, one context shared by every session. Each session owns a llama.cpp sequence id (its KV cells).
 ``n_ctx`` is per session: the backend stops any session at ``n_ctx`` positions.
 
-Batch invariance (``LlamaCppConfig.batch_invariant``): every sequence has its own KV stream (``kv_unified =
-false``), so a session's cells sit where its own history put them and its attention reads only them, and a step
-runs one ``llama_decode`` per session: what a row computes in ggml's CPU kernels depends on the rows beside it in
-the ubatch (``_passes``), so no other session's rows ever are. A session's logits are then bit-identical alone or
-batched. Forks copy the source's stream (``llama_memory_seq_cp`` across streams copies buffers at the start of the
-next decode; a KV export or import before that runs a one-row decode of the scratch sequence first,
-``_flush_copies``). Without it, the KV cache is unified and a step is a single ``llama_decode`` over one ubatch
-(prefill chunks of one session beside decode positions of others); where a session's cells land in the shared
-cache, and with them the order its attention sums in, then depends on the other sessions (docs/llamacpp-backend.md).
+Batch invariance (``LlamaCppConfig.batch_invariant``: ``request`` for the sessions whose sampling asks, or
+``all``): every sequence has its own KV stream (``kv_unified = false``), so a session's cells sit where its own
+history put them and its attention reads only them, and a step runs each invariant session in passes of its own
+(the others share one): what a row computes in ggml's CPU kernels depends on the rows beside it in the ubatch
+(``_passes``), so no other session's rows ever are, and its positions past the prompt one row per pass (``_apart``).
+An invariant session's logits are then bit-identical alone or batched, in verify windows or not. Forks copy the
+source's stream (``llama_memory_seq_cp`` across streams copies buffers at the start of the next decode; a KV
+export or import before that runs a one-row decode of the scratch sequence first, ``_flush_copies``). Without it
+(``off``), the KV cache is unified and a step is a single ``llama_decode`` over one ubatch (prefill chunks of one
+session beside decode positions of others); where a session's cells land in the shared cache, and with them the
+order its attention sums in, then depends on the other sessions (docs/llamacpp-backend.md).
 
 Layer ranges: a shard GGUF (``artifacts.shard``) holds layers ``[start, end)`` renumbered from 0. The head looks
 tokens up itself; every other hop is fed the previous hop's hidden states through ``llama_batch.embd``. A non-tail
@@ -44,7 +46,7 @@ import llama_cpp
 import numpy as np
 
 from actors.backend import Hidden, StepInput, StepOutput
-from actors.backends.llamacpp.batch import Batch
+from actors.backends.llamacpp.batch import Batch, ubatch_order
 from actors.backends.llamacpp.chat_template import ChatTemplate
 from actors.backends.llamacpp.config import LlamaCppConfig
 from actors.backends.llamacpp.cpu_buffers import buffer_types
@@ -104,6 +106,10 @@ class _Session:
     """Tail: the prompt's last ``penalty_last_n`` tokens, for the penalty samplers of forks."""
     logits: np.ndarray[Any, np.dtype[np.float32]] | None = None
     """Tail: a copy of the last sampled row when a later pass of the same step overwrote llama.cpp's."""
+    invariant: bool = False
+    """Computed in passes of its own (``_passes``): batch-invariant (issue #31)."""
+    prompt_end: int = 0
+    """Where its prompt ends: an invariant session's later positions are computed one row per pass."""
 
 
 def _init_llama(verbose: bool) -> None:
@@ -175,7 +181,7 @@ class LlamaCppBackend(HoldsSessions[_Session]):
         # llama.cpp sizes a windowed layer's stream to its window and one ubatch, in 256s (llama-kv-cache-iswa.cpp).
         swa_cells = -(-min(int(llama_cpp.llama_n_ctx_seq(self._ctx)), n_swa + self.config.n_batch) // 256) * 256
         self._kv = KvCells(self._ctx, self._memory, scratch=self.config.n_seq_max - 1, n_swa=n_swa,
-                           streams=self.config.batch_invariant, swa_cells=swa_cells,
+                           streams=self.config.kv_streams, swa_cells=swa_cells,
                            whole_sequences=self._streams.whole_sequence_kv)
         # A hop that takes its streams through the injected node is fed token ids (see ``_fill``).
         self._batch = Batch(self.config.n_batch, 0 if self.is_head or self._inject else self._n_embd)
@@ -185,11 +191,11 @@ class LlamaCppBackend(HoldsSessions[_Session]):
         c = self.config
         p: llama_cpp.llama_context_params = llama_cpp.llama_context_default_params()
         # Per-sequence streams split n_ctx evenly, the scratch sequence's stream included.
-        p.n_ctx = self._n_ctx * (c.n_seq_max if c.batch_invariant else c.max_sessions)
+        p.n_ctx = self._n_ctx * (c.n_seq_max if c.kv_streams else c.max_sessions)
         p.n_batch = p.n_ubatch = c.n_batch
         p.n_seq_max = c.n_seq_max
         p.n_threads = p.n_threads_batch = self._threads
-        p.kv_unified = not c.batch_invariant
+        p.kv_unified = not c.kv_streams
         # Windowed layers keep only their window per sequence: sessions never roll back, so the full-size SWA
         # cache (llama.cpp's default, for prefix reuse) would only cost memory.
         p.swa_full = False
@@ -284,10 +290,11 @@ class LlamaCppBackend(HoldsSessions[_Session]):
                 raise ContextLengthError(f"prompt of {len(prompt_tokens)} tokens leaves no room in the "
                                          f"{self._n_ctx}-token context")
             self._sessions.check_room()
+            invariant = self._invariant(sampling)
             seq_id = self._free_seqs.pop()
             # Defensive: a sequence id comes back to the pool only after its cells were removed.
             llama_cpp.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
-            session = _Session(seq_id)
+            session = _Session(seq_id, invariant=invariant, prompt_end=len(prompt_tokens))
             if self.is_tail:
                 try:
                     session.sampler = Sampler(sampling, n_vocab=self._n_vocab, prompt_tokens=prompt_tokens,
@@ -300,6 +307,14 @@ class LlamaCppBackend(HoldsSessions[_Session]):
                     else []
             self._sessions.add(session_id, session)
 
+    def _invariant(self, sampling: SamplingParams) -> bool:
+        """Whether a session of ``sampling`` is computed batch-invariantly; a 400 if it asks and cannot be."""
+        if sampling.batch_invariant and not self.config.kv_streams:
+            raise BadRequestError("batch_invariant: this node computes every session on one unified KV cache, "
+                                  "where a session's numbers depend on the others; its operator enables it with "
+                                  "llama_batch_invariant=request (or all)", param="batch_invariant")
+        return self.config.batch_invariant == "all" or sampling.batch_invariant
+
     def fork_session(self, session_id: str, fork_ids: list[str]) -> list[StepOutput]:
         """n > 1: see ``actors.backend.ForkingBackend.fork_session``. The forks' sequences share the session's KV
         cells (``llama_memory_seq_cp`` on the unified cache tags the cells with the new sequence ids; nothing is
@@ -311,11 +326,12 @@ class LlamaCppBackend(HoldsSessions[_Session]):
 
     def _fork(self, source: _Session, fork_ids: Sequence[str]) -> list[StepOutput]:
         def make(choice: int) -> _Session:
-            fork = _Session(self._free_seqs.pop(), position=source.position)
+            fork = _Session(self._free_seqs.pop(), position=source.position, invariant=source.invariant,
+                            prompt_end=source.prompt_end)
             try:
                 llama_cpp.llama_memory_seq_rm(self._memory, fork.seq_id, -1, -1)
                 llama_cpp.llama_memory_seq_cp(self._memory, source.seq_id, fork.seq_id, -1, -1)
-                self._copies_pending = self.config.batch_invariant
+                self._copies_pending = self.config.kv_streams
                 if self.is_tail:
                     assert source.sampling is not None
                     fork.sampling, fork.penalty_window = source.sampling, source.penalty_window
@@ -552,34 +568,40 @@ class LlamaCppBackend(HoldsSessions[_Session]):
             self._require_open()
             sessions = self._check(batch)
             passes = self._passes(batch, sessions)
-            outputs: dict[int, StepOutput] = {}
-            done: list[tuple[_Session, int]] = []
+            parts: list[list[StepOutput]] = [[] for _ in batch]
+            started: dict[int, int] = {}
             try:
                 for n, group in enumerate(passes):
-                    items, riders = [batch[i] for i in group], [sessions[i] for i in group]
-                    outputs.update(zip(group, self._pass(items, riders, keep_logits=n < len(passes) - 1),
-                                       strict=True))
-                    done += [(session, item.start_position) for item, session in zip(items, riders, strict=True)]
+                    for i, _ in group:
+                        started.setdefault(i, batch[i].start_position)
+                    outputs = self._pass([item for _, item in group], [sessions[i] for i, _ in group],
+                                         keep_logits=n < len(passes) - 1)
+                    for (i, _), output in zip(group, outputs, strict=True):
+                        parts[i].append(output)
             except BaseException:
                 # A later pass failed: the step fails whole, so the passes that ran give their positions back.
-                for session, position in done:
+                for i, position in started.items():
+                    session = sessions[i]
                     llama_cpp.llama_memory_seq_rm(self._memory, session.seq_id, position, -1)
                     session.position, session.sampled_row, session.logits = position, -1, None
                 raise
             self._refresh_kv_bytes()
-            return [outputs[i] for i in range(len(batch))]
+            return [_joined(p) for p in parts]
 
-    def _passes(self, batch: list[StepInput], sessions: list[_Session]) -> list[list[int]]:
-        """The step's items (indices) by ``llama_decode`` call: all in one (unified cache), or, batch-invariant, each
-        session's alone. Sharing a ubatch changes a row's numbers even with per-sequence streams: CPU_REPACK
-        multiplies 4-row blocks with a gemm and the rest with a gemv, which round differently, and without it a
-        session's logits still moved (by up to 0.84) when three other streams' rows shared its pass (measured;
-        docs/llamacpp-backend.md, "Batch invariance"). deepseek4 also decodes one sequence per pass: its captured
-        and injected stream rows must stay in batch order (``streams``)."""
-        del sessions
-        if not (self.config.batch_invariant or self._streams.one_sequence_per_decode):
-            return [list(range(len(batch)))]
-        return [[i] for i in range(len(batch))]
+    def _passes(self, batch: list[StepInput], sessions: list[_Session]) -> list[list[tuple[int, StepInput]]]:
+        """The step's items (with their indices) by ``llama_decode`` call: the sessions that are not invariant
+        all in one, and each invariant session's in passes of its own (``_apart``). Sharing a ubatch changes a
+        row's numbers even with per-sequence streams: CPU_REPACK multiplies 4-row blocks with a gemm and the rest
+        with a gemv, which round differently, and without it a session's logits still moved (by up to 0.84) when
+        three other streams' rows shared its pass (measured; docs/llamacpp-backend.md, "Batch invariance").
+        deepseek4 also decodes one sequence per pass: its captured and injected stream rows must stay in batch
+        order (``streams``)."""
+        shared = [(i, item) for i, (item, s) in enumerate(zip(batch, sessions, strict=True)) if not s.invariant]
+        passes = [[one] for one in shared] if self._streams.one_sequence_per_decode else [shared] if shared else []
+        for i, (item, session) in enumerate(zip(batch, sessions, strict=True)):
+            if session.invariant:
+                passes += [[(i, part)] for part in _apart(item, session.prompt_end)]
+        return passes
 
     def _pass(self, batch: list[StepInput], sessions: list[_Session], *, keep_logits: bool) -> list[StepOutput]:
         """One ``llama_decode`` of ``batch``; ``keep_logits``: another pass of the step follows, so sampled rows are
@@ -701,6 +723,11 @@ class LlamaCppBackend(HoldsSessions[_Session]):
                  spans: list[tuple[int, int]]) -> list[StepOutput]:
         if self._capture is not None and self._capture.copies_out:
             hidden: Hidden = self._capture.take()
+            if self.config.kv_streams and len(batch) > 1:
+                # llama.cpp split the batch "equally" per stream; the capture has the rows in ubatch order.
+                order = ubatch_order([(s.seq_id, item.n_positions) for item, s in zip(batch, sessions, strict=True)],
+                                     self.config.n_batch)
+                hidden = hidden[np.argsort(order)]
             shape = tuple(self._info.hidden_shape)
             return [StepOutput(hidden=hidden[lo:hi].reshape(hi - lo, *shape)) for lo, hi in spans]
         outputs = []
@@ -754,6 +781,34 @@ class LlamaCppBackend(HoldsSessions[_Session]):
             if self._model is not None:
                 llama_cpp.llama_model_free(self._model)
                 self._model = None
+
+
+def _apart(item: StepInput, prompt_end: int) -> list[StepInput]:
+    """An invariant session's item as passes: its prompt positions together (a prefill chunk, whose size no load
+    changes), each later position alone. Within one sequence a pass of k rows rounds differently from k passes of
+    one (ggml takes another attention kernel for a single query row), and plain decoding computes one row per pass:
+    so a verify window (issue #20) or a replayed frame (a repair) computes exactly what plain decoding did."""
+    n = item.n_positions
+    cut = min(max(prompt_end - item.start_position, 0), n)
+    spans = ([(0, cut)] if cut else []) + [(k, k + 1) for k in range(cut, n)]
+    if len(spans) == 1:
+        return [item]
+    return [StepInput(item.session_id, item.start_position + lo,
+                      tokens=None if item.tokens is None else item.tokens[lo:hi],
+                      hidden=None if item.hidden is None else item.hidden[lo:hi],
+                      sample=item.sample and hi == n, rows=item.rows, forks=item.forks if hi == n else ())
+            for lo, hi in spans]
+
+
+def _joined(parts: list[StepOutput]) -> StepOutput:
+    """One item's output from those of the passes it was cut into (``_apart``), in order."""
+    if len(parts) == 1:
+        return parts[0]
+    last = parts[-1]
+    hidden = [p.hidden for p in parts if p.hidden is not None]
+    rows = [p.rows for p in parts if p.rows is not None]
+    return StepOutput(hidden=np.concatenate(hidden) if hidden else None, token=last.token, logprobs=last.logprobs,
+                      rows=np.concatenate(rows) if rows else None, forks=last.forks)
 
 
 def load_llamacpp(**options: Any) -> LlamaCppBackend:

@@ -9,6 +9,7 @@ copies. llama.cpp only reads the arrays during ``llama_decode``; the struct is r
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 
 import llama_cpp
 import numpy as np
@@ -90,3 +91,28 @@ class Batch:
         seq_id = ctypes.cast(self._seq_rows, ctypes.POINTER(ctypes.POINTER(llama_cpp.llama_seq_id)))
         return llama_cpp.llama_batch(self.n, token, embd, _ptr(self.pos, llama_cpp.llama_pos),
                                      _ptr(self._n_seq_id, ctypes.c_int32), seq_id, _ptr(self.output, ctypes.c_int8))
+
+
+def ubatch_order(items: Sequence[tuple[int, int]], n_ubatch: int) -> list[int]:
+    """The batch rows, in the order llama.cpp computes them, of a batch of ``items`` (sequence id, rows; each item a
+    distinct sequence, its rows together) on a context with one KV stream per sequence. llama.cpp then splits a
+    batch "equally" and sequentially (``llama_batch_allocr::split_equal(n_ubatch, true, 0)``): a ubatch takes the
+    unfinished items in batch order whose sequence ids run on by one from the first, the same number of rows of
+    each (as many as all have, at most ``n_ubatch`` over all), item by item; the next ubatch takes what is left.
+    A layer capture appends its rows ubatch by ubatch, so this is the order they arrive in."""
+    starts = [0] * len(items)
+    for i in range(1, len(items)):
+        starts[i] = starts[i - 1] + items[i - 1][1]
+    taken = [0] * len(items)
+    order: list[int] = []
+    while True:
+        chosen: list[int] = []
+        for i, (seq, rows) in enumerate(items):
+            if taken[i] < rows and (not chosen or seq == items[chosen[-1]][0] + 1):
+                chosen.append(i)
+        if not chosen:
+            return order
+        each = min(min(items[i][1] - taken[i] for i in chosen), max(1, n_ubatch // len(chosen)))
+        for i in chosen:
+            order += range(starts[i] + taken[i], starts[i] + taken[i] + each)
+            taken[i] += each

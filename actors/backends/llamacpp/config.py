@@ -7,7 +7,11 @@ from pathlib import Path
 
 import llama_cpp
 
-__all__ = ["LlamaCppConfig"]
+__all__ = ["RESIDENT_PREFIXES", "LlamaCppConfig"]
+
+
+RESIDENT_PREFIXES = 2
+"""Finished sessions whose KV a node keeps in its context by default (issue #26)."""
 
 
 @dataclasses.dataclass
@@ -60,13 +64,15 @@ class LlamaCppConfig:
     """Let ggml put weights in its AMX buffer type. Off: on some AMX CPUs the first matrix multiply there crashes
     the process (``actors/backends/llamacpp/cpu_buffers.py``); the CPU_REPACK path stays on either way."""
 
-    batch_invariant: bool = False
-    """A session's tokens do not depend on what else the node computes at the same time: one KV stream per sequence
-    (``kv_unified = false``) and one ``llama_decode`` per session of a step. Off by default: it gives up batching
-    across sessions, about half the aggregate decode rate of 4 streams (docs/llamacpp-backend.md, "Batch
-    invariance"). Off: one unified cache, every step in one ubatch; results move with the batch's shape."""
+    batch_invariant: str = "off"
+    """Which sessions' tokens do not depend on what else the node computes at the same time (issue #31): ``off``
+    (none: one unified KV cache, every step in one ubatch, results move with the batch's shape), ``request`` (the
+    sessions whose ``SamplingParams.batch_invariant`` asks) or ``all`` (``True``/``False`` mean all/off). Either
+    of the last two keeps one KV stream per sequence (``kv_unified = false``) and computes each invariant session
+    in passes of its own (``LlamaCppBackend._passes``). Off by default: 4 streams all invariant decode at about
+    0.6x the aggregate rate (docs/llamacpp-backend.md, "Batch invariance")."""
 
-    resident_prefixes: int = 2
+    resident_prefixes: int = RESIDENT_PREFIXES
     """Finished sessions whose KV stays in the context for prefix reuse (``resident``): sequence ids beyond
     ``max_sessions``. They take no cells of their own: a running session that needs their cells evicts them. Each
     costs a sliding window of cells in a windowed model's SWA cache (llama.cpp sizes it per sequence)."""
@@ -75,6 +81,11 @@ class LlamaCppConfig:
         self.model_path = Path(self.model_path)
         self.shard_dir = Path(self.shard_dir) if self.shard_dir is not None else None
         self.native_dir = Path(self.native_dir) if self.native_dir is not None else None
+        mode: object = self.batch_invariant
+        if isinstance(mode, bool):
+            self.batch_invariant = "all" if mode else "off"
+        if self.batch_invariant not in ("off", "request", "all"):
+            raise ValueError(f"batch_invariant {self.batch_invariant!r}: expected off, request or all")
         if self.n_ctx < 1 or self.max_sessions < 1 or self.n_batch < 1 or self.threads < 0 \
                 or self.resident_prefixes < 0:
             raise ValueError("n_ctx, max_sessions and n_batch must be positive and threads and resident_prefixes "
@@ -83,6 +94,11 @@ class LlamaCppConfig:
             raise ValueError(f"max_sessions {self.max_sessions} + resident_prefixes {self.resident_prefixes} + 1 "
                              f"exceed llama.cpp's "
                              f"{llama_cpp.llama_max_parallel_sequences()} sequences")
+
+    @property
+    def kv_streams(self) -> bool:
+        """One KV stream per sequence: the layout a session computed apart from the others needs."""
+        return self.batch_invariant != "off"
 
     @property
     def n_seq_max(self) -> int:
