@@ -154,7 +154,7 @@ class SessionOpener:
         with session.timed("open"):
             opened = await self._nodes.open(route, request_open)
         session.opened(choices=route_n, fan_out=request.n // route_n, prompt_tokens=opened.prompt_tokens,
-                       max_tokens=opened.max_tokens or max_tokens, tool_format=tool_format)
+                       max_tokens=opened.max_tokens or max_tokens, tool_format=tool_format, request=request_open)
 
     def _speculation(self, sampling: SamplingParams, n: int, hops: int) -> Speculation | None:
         """Verify windows for a session whose next token is a function of the logits alone (one choice, no grammar,
