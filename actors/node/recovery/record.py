@@ -41,8 +41,10 @@ class Recovery:
         self.journal = Journal(self.schedule) if request.repair and not is_tail and single else None
         backend = rt.engine.backend
         self.writer: SnapshotWriter | None = None
-        # The head too (issue #31: a replacement head takes the session over from them), unless it is its own tail.
-        if self.schedule.every and hop.standby is not None and (request.hop_index > 0 or not is_tail) and \
+        # The head too (issue #31: a replacement head takes the session over from them), when its standby is a spare
+        # serving its layers (elsewhere a replacement recomputes its KV from the tokens) and it is not its own tail.
+        head_spare = hop.standby is not None and hop.standby.layers == hop.layers and not is_tail
+        if self.schedule.every and hop.standby is not None and (request.hop_index > 0 or head_spare) and \
                 isinstance(backend, KvBackend):
             self.writer = SnapshotWriter(rt, request.session_id, schedule=self.schedule, standby=hop.standby,
                                          layers=hop.layers, model_id=request.route.model_id,
