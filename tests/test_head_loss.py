@@ -43,19 +43,21 @@ def node_args(gemma_path: Path, layers: str) -> list[str]:
             "--threads", "1", "--ctx", "1024", "--max-sessions", "2"]
 
 
-async def start(settings: Settings, swarms: Swarms, gemma_path: Path) -> tuple[dict[str, NodeProcess], Gateway]:
+async def start(settings: Settings, swarms: Swarms, gemma_path: Path,
+                layout: list[tuple[str, str]] = LAYOUT) -> tuple[dict[str, NodeProcess], Gateway]:
     nodes = {name: await swarms.node_process(settings, name, node_args(gemma_path, layers))
-             for name, layers in LAYOUT}
+             for name, layers in layout}
     tracker = await swarms.actor(Tracker(settings))
     gateway = await swarms.actor(Gateway(settings, port=0))
-    await wait_model(tracker, MODEL, timeout=120, n_nodes=len(LAYOUT))
+    await wait_model(tracker, MODEL, timeout=120, n_nodes=len(layout))
     return nodes, gateway
 
 
-async def stream(gateway: Gateway, *, max_tokens: int, kill: dict[str, NodeProcess] | None = None,
+async def stream(gateway: Gateway, *, max_tokens: int, kill: dict[str, NodeProcess] | None = None, hop: int = 0,
                  after_tokens: int = 0, in_prefill: int = 0,
                  sampling: dict[str, Any] | None = None) -> tuple[str, list[dict[str, Any]], str, list[int]]:
-    """The text, every telemetry snapshot, the head killed (SIGKILL) and the token count of every chunk."""
+    """The text, every telemetry snapshot, the node killed (SIGKILL: hop ``hop`` of the route, the head by default)
+    and how many chunks carried text."""
     client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=300)
     chunks = await client.completions.create(
         model=MODEL, prompt=PROMPT, max_tokens=max_tokens, stream=True, **(sampling or {"temperature": 0}),
@@ -71,7 +73,7 @@ async def stream(gateway: Gateway, *, max_tokens: int, kill: dict[str, NodeProce
         due = (snap is not None and snap.get("phase") == "prefill" and snap["prefill"]["done"] >= in_prefill) \
             if in_prefill else seen >= after_tokens > 0
         if kill and not killed and due:
-            killed = snaps[0]["route"][0]["node_id"]
+            killed = snaps[0]["route"][hop]["node_id"]
             kill[killed].kill()
     return text, snaps, killed, [seen]
 
@@ -118,4 +120,20 @@ async def test_a_head_killed_in_prefill_is_rebuilt_from_the_tokens(settings: Set
     text, snaps, dead, _ = await stream(gateway, max_tokens=16, kill=nodes, in_prefill=32)
     assert dead in HEADS and text == expected
     assert_taken_over(snaps, dead, "journal")
+    await freed(nodes, dead)
+
+
+async def test_a_replaced_tail_of_a_seeded_session_goes_on_with_the_unfaulted_draws(
+        settings: Settings, swarms: Swarms, gemma_path: Path) -> None:
+    """Every repair, not only a head's: a replacement tail rebuilds its sampler from the seed and the tokens the
+    head has, and its random state with it, so a sampled stream goes on as the unfaulted one (it used to start
+    over from the seed and draw another stream)."""
+    sampling = {"temperature": 1.0, "seed": 11}
+    nodes, gateway = await start(settings, swarms, gemma_path,
+                                 [("head", "0:9"), ("tail", "9:18"), ("spare", "9:18")])
+    expected, _, _, _ = await stream(gateway, max_tokens=48, sampling=sampling)
+    text, snaps, dead, _ = await stream(gateway, max_tokens=48, kill=nodes, hop=1, after_tokens=24,
+                                        sampling=sampling)
+    assert dead in {"tail", "spare"} and text == expected
+    assert "repairing" in [s["phase"] for s in snaps] and snaps[-1]["repair"]["lost_node"] == dead
     await freed(nodes, dead)
