@@ -353,7 +353,7 @@ class LiveSession:
         except HeadLost as exc:
             return await self._fail_lost(node, f"{why}; repair impossible: {exc}")
         self.lost_heads.append(node)
-        self._epoch += 1
+        self._epoch = max(self._epoch, state.epoch)  # its RouteChanged may have come first
         self.route = route
         log.info("session %s: %s took the head over", self.id[:8], route.head.node_id)
         return None
