@@ -126,7 +126,8 @@ class LiveSession:
         waited for (``swarmroute_gateway_setup_seconds``)."""
         self.opened_at: float | None = None
         self.request: SessionOpen | None = None
-        """The open the head was sent: with ``generated``, what a replacement head starts from (issue #31)."""
+        """The open the head is sent (set by the opener): with ``generated``, what a replacement head starts from
+        (issue #31)."""
         self.generated: list[int] = []
         """Choice 0's token ids so far."""
         self.lost_heads: list[str] = []
@@ -148,12 +149,11 @@ class LiveSession:
         self.telemetry = self.snapshot(SessionPhase.ROUTING, seq=0)
 
     def opened(self, *, choices: int, fan_out: int, prompt_tokens: int, max_tokens: int,
-               tool_format: ToolCallFormat | None, request: SessionOpen | None = None) -> None:
+               tool_format: ToolCallFormat | None) -> None:
         """The head opened the route: the route's choices, each fanned out to ``fan_out`` request choices, and the
-        prompt and budget as the head settled them; ``request``: the open it was sent."""
+        prompt and budget as the head settled them."""
         self.n, self.seen, self.fan_out = choices, [0] * choices, fan_out
         self.n_prompt, self.max_tokens, self.tool_format = prompt_tokens, max_tokens, tool_format
-        self.request = request
         self.opened_at = time.monotonic()
 
     def snapshot(self, phase: SessionPhase, *, seq: int | None = None,

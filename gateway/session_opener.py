@@ -151,10 +151,11 @@ class SessionOpener:
             stop=request.stop, ignore_eos=request.ignore_eos, prefill_chunk=self._settings.prefill_chunk,
             capability=head.capability, n=route_n, repair=repair,
             snapshot_every=self._settings.snapshot_every if repair else 0, speculate=speculate, downstream=downstream)
+        session.request = request_open  # what a replacement for a lost head starts from (issue #31)
         with session.timed("open"):
             opened = await self._nodes.open(route, request_open)
         session.opened(choices=route_n, fan_out=request.n // route_n, prompt_tokens=opened.prompt_tokens,
-                       max_tokens=opened.max_tokens or max_tokens, tool_format=tool_format, request=request_open)
+                       max_tokens=opened.max_tokens or max_tokens, tool_format=tool_format)
 
     def _speculation(self, sampling: SamplingParams, n: int, hops: int) -> Speculation | None:
         """Verify windows for a session whose next token is a function of the logits alone (one choice, no grammar,
