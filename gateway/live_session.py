@@ -36,15 +36,18 @@ from bus import codec
 from bus.liveness import Silence
 from bus.subjects import Subjects
 from gateway import fanout
+from gateway.route_nodes import HeadLost, HeadState
 from schemas.prefix import conversation_keys
 from schemas.reasoning import ReasoningStart
 from schemas.route import Route
 from schemas.session import (
+    MAX_EPOCH,
     TOKEN_SUBJECT_MESSAGES,
     FailureReason,
     Prompt,
     RouteChanged,
     SessionEnd,
+    SessionOpen,
     SessionPhase,
     TokenEvent,
 )
@@ -71,6 +74,9 @@ class RouteCalls(Protocol):
 
     async def free(self, route: Route, session_id: str, *, cancel: bool = False,
                    keys: list[str] | None = None) -> None: ...
+
+    async def replace_head(self, route: Route, state: HeadState, *, exclude: list[str],
+                           timeout_s: float) -> Route: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +129,13 @@ class LiveSession:
         """Seconds spent per setup step (``route``, ``tokenize``, ``open``, ``first_token``): what the first token
         waited for (``swarmroute_gateway_setup_seconds``)."""
         self.opened_at: float | None = None
+        self.request: SessionOpen | None = None
+        """The open the head is sent (set by the opener): with ``generated``, what a replacement head starts from
+        (issue #31)."""
+        self.generated: list[int] = []
+        """Choice 0's token ids so far."""
+        self.lost_heads: list[str] = []
+        """Heads this session lost and had replaced (never routed to again)."""
 
     @contextlib.contextmanager
     def timed(self, step: str) -> Iterator[None]:
@@ -241,8 +254,12 @@ class LiveSession:
                 if lost is not None:
                     event = await self._next_event(LOST_GRACE_S)  # the route's last words may still be on the bus
                     if event is None:
-                        yield await self._fail_lost(*lost)
-                        return
+                        failed = await self._replace_head(*lost)
+                        if failed is not None:
+                            yield failed
+                            return
+                        silence.broken()
+                        continue
                     silence.broken()
                     processed = self._absorb(event)
                     if processed is not None:
@@ -307,6 +324,7 @@ class LiveSession:
         self.tokens_seen += 1
         if index == 0:
             self.reply.append(event.text)
+            self.generated.append(event.token)
         return event
 
     def _lost(self, message: str) -> SessionEnd:
@@ -317,6 +335,36 @@ class LiveSession:
 
     def _current_phase(self) -> SessionPhase:
         return self.telemetry.phase if self.telemetry and not self.telemetry.phase.terminal else SessionPhase.PREFILL
+
+    def _head_replaceable(self) -> bool:
+        """A lost head can be replaced (issue #31): the session repairs, decodes one plain choice on a route of
+        several hops (its tail holds the sampler), and has repairs left."""
+        request, route = self.request, self.route
+        return (request is not None and route is not None and request.repair and request.n == 1
+                and request.speculate is None and len(route.hops) > 1 and self.n == 1
+                and self._epoch < MAX_EPOCH and len(self.lost_heads) < self._links.settings.max_repairs)
+
+    async def _replace_head(self, node: str, why: str) -> SessionEnd | None:
+        """The head is gone: have a node serving its layers take the session over (``RouteNodes.replace_head``);
+        None once it has (the stream goes on), else the session's failure naming the head."""
+        if not self._head_replaceable():
+            return await self._fail_lost(node, why)
+        assert self.request is not None and self.route is not None
+        log.warning("session %s lost its head %s (%s); replacing it", self.id[:8], node, why)
+        repairing = self.snapshot(SessionPhase.REPAIRING)
+        await self._links.publish(repairing)
+        state = HeadState(request=self.request, generated=list(self.generated), n_prompt=self.n_prompt,
+                          max_tokens=self.max_tokens, epoch=self._epoch + 1, telemetry_seq=repairing.seq)
+        try:
+            route = await self._links.nodes.replace_head(self.route, state, exclude=[node, *self.lost_heads],
+                                                         timeout_s=self._links.settings.repair_timeout_s)
+        except HeadLost as exc:
+            return await self._fail_lost(node, f"{why}; repair impossible: {exc}")
+        self.lost_heads.append(node)
+        self._epoch = max(self._epoch, state.epoch)  # its RouteChanged may have come first
+        self.route = route
+        log.info("session %s: %s took the head over", self.id[:8], route.head.node_id)
+        return None
 
     async def _fail_lost(self, node: str, why: str) -> SessionEnd:
         phase = self._current_phase()

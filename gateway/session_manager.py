@@ -40,7 +40,7 @@ class SessionManager:
         self.live: dict[str, LiveSession] = {}
         self.finished: dict[str, GenerationTelemetry] = {}
         self.finished_limit = FINISHED_KEPT
-        route_nodes = RouteNodes(nodes)
+        route_nodes = RouteNodes(nodes, tracker)
         self._opener = SessionOpener(tracker, route_nodes, settings)
         self._links = SessionLinks(settings=settings, nodes=route_nodes, publish=self._publish, closed=self._closed)
 

@@ -152,6 +152,7 @@ class SessionOpener:
             stop=request.stop, ignore_eos=request.ignore_eos, prefill_chunk=self._settings.prefill_chunk,
             capability=head.capability, n=route_n, repair=repair,
             snapshot_every=self._settings.snapshot_every if repair else 0, speculate=speculate, downstream=downstream)
+        session.request = request_open  # what a replacement for a lost head starts from (issue #31)
         with session.timed("open"):
             opened = await self._nodes.open(route, request_open)
         session.opened(choices=route_n, fan_out=request.n // route_n, prompt_tokens=opened.prompt_tokens,

@@ -103,7 +103,7 @@ class RepairRequest(WireModel):
     ``session_token`` (so the hops that stay keep admitting the session)."""
 
     route: Route
-    lost: int = Field(ge=1, description="the hop to replace (never the head, which asks)")
+    lost: int = Field(ge=0, description="the hop to replace (0: the head, lost; the gateway asks, issue #31)")
     exclude: list[str] = Field(default_factory=list, description="nodes never to use (the lost one at least)")
     session_token: str | None = None
 

@@ -232,9 +232,15 @@ class Resume(WireModel):
     quiet_below: int = Field(ge=0, description="frames starting before this are computed and kept, not forwarded "
                                                "(the next hop holds those positions already) or, on the tail, "
                                                "sampled (their tokens are known)")
-    target: int = Field(ge=1, description="the position the upstream hop's journal replay ends at")
+    target: int = Field(ge=0, description="the position the upstream hop's journal replay ends at (a replacement "
+                                          "head: the position its KV reaches before it sends a frame)")
     generated: list[int] = Field(default_factory=list, description="tail: the tokens sampled so far, replayed "
                                                                      "into its sampler and stop rules")
+    telemetry_seq: int = Field(default=0, ge=0, exclude_if=_zero,
+                               description="head (issue #31, a replacement for a lost head): the last telemetry seq "
+                                           "the gateway saw; the replacement's snapshots go on after it")
+    lost_node: str = Field(default="", exclude_if=lambda v: not v,
+                           description="head (issue #31): the head it replaces, for telemetry")
 
 
 FinishReason = Literal["stop", "length"]

@@ -62,3 +62,6 @@ class StandbyRef(WireModel):
     node_id: str
     endpoint: str
     capability: str = ""
+    layers: LayerRange | None = Field(default=None, description="the layers the standby serves itself (issue #31: "
+                                                                "a head snapshots only to a spare that can take it "
+                                                                "over)")

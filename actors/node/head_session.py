@@ -27,6 +27,7 @@ from actors.node.head_port import DecodeStrategy, RouteMessage, StepResult
 from actors.node.head_watch import lost_downstream, stalled, watch_client
 from actors.node.prefill import prefill
 from actors.node.recovery.repair import RepairFailed, RouteRepair, phase_after, replaceable
+from actors.node.recovery.takeover import HeadTakeover, TakeoverFailed
 from actors.node.runtime import NodeRuntime
 from actors.node.session import PLAIN_START, NodeSession, SessionFailed, SessionStart
 from actors.node.speculation.verify_loop import VerifyWindows
@@ -73,10 +74,14 @@ class HeadSession(NodeSession):
         """``on_token`` starts the next step itself (``decode.relay``); otherwise the strategy's task does."""
         self._opening = start.opening
         """The hops after the head, still opening (issue #20: the head opens them while its prefill starts)."""
+        resume = request.resume  # a replacement for a lost head (issue #31): its telemetry goes on from the old one's
         self.telemetry = TelemetryPublisher(
             self.route, lambda snap: self.rt.publish(self.rt.subjects.telemetry(self.id), snap),
-            interval_s=self.rt.settings.telemetry_interval_s)
-        self.repairs = 0
+            interval_s=self.rt.settings.telemetry_interval_s,
+            first_seq=resume.telemetry_seq + 1 if resume is not None else 1)
+        if resume is not None:
+            self.telemetry.generated = len(resume.generated)
+        self.repairs = request.epoch
         self.lost_nodes: list[str] = []
         """Nodes this session lost: never routed to again (issue #18)."""
         self._repairing = False
@@ -165,9 +170,13 @@ class HeadSession(NodeSession):
 
     async def _drive(self) -> None:
         try:
+            takeover = HeadTakeover(self) if self.request.resume is not None else None
+            cut = await self._take_over(takeover) if takeover is not None else 0
             first_tokens = await prefill(self)
             if first_tokens is None:
                 return  # the hops after it did not open: the open's answer says why, and closes the session
+            if takeover is not None:
+                await takeover.catch_up(cut)
             self.put_events(first_tokens)  # head and tail on this node: the prefill sampled them here
             while True:
                 try:
@@ -294,6 +303,17 @@ class HeadSession(NodeSession):
         await self._release_route()
 
     # ---- repair (issue #18) ------------------------------------------------------------------------------------
+
+    async def _take_over(self, takeover: HeadTakeover) -> int:
+        """A replacement for a lost head (issue #31): re-bind the later hops; where the tail samples from."""
+        self.phase = SessionPhase.REPAIRING
+        try:
+            cut = await takeover.rebind()
+            self.phase = phase_after(takeover.resume.generated)
+            return cut
+        except TakeoverFailed as exc:
+            raise SessionFailed(FailureReason(node_id=self.rt.node_id, phase=phase_after(self.fed()),
+                                              kind="unreachable", message=str(exc))) from None
 
     async def _repaired(self, reason: FailureReason) -> bool:
         """Route around the hop ``reason`` names, if the session repairs and that hop can be replaced; False when

@@ -267,6 +267,8 @@ class HopSession(NodeSession):
             await self.rt.client.report_failure(head.node_id, head.endpoint, self.id, reason,
                                                 session_token=self.session_token)
         except HopError:
+            if self.request.repair and reason.node_id == head.node_id and self.request.n == 1:
+                return  # the head itself is lost: the gateway finds it and a replacement head re-binds (issue #31)
             end = SessionEnd(session_id=self.id, phase=SessionPhase.FAILED, failure=reason)
             await self.rt.publish(self.rt.subjects.tokens(self.id), end)
         else:

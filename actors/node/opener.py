@@ -170,9 +170,10 @@ class SessionOpener:
         """A replacement for a lost hop (issue #18): import the lost hop's snapshot chain from its standby (every
         segment checked against its digest and linked to the one before). Its session then starts at
         ``resume.start`` with the tokens generated so far (a tail starts its sampler and stop rules over from
-        them); the journal replay that follows brings the KV up to the route's position."""
-        if request.hop_index == 0:
-            raise BadRequestError("the head is never replaced")
+        them); the journal replay that follows brings the KV up to the route's position. A replacement head (issue
+        #31) recomputes what lies beyond the chain from the tokens itself (``actors.node.recovery.takeover``)."""
+        if request.hop_index == 0 and len(request.route.hops) < 2:
+            raise BadRequestError("a head is replaced only on a route of several hops (its tail samples)")
         if resume.segments:
             kv = await fetch_chain(self.client, resume, request.session_id, self.backend.layers, self.model_id,
                                    session_token=session_token)

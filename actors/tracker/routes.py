@@ -158,7 +158,8 @@ def with_standbys(route: Route, adverts: list[NodeAdvertisement], *, exclude: fr
                     a.capacity.snapshot_free_bytes)
         candidates = [a for a in room if a.node_id != hop.node_id]
         best = max(candidates, key=rank, default=None)
-        standby = None if best is None else StandbyRef(node_id=best.node_id, endpoint=best.endpoint)
+        standby = None if best is None else StandbyRef(node_id=best.node_id, endpoint=best.endpoint,
+                                                       layers=best.layers if best.model_id == route.model_id else None)
         hops.append(hop.model_copy(update={"standby": standby}))
     return route.model_copy(update={"hops": hops})
 

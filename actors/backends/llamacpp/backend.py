@@ -446,8 +446,10 @@ class LlamaCppBackend(HoldsSessions[_Session]):
             session = self._sessions[session_id]
             if session.sampler is None or session.sampling is None:
                 raise BadRequestError("only the tail samples")
+            # The same seed (the one llama.cpp drew, if the session gave none): replaying the tokens then advances
+            # its random state to where the sampler it replaces was (issue #31).
             sampler = Sampler(session.sampling, n_vocab=self._n_vocab, prompt_tokens=session.penalty_window,
-                              vocab=self._vocab)
+                              vocab=self._vocab, seed=session.sampler.seed)
             session.sampler.close()
             session.sampler = sampler
             for token in tokens:

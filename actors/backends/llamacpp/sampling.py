@@ -110,8 +110,11 @@ class Sampler:
         # generator: see _draw_constrained. Every other hot configuration keeps llama.cpp's chain.
         plain_hot = (not self._greedy and not _has_penalties(params) and params.top_k == 0 and params.top_p == 1.0
                      and params.min_p == 0.0)
-        self._rng = (np.random.default_rng(None if self._seed is None else self._seed & 0xFFFF_FFFF_FFFF_FFFF)
-                     if plain_hot and params.constraint is not None else None)
+        self._keyed = plain_hot and params.constraint is not None
+        """Draws in numpy from a generator keyed by (seed, token number): its state is the token count."""
+        self._rng: np.random.Generator | None = None
+        self.tokens = 0
+        """Tokens sampled or replayed so far: with ``seed``, the sampler's random state."""
         # Plain greedy needs no chain state: numpy's argmax picks the first maximum exactly as llama.cpp's greedy
         # sampler does, ~10x faster than building llama.cpp's 262k-entry candidate array every step.
         self._argmax = self._greedy and not _has_penalties(params)
@@ -121,6 +124,20 @@ class Sampler:
         for stage in _stages(params, n_vocab, self._seed):
             # The chain owns (and frees) every stage added to it.
             llama_cpp.llama_sampler_chain_add(self._chain, stage)
+        hot = not self._greedy and not self._keyed
+        self._dist: Any = (llama_cpp.llama_sampler_chain_get(self._chain, llama_cpp.llama_sampler_chain_n(self._chain)
+                                                             - 1) if hot else None)
+        """The chain's seeded random pick (its last stage), advanced by hand where it would not draw."""
+        self.seed: int | None = None
+        """The seed the random picks use (drawn by llama.cpp when the session gave none); None: greedy."""
+        if hot:
+            self.seed = int(llama_cpp.llama_sampler_get_seed(self._chain))
+        elif self._keyed:
+            self.seed = (self._seed if self._seed is not None
+                         else int(np.random.SeedSequence().generate_state(1, np.uint64)[0])) & 0xFFFF_FFFF_FFFF_FFFF
+        self.draws_per_token = 0 if not hot else 2 if params.constraint is not None else 1
+        self._drawn = 0
+        """Draws of the token being sampled (topped up to ``draws_per_token``)."""
         if params.constraint is not None:
             if vocab is None:
                 self.close()
@@ -148,20 +165,46 @@ class Sampler:
             token = self._sample_constrained(logits)
         elif self._argmax:
             token = int(logits.argmax())
-        else:
+        elif self._dist is None:
             token = int(llama_cpp.llama_sampler_sample(self._chain, ctx, row))
+        else:
+            # As llama_sampler_sample (build the candidates, apply the chain, accept), with the draws counted.
+            token = self._apply(self._chain, logits)
+            llama_cpp.llama_sampler_accept(self._chain, token)
+        self._token_done()
         lp = None if self.params.logprobs is None else token_logprobs(logits, token, self.params.logprobs)
         return token, lp
 
     def accept(self, token: int) -> None:
-        """Remember ``token`` as if this sampler had picked it (penalty window, grammar state): a sampler rebuilt
-        for a session that already generated tokens (a repaired tail) replays them. Random draws are not replayed:
-        a rebuilt sampler draws from its seed again."""
+        """Remember ``token`` as if this sampler had picked it (penalty window, grammar state, random state): a
+        sampler rebuilt for a session that already generated tokens (a repaired tail) replays them, and then draws
+        what the sampler it replaces would have drawn next (built with its ``seed``)."""
         if self._chain is None:
             raise BackendError("sampler used after close()")
         if self._grammar is not None:
             llama_cpp.llama_sampler_accept(self._grammar, token)
         llama_cpp.llama_sampler_accept(self._chain, token)
+        self._token_done()
+
+    def _token_done(self) -> None:
+        """One token sampled (or replayed): the random pick has drawn exactly ``draws_per_token`` times."""
+        if self._dist is not None:
+            for _ in range(self.draws_per_token - self._drawn):
+                self._advance()
+        self._drawn = 0
+        self.tokens += 1
+
+    def _advance(self) -> None:
+        """One draw of the chain's random pick, on two equal candidates (with one it would not draw)."""
+        pair = (llama_cpp.llama_token_data * 2)(llama_cpp.llama_token_data(0, 0.0, 0.0),
+                                                llama_cpp.llama_token_data(1, 0.0, 0.0))
+        arr = llama_cpp.llama_token_data_array(pair, 2, -1, False)
+        llama_cpp.llama_sampler_apply(self._dist, ctypes.byref(arr))
+
+    def _keyed_rng(self) -> np.random.Generator:
+        """The generator of the token being sampled: keyed by (seed, token number), so its state is the count."""
+        assert self.seed is not None
+        return np.random.default_rng([self.seed, self.tokens])
 
     # --- grammar ------------------------------------------------------------------------------------------------
 
@@ -170,7 +213,8 @@ class Sampler:
             token = int(logits.argmax())
             if not self._allows(token, logits):
                 token = self._greedy_constrained(logits)
-        elif self._rng is not None:
+        elif self._keyed:
+            self._rng = self._keyed_rng()
             token = self._draw_constrained(logits)
         else:
             token = self._apply(self._chain, logits)
@@ -255,6 +299,8 @@ class Sampler:
         llama_cpp.llama_sampler_apply(smpl, ctypes.byref(arr))
         if not select:
             return -1
+        if smpl is self._chain and self._dist is not None and arr.size >= 2:
+            self._drawn += 1  # the random pick drew (with one candidate left it does not)
         if not 0 <= arr.selected < arr.size:
             raise BackendError("the sampler chain selected no token")
         # Samplers sort and truncate in place: the array's data pointer is still the scratch buffer.

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 from actors.backend import KvBackend
@@ -27,6 +28,9 @@ from schemas.session import Resume, SessionOpen
 class Recovery:
     def __init__(self, rt: NodeRuntime, request: SessionOpen, hop: Hop, *, is_tail: bool,
                  session_token: Callable[[], str | None]) -> None:
+        self._rt = rt
+        self._session_id = request.session_id
+        self._session_token = session_token
         self.epoch = request.epoch
         self.prompt = len(request.prompt_tokens)
         self.tokens: list[int] = list(request.prompt_tokens)
@@ -37,9 +41,11 @@ class Recovery:
         self.journal = Journal(self.schedule) if request.repair and not is_tail and single else None
         backend = rt.engine.backend
         self.writer: SnapshotWriter | None = None
-        # Not the head: a lost head ends its sessions (it drives them), so its snapshots could rebuild nothing.
-        if self.schedule.every and hop.standby is not None and request.hop_index > 0 and isinstance(backend,
-                                                                                                      KvBackend):
+        # The head too (issue #31: a replacement head takes the session over from them), when its standby is a spare
+        # serving its layers (elsewhere a replacement recomputes its KV from the tokens) and it is not its own tail.
+        head_spare = hop.standby is not None and hop.standby.layers == hop.layers and not is_tail
+        if self.schedule.every and hop.standby is not None and (request.hop_index > 0 or head_spare) and \
+                isinstance(backend, KvBackend):
             self.writer = SnapshotWriter(rt, request.session_id, schedule=self.schedule, standby=hop.standby,
                                          layers=hop.layers, model_id=request.route.model_id,
                                          manifest_id=rt.manifest_id, tokens=lambda: self.tokens,
@@ -52,6 +58,13 @@ class Recovery:
     async def close(self) -> None:
         if self.writer is not None:
             await self.writer.close()
+        resume = self.resume
+        if resume is not None and resume.lost_node and resume.standby is not None:
+            # A replacement head: the lost head's chain it started from is of no use once the session ended.
+            with contextlib.suppress(Exception):
+                await self._rt.client.drop_snapshots(resume.standby.node_id, resume.standby.endpoint,
+                                                     self._session_id, session_token=self._session_token(),
+                                                     timeout=1.0)
 
     def computed(self, start: int, end: int, tokens: Sequence[int] | None) -> None:
         """A step put positions ``[start, end)`` into the KV; ``tokens`` are theirs when beyond the prompt."""
