@@ -34,18 +34,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import llama_cpp
 import openai
 
-from actors.tracker import Tracker
-from bus.server import EmbeddedNats, NatsServerConfig
 from gateway.app import Gateway
-from schemas.settings import Settings
-from tests.bench.bench_repair import MODEL, TEXT, Streamed, _model_path
-from tests.support.swarm import NodeProcess, Swarms, make_settings, wait_model
-from tests.support.waiting import eventually
+from tests.bench import bench_repair
+from tests.bench.bench_repair import HEAD, MODEL, TAIL, Streamed, _model_path
 
-HEAD, TAIL = "0:9", "9:18"
 DECODED = 32
 
 
@@ -63,52 +57,12 @@ class HeadKill:
     same_text: bool
 
 
-class Bench:
-    def __init__(self, args: argparse.Namespace, model: Path, work: Path) -> None:
-        self.args = args
-        self.model = model
-        self.work = work
-        self.vocab = llama_cpp.Llama(str(model), vocab_only=True, verbose=False)
-        self.nodes: dict[str, NodeProcess] = {}
-        self.dead: set[str] = set()
-        self._spares = 0
-        self.swarms = Swarms()
+class Bench(bench_repair.Bench):
+    """bench_repair's swarm with the roles swapped: the tail stays, each round kills the head and a spare of the
+    head's layers takes over."""
 
-    async def start(self) -> None:
-        self.nats = EmbeddedNats(NatsServerConfig(store_dir=self.work / "nats")).start()
-        self.swarms.on_teardown(self.nats.stop)
-        self.settings: Settings = make_settings(
-            self.nats.url, self.work / "home", token_timeout_s=30.0, first_token_timeout_s=120.0, hop_timeout_s=30.0,
-            snapshot_every=self.args.snapshot_every, repair_timeout_s=30.0, prefix_cache_mb=0)
-        self.tracker = await self.swarms.actor(Tracker(self.settings))
-        self.repair_gw = await self.swarms.actor(Gateway(self.settings, port=0))
-        alpha = self.settings.model_copy(update={"repair": False, "snapshot_every": 0})
-        self.alpha_gw = await self.swarms.actor(Gateway(alpha, port=0))
-        await asyncio.gather(self._node("tail", TAIL), self._node("a1", HEAD), self.spare())
-        await wait_model(self.tracker, MODEL, timeout=300, n_nodes=3)
-
-    async def _node(self, name: str, layers: str) -> None:
-        args = ["--backend", "llamacpp", "--model", str(self.model), "--model-id", MODEL, "--layers", layers,
-                "--threads", "1", "--ctx", str(self.args.ctx), "--max-sessions", "2"]
-        self.nodes[name] = await self.swarms.node_process(self.settings, name, args, ready_timeout=300.0)
-        await self._until(lambda live: name in live, f"the tracker seeing {name}")
-
-    async def spare(self) -> None:
-        """A fresh node serving the head's layers: the next kill's replacement."""
-        self._spares += 1
-        await self._node(f"a{self._spares + 1}", HEAD)
-
-    async def _until(self, cond: Any, what: str) -> None:
-        def check() -> bool:
-            registry = self.tracker.registry
-            return registry is not None and bool(cond({a.node_id for a in registry.live()}))
-
-        await eventually(check, timeout=120, interval=0.1, what=what)
-
-    def prompt(self, n: int) -> list[int]:
-        tokens = self.vocab.tokenize(TEXT.encode(), add_bos=False)
-        body = (tokens * (n // len(tokens) + 1))[:n - 1]
-        return [self.vocab.token_bos(), *body]
+    KEPT = ("tail", TAIL)
+    REPLACED = ("a", HEAD)
 
     async def stream(self, gateway: Gateway, prompt: list[int], max_tokens: int, *, kill_after: int = 0) -> Streamed:
         client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=600)
@@ -132,7 +86,7 @@ class Bench:
                 self.dead.add(run.killed)
         return run
 
-    async def kill_round(self, context: int) -> HeadKill:
+    async def kill_head(self, context: int) -> HeadKill:
         prompt = self.prompt(context - DECODED)
         expected = await self.stream(self.repair_gw, prompt, DECODED)
         run = await self.stream(self.repair_gw, prompt, DECODED, kill_after=self.args.kill_after)
@@ -186,7 +140,7 @@ async def _run(args: argparse.Namespace, contexts: list[int], work: Path) -> lis
         await bench.stream(bench.alpha_gw, bench.prompt(64), 8)
         for r in range(args.rounds):
             for context in contexts if r % 2 == 0 else contexts[::-1]:
-                kills.append(await bench.kill_round(context))
+                kills.append(await bench.kill_head(context))
                 await bench.spare()
                 k = kills[-1]
                 print(f"round {r + 1}: context {context}: {k.outcome}, gap {k.gap_ms:.0f} ms, re-prefill "

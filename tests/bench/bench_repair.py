@@ -147,6 +147,11 @@ class KillRun:
 
 
 class Bench:
+    KEPT = ("head", HEAD)
+    """The node that is never killed: its name and layers."""
+    REPLACED = ("b", TAIL)
+    """The range each round kills and a spare takes over: the nodes' name prefix and their layers."""
+
     def __init__(self, args: argparse.Namespace, model: Path, work: Path) -> None:
         self.args = args
         self.model = model
@@ -169,7 +174,9 @@ class Bench:
         self.repair_gw = await self.swarms.actor(Gateway(self.settings, port=0))
         alpha = self.settings.model_copy(update={"repair": False, "snapshot_every": 0})
         self.alpha_gw = await self.swarms.actor(Gateway(alpha, port=0))
-        await asyncio.gather(self._node("head", HEAD), self._node("b1", TAIL), self.spare())
+        kept, layers = self.KEPT
+        await asyncio.gather(self._node(kept, layers), self._node(f"{self.REPLACED[0]}1", self.REPLACED[1]),
+                             self.spare())
         await wait_model(self.tracker, MODEL, timeout=300, n_nodes=3)
 
     async def _node(self, name: str, layers: str) -> None:
@@ -179,9 +186,10 @@ class Bench:
         await self._until(lambda live: name in live, f"the tracker seeing {name}")
 
     async def spare(self) -> None:
-        """A fresh node serving the tail's layers: the next kill's replacement."""
+        """A fresh node serving the killed range's layers: the next kill's replacement."""
         self._spares += 1
-        await self._node(f"b{self._spares + 1}", TAIL)
+        prefix, layers = self.REPLACED
+        await self._node(f"{prefix}{self._spares + 1}", layers)
 
     async def _until(self, cond: Any, what: str) -> None:
         def check() -> bool:

@@ -478,7 +478,7 @@ class LlamaCppBackend(HoldsSessions[_Session]):
             seq = self._resident_seqs.pop()
             llama_cpp.llama_memory_seq_rm(self._memory, seq, -1, -1)
             llama_cpp.llama_memory_seq_cp(self._memory, session.seq_id, seq, -1, -1)
-            self._copies_pending = self._copies_pending or self.config.batch_invariant
+            self._copies_pending = self._copies_pending or self.config.kv_streams
             self._resident.park(handle, seq, session.position)
             self._free(session)
             return True
@@ -499,7 +499,7 @@ class LlamaCppBackend(HoldsSessions[_Session]):
             if session.position != 0 or not 0 < n <= parked.positions:
                 raise BadRequestError(f"cannot adopt {n} positions of a parked prefix of {parked.positions} into a "
                                       f"session at {session.position}")
-            if self.config.batch_invariant:  # streams copy whole; the positions past n are dropped again
+            if self.config.kv_streams:  # streams copy whole; the positions past n are dropped again
                 llama_cpp.llama_memory_seq_cp(self._memory, parked.seq_id, session.seq_id, -1, -1)
                 self._copies_pending = True  # copied at the next decode (``_flush_copies`` before KV moves)
                 self._kv.truncate(session.seq_id, n)
