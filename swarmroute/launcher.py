@@ -58,13 +58,17 @@ def slug(name: str) -> str:
     return "-".join("".join(c if c.isalnum() else " " for c in name.lower()).split()) or "model"
 
 
-def wait_ready(url: str, model_id: str, supervisor: Supervisor, timeout: float) -> None:
+def wait_ready(url: str, model_id: str, supervisor: Supervisor, timeout: float, *,
+               api_key: str | None = None) -> None:
+    """Until the gateway at ``url`` lists ``model_id`` complete (asking with ``api_key`` when the gateway has keys:
+    without it every answer is a 401 and the swarm never looks ready)."""
     deadline = time.monotonic() + timeout
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     while time.monotonic() < deadline:
         if not supervisor.check():
             raise RuntimeError(supervisor.failed or "a child process exited during start-up")
         try:
-            with urllib.request.urlopen(f"{url}/v1/models", timeout=2) as r:
+            with urllib.request.urlopen(urllib.request.Request(f"{url}/v1/models", headers=headers), timeout=2) as r:
                 models = json.load(r)["data"]
             if any(model_id in (m["id"], m.get("name"), *m.get("aliases", [])) for m in models if m.get("complete")):
                 return
@@ -72,6 +76,11 @@ def wait_ready(url: str, model_id: str, supervisor: Supervisor, timeout: float) 
             pass
         time.sleep(0.5)
     raise RuntimeError(f"the swarm did not become ready within {timeout:g}s")
+
+
+def first_key(settings: Settings) -> str | None:
+    """One of the gateway's API keys, for the launcher's own requests to it."""
+    return settings.api_keys[0].get_secret_value() if settings.api_keys else None
 
 
 def machine_cores() -> int:
@@ -225,7 +234,7 @@ def run_up(args: argparse.Namespace, settings: Settings) -> int:
     url = f"http://{host}:{args.port}"
 
     def ready(supervisor: Supervisor) -> str:
-        wait_ready(url, model_id, supervisor, timeout=600)
+        wait_ready(url, model_id, supervisor, timeout=600, api_key=first_key(settings))
         route = " -> ".join(f"{name}[{r[0]},{r[1]})" for name, r in local.layers.items() if r is not None)
         return f"""
 swarmroute is up: {args.backend} backend, model {model_id!r}, route {route}

@@ -24,7 +24,16 @@ from schemas.manifest import ModelManifest
 from schemas.settings import Settings
 from swarmroute.backends import DEFAULT_SESSIONS
 from swarmroute.fleet_members import LocalFleet
-from swarmroute.launcher import listen, local_fleet, local_node_env, local_threads, slug, up_fleet, wait_ready
+from swarmroute.launcher import (
+    first_key,
+    listen,
+    local_fleet,
+    local_node_env,
+    local_threads,
+    slug,
+    up_fleet,
+    wait_ready,
+)
 from swarmroute.supervisor import Supervisor
 
 DEFAULT_CONTEXT = 4096
@@ -124,7 +133,7 @@ def run_up_from_swarm(args: argparse.Namespace, settings: Settings) -> int:
     url = f"http://{host}:{args.port}"
 
     def ready(supervisor: Supervisor) -> str:
-        wait_ready(url, manifest.model_id, supervisor, timeout=1800)
+        wait_ready(url, manifest.model_id, supervisor, timeout=1800, api_key=first_key(settings))
         route = " -> ".join(f"{node}[{a},{b})" for node, (a, b) in _served_ranges(url, manifest.model_id))
         return f"""
 swarmroute is up from the swarm in {time.monotonic() - started:.0f}s: model {alias!r} ({manifest.model_id[:12]}),

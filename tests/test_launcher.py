@@ -206,6 +206,20 @@ def test_the_share_of_cores_is_at_least_one_thread(monkeypatch: pytest.MonkeyPat
     assert [local_threads(n) for n in (1, 2, 3, 8, 16)] == [8, 4, 2, 1, 1]
 
 
+def test_up_behind_api_keys_gets_ready_and_serves_only_with_a_key(children: Children, tmp_path: Path) -> None:
+    """The launcher's own readiness check carries a key: without one every answer is a 401 and the banner never
+    came."""
+    key = "sk-launcher-test"
+    up = children.add(Up("--backend", "stub", env={"SWARMROUTE_HOME": str(tmp_path / "home"),
+                                                   "SWARMROUTE_API_KEYS": f'["{key}"]',
+                                                   "SWARMROUTE_GATEWAY_PORT": str(free_port())}))
+    url = _ready(up, timeout=120)
+    assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 401
+    models = httpx.get(f"{url}/v1/models", headers={"authorization": f"Bearer {key}"}, timeout=10)
+    assert models.status_code == 200 and any(m.get("complete") for m in models.json()["data"]), models.text
+    assert key not in up.output
+
+
 # ---- sessions per node from memory (issue #30) ------------------------------------------------------------------
 
 def _up_args(*argv: str) -> argparse.Namespace:
