@@ -64,7 +64,7 @@ async def test_the_stream_shows_coverage_a_live_session_with_its_route_and_the_l
     assert [layer["serving"] for layer in model["layers"]] == [["n1"]] * 4 + [["n2"]] * 4
 
     client = openai.AsyncOpenAI(base_url=swarm.base_url, api_key="none", max_retries=0)
-    stream = await client.completions.create(model=STUB_MODEL, prompt="hello", max_tokens=300, stream=True,
+    stream = await client.completions.create(model=STUB_MODEL, prompt="hello", max_tokens=2000, stream=True,
                                              extra_body={"ignore_eos": True})
     sid = ""
     async with httpx.AsyncClient(timeout=30) as http:
@@ -75,7 +75,6 @@ async def test_the_stream_shows_coverage_a_live_session_with_its_route_and_the_l
                 break
         else:
             pytest.fail("the session never showed as decoding while it streamed")
-        await stream.close()
         session = shown[0]
         assert [(h["node_id"], h["layers"]) for h in session["route"]] == [("n1", [0, 4]), ("n2", [4, 8])]
         # the nodes measured the link they route over, and advertised it
@@ -86,7 +85,9 @@ async def test_the_stream_shows_coverage_a_live_session_with_its_route_and_the_l
             return s if links["nodes"] == ["n1", "n2"] and all(
                 links["rtt_ms"][i][j] for i, j in ((0, 1), (1, 0))) else None
 
+        # the stream stays open meanwhile: a node measures the peers of its open sessions, at its next probe round
         state = await eventually(measured, timeout=20, interval=0.2, what="the n1/n2 link measured both ways")
+        await stream.close()
         assert all(0 < state["links"]["rtt_ms"][i][j] < 5000 for i, j in ((0, 1), (1, 0)))
         node = next(n for n in state["nodes"] if n["node_id"] == "n1")
         assert node["rss_bytes"] > 0 and node["compute_ms_per_layer"] is not None
