@@ -36,8 +36,10 @@ ROUTE = re.compile(r"node-1 \[0, (\d+)\).*node-2 \[(\d+), 18\)", re.S)
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory, gemma_path: Path) -> Iterator[Up]:
     home = tmp_path_factory.mktemp("up")
+    # up's nodes seed what they serve too: slowly, so that a joining node's fetch lasts long enough to watch
     swarm = Up("--nodes", "2", "--model", str(gemma_path), "--threads", "1",
-               env={"SWARMROUTE_HOME": str(home), "SWARMROUTE_GATEWAY_PORT": str(free_port())})
+               env={"SWARMROUTE_HOME": str(home), "SWARMROUTE_GATEWAY_PORT": str(free_port()),
+                    "SWARMROUTE_SEED_UPLOAD_LIMIT": "1000000"})
     try:
         assert swarm.banner.wait(600), swarm.output
         assert swarm.proc.poll() is None, swarm.output
