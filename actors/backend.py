@@ -24,6 +24,25 @@ Hidden = npt.NDArray[np.float32]
 """Hidden states of ``n`` positions: shape ``(n, *hidden_shape)``, float32."""
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class TopLogits:
+    """The largest logits of one row, largest first: what a tail's spot-check receipt keeps (issue #28)."""
+
+    ids: npt.NDArray[np.int32]
+    values: npt.NDArray[np.float32]
+
+    @classmethod
+    def of(cls, logits: npt.NDArray[np.floating], k: int) -> TopLogits:
+        """The ``k`` largest of a row of logits (ties broken by the lower id, so that equal rows give equal
+        answers)."""
+        row = np.asarray(logits, dtype=np.float32).reshape(-1)
+        k = min(k, row.shape[0])
+        part = np.argpartition(-row, k - 1)[:k]
+        order = np.lexsort((part, -row[part]))
+        ids = part[order].astype(np.int32)
+        return cls(ids=ids, values=row[ids].copy())
+
+
 @dataclasses.dataclass(slots=True)
 class StepInput:
     """One session's share of a batched forward pass through this node's layers."""
@@ -38,6 +57,9 @@ class StepInput:
     """On the tail: sample a token after the last position (last prefill chunk, every decode step)."""
     rows: bool = False
     """On the tail: return the logits of every position (a verify window, issue #20) instead of sampling."""
+    top_k: int = 0
+    """On the tail, with ``sample``: also return the ``top_k`` largest logits of the sampled row (``StepOutput.top``:
+    a spot-check receipt of the tail's work, issue #28)."""
     forks: tuple[str, ...] = ()
     """n > 1, on the last prefill chunk: after this step, fork the session into these new sessions (choices
     1..n-1; see ``ForkingBackend.fork_session``). Done inside the step, so nothing runs between the forward pass and
@@ -61,6 +83,8 @@ class StepOutput:
     """The sampled token's logprobs (tail, when the session's ``SamplingParams.logprobs`` asked for them)."""
     rows: npt.NDArray[np.float32] | None = None
     """The logits of every position (tail, when ``StepInput.rows``): shape ``(n_positions, n_vocab)``, a copy."""
+    top: TopLogits | None = None
+    """The ``StepInput.top_k`` largest logits the token was sampled from (tail, when asked)."""
     forks: list[StepOutput] = dataclasses.field(default_factory=list)
     """One output per ``StepInput.forks`` entry, in order (the forks' first tokens on the tail)."""
 

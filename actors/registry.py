@@ -101,6 +101,12 @@ async def registry_snapshot(nc: NATS, subjects: Subjects) -> RegistrySnapshot:
     return RegistrySnapshot(adverts, replication)
 
 
+def _identity(a: NodeAdvertisement) -> tuple[object, ...]:
+    """What routing reads of a node besides its load."""
+    return (a.model_id, a.backend.model_name, a.backend.n_layers, tuple(a.aliases), a.layers.start, a.layers.end,
+            a.state, a.verified, a.endpoint, a.started_at)
+
+
 class RegistryView:
     """A live, local copy of the registry, fed by a KV watcher. A node counts as live while its last heartbeat,
     as received here, is younger than the TTL (KV expiry does not notify watchers).
@@ -124,6 +130,10 @@ class RegistryView:
         self._subjects = subjects
         self._sub: Subscription | None = None
         self.ready = asyncio.Event()
+        self.membership = 0
+        """Bumped whenever a node appears, is deleted, or changes what a route depends on (model, names, range,
+        state, verification, endpoint): a view derived from the registry is current while this is unchanged and
+        none of its nodes expired. A heartbeat that only renews (load, timestamps) leaves it."""
 
     async def start(self) -> None:
         if self._nc is not None and self._subjects is not None:
@@ -165,6 +175,7 @@ class RegistryView:
             if removed is not None:
                 # The two feeds race: the other one may still replay the put this delete retired.
                 self._retired[key] = removed[0].sent_at
+                self.membership += 1
             return
         try:
             advert = codec.decode(value, NodeAdvertisement)
@@ -177,6 +188,8 @@ class RegistryView:
         if advert.sent_at <= self._retired.get(key, float("-inf")):
             return  # a replay of an advertisement its node has since deleted (drain, clean stop)
         self._retired.pop(key, None)
+        if known is None or _identity(known[0]) != _identity(advert):
+            self.membership += 1
         self._nodes[key] = (advert, time.monotonic())
 
     def all(self) -> dict[str, NodeAdvertisement]:
@@ -186,6 +199,13 @@ class RegistryView:
     def live(self) -> list[NodeAdvertisement]:
         cutoff = time.monotonic() - self._ttl
         return [advert for advert, seen in self._nodes.values() if seen >= cutoff]
+
+    def current(self, node_id: str) -> NodeAdvertisement | None:
+        """The node's last advertisement while it is live (``live()``'s rule), else None."""
+        entry = self._nodes.get(node_id)
+        if entry is None or entry[1] < time.monotonic() - self._ttl:
+            return None
+        return entry[0]
 
     def age_s(self, node_id: str) -> float | None:
         entry = self._nodes.get(node_id)

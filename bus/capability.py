@@ -191,8 +191,9 @@ def verify(token: str, verifier: Verifier) -> Capability:
 
 
 def issue(route: Route, signer: Signer, ttl_s: float, *, now: float | None = None, link: str | None = None) -> Route:
-    """A copy of ``route`` whose every hop (and every hop's standby holder, issue #18) carries its capability; one
-    session token for the whole route: fresh, or ``link`` (a repaired route keeps its session's token)."""
+    """A copy of ``route`` whose every hop (and every hop's standby holder, issue #18, and prefix source, issue #26)
+    carries its capability; one session token for the whole route: fresh, or ``link`` (a repaired route keeps its
+    session's token)."""
     digest = route_digest(route)
     link = link or secrets.token_urlsafe(24)
     expires = (time.time() if now is None else now) + ttl_s
@@ -204,7 +205,9 @@ def issue(route: Route, signer: Signer, ttl_s: float, *, now: float | None = Non
     hops = [hop.model_copy(update={
         "capability": grant(hop.node_id, i),
         "standby": None if hop.standby is None else hop.standby.model_copy(
-            update={"capability": grant(hop.standby.node_id, i)})})
+            update={"capability": grant(hop.standby.node_id, i)}),
+        "prefix_source": None if hop.prefix_source is None else hop.prefix_source.model_copy(
+            update={"capability": grant(hop.prefix_source.node_id, i)})})
         for i, hop in enumerate(route.hops)]
     return route.model_copy(update={"hops": hops})
 

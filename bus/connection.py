@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -40,6 +41,7 @@ async def connect(
     connect_timeout: float = 5.0,
     inbox_prefix: str = "_INBOX",
     randomize: bool = True,
+    tls: ssl.SSLContext | None = None,
 ) -> NATS:
     """Connect to one or more comma-separated NATS URLs; credentials are passed through and never logged."""
     servers = [u.strip() for u in url.split(",") if u.strip()]
@@ -69,6 +71,8 @@ async def connect(
         options["token"] = token
     if creds is not None:
         options["user_credentials"] = creds
+    if tls is not None:
+        options["tls"] = tls
     return await nats.connect(**options)
 
 
@@ -82,7 +86,20 @@ async def connect_settings(settings: Settings, *, name: str) -> NATS:
         creds=str(settings.nats_creds) if settings.nats_creds else None,
         inbox_prefix=settings.nats_inbox_prefix,
         randomize=settings.nats_randomize,
+        tls=nats_context(settings),
     )
+
+
+def nats_context(settings: Settings) -> ssl.SSLContext | None:
+    """TLS to the NATS servers (issue #29) when a CA or a client certificate is configured: the servers'
+    certificate checked against ``nats_tls_ca_file`` (or the system's CAs), host name included."""
+    if settings.nats_tls_ca_file is None and settings.nats_tls_cert_file is None:
+        return None
+    context = ssl.create_default_context(cafile=str(settings.nats_tls_ca_file) if settings.nats_tls_ca_file else None)
+    if settings.nats_tls_cert_file is not None:
+        key = settings.nats_tls_key_file
+        context.load_cert_chain(str(settings.nats_tls_cert_file), str(key) if key is not None else None)
+    return context
 
 
 @contextlib.asynccontextmanager

@@ -33,6 +33,14 @@ Token frames (the tail's sampled token, to the head) share the stamps and the by
     32  4  text bytes
     36     n_stamps x (u32 hop, u32 compute_us, u32 queue_us), then the text (UTF-8), then, when flagged,
            f32 logprob of the token, u8 n_top, n_top x (u32 token id, f32 logprob), most likely first
+
+Batches (issue #26: one request per pass per hop carrying every session's rows) wrap whole frames of either kind,
+each unchanged, with the session token its session's requests carry (empty without capabilities)::
+
+    0   4  magic "SRB1"
+    4   2  n entries       1..256
+    6   2  reserved        0
+    8      per entry: u16 token length, u32 frame length, the token (ASCII), the frame ("SRF1" or "SRT1")
 """
 
 from __future__ import annotations
@@ -45,10 +53,12 @@ import numpy as np
 import numpy.typing as npt
 
 from schemas.frame import (
+    BATCH_MAGIC,
     FINISH_CODES,
     FRAME_FLAG_SAMPLE,
     FRAME_FLAG_TOKENS,
     MAGIC,
+    MAX_BATCH,
     MAX_DIMS,
     MAX_FRAME_CHOICE,
     TOKEN_EPOCH_SHIFT,
@@ -69,6 +79,8 @@ _TOKEN = struct.Struct("<4sBBBB16sIII")
 _LOGPROB_HEAD = struct.Struct("<fB")
 _WINDOW = struct.Struct("<4s16sIBBxx")
 _LENGTH = struct.Struct("<I")
+_BATCH = struct.Struct("<4sHH")
+_ENTRY = struct.Struct("<HI")
 WINDOW_MAGIC = b"SRW1"
 _TOP = [struct.Struct("<" + "If" * n) for n in range(MAX_TOP_LOGPROBS + 1)]
 _FINISHES = {code: reason for reason, code in FINISH_CODES.items()}
@@ -257,6 +269,48 @@ def decode_window(data: bytes) -> SampledWindow:
     if at != len(data):
         raise FrameDecodeError(f"{len(data) - at} bytes after the window frame's last token")
     return SampledWindow(session_id=sid, window=window, accepted=accepted, tokens=tuple(tokens))
+
+
+def encode_batch(entries: list[tuple[bytes, str]]) -> bytes:
+    """Frames (activation or token frames, as ``encode`` and ``encode_token`` made them) with each one's session
+    token, in one body (the module's docstring has the layout)."""
+    if not 1 <= len(entries) <= MAX_BATCH:
+        raise ValueError(f"a batch carries 1..{MAX_BATCH} frames, got {len(entries)}")
+    parts = [_BATCH.pack(BATCH_MAGIC, len(entries), 0)]
+    for frame, token in entries:
+        raw = token.encode("ascii")
+        parts += (_ENTRY.pack(len(raw), len(frame)), raw, frame)
+    return b"".join(parts)
+
+
+def decode_batch(data: bytes) -> list[tuple[bytes, str]]:
+    """The (frame, session token) entries of a batch, frames still encoded; FrameDecodeError saying what is wrong
+    with the container (each frame is checked where it is decoded)."""
+    if len(data) < _BATCH.size:
+        raise FrameDecodeError(f"batch is {len(data)} bytes, shorter than its {_BATCH.size}-byte header")
+    magic, n, reserved = _BATCH.unpack_from(data, 0)
+    if magic != BATCH_MAGIC:
+        raise FrameDecodeError(f"bad magic {magic!r}, expected {BATCH_MAGIC!r}")
+    if not 1 <= n <= MAX_BATCH or reserved:
+        raise FrameDecodeError(f"a batch of {n} entries (1..{MAX_BATCH}) with reserved bytes {reserved}")
+    at, entries = _BATCH.size, []
+    for i in range(n):
+        if at + _ENTRY.size > len(data):
+            raise FrameDecodeError(f"batch cut short at entry {i} of {n}")
+        n_token, n_frame = _ENTRY.unpack_from(data, at)
+        at += _ENTRY.size
+        end = at + n_token + n_frame
+        if end > len(data):
+            raise FrameDecodeError(f"batch entry {i} needs {n_token + n_frame} bytes, {len(data) - at} are left")
+        try:
+            token = data[at:at + n_token].decode("ascii")
+        except UnicodeDecodeError:
+            raise FrameDecodeError(f"batch entry {i}'s session token is not ASCII") from None
+        entries.append((data[at + n_token:end], token))
+        at = end
+    if at != len(data):
+        raise FrameDecodeError(f"{len(data) - at} bytes after the batch's last entry")
+    return entries
 
 
 def _pack_logprobs(lp: TokenLogprobs) -> bytes:

@@ -11,9 +11,12 @@ import asyncio
 import contextlib
 import functools
 import socket
+import ssl
 from collections.abc import Callable, Coroutine
 from typing import Any
 from urllib.parse import urlsplit
+
+from bus.tls import check_pin
 
 _MAX_HEADER = 16 * 1024
 
@@ -29,20 +32,32 @@ class LinkError(Exception):
 
 
 class HttpLink:
-    """Pooled connections to one peer (``http://host:port``)."""
+    """Pooled connections to one peer (``http://host:port``; ``https://host:port`` with ``tls``, a client
+    context, and ``pin``, the key that must answer: checked before a request is written, ``bus.tls``)."""
 
-    def __init__(self, base_url: str, *, max_idle: int = 8) -> None:
+    def __init__(self, base_url: str, *, max_idle: int = 8, tls: ssl.SSLContext | None = None,
+                 pin: str | None = None) -> None:
         parts = urlsplit(base_url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"hop links speak plain http://host:port, got {base_url!r}")
+        if parts.scheme != ("https" if tls is not None else "http") or not parts.hostname:
+            raise ValueError(f"hop links speak plain http://host:port, or https:// with a TLS context, "
+                             f"got {base_url!r}")
         self.host = parts.hostname
-        self.port = parts.port or 80
+        self.port = parts.port or (443 if tls is not None else 80)
+        self._tls = tls
+        self._pin = pin
         self._host_header = parts.netloc.encode()
         self._idle: list[_Conn] = []
         self._max_idle = max_idle
 
     async def _connect(self) -> _Conn:
-        reader, writer = await asyncio.open_connection(self.host, self.port)
+        reader, writer = await asyncio.open_connection(self.host, self.port, ssl=self._tls,
+                                                       server_hostname="" if self._tls is not None else None)
+        if self._tls is not None:
+            try:
+                check_pin(writer.get_extra_info("ssl_object"), self._pin, where=f"{self.host}:{self.port}")
+            except OSError:
+                writer.close()
+                raise
         sock = writer.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

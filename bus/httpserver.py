@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
+import ssl
 from collections.abc import Iterator
 
 import uvicorn
@@ -14,6 +16,9 @@ import uvicorn.importer
 from starlette.types import ASGIApp
 
 from bus.hotpath import HotPathProtocol, HotRoutes, close_idle
+from bus.tls import ServerTrust, pin_endpoint
+
+log = logging.getLogger(__name__)
 
 IDLE_S = 75.0
 """Keep-alive connections quiet for this long are closed (uvicorn's own ``timeout_keep_alive`` for the rest)."""
@@ -29,9 +34,13 @@ class _EmbeddedServer(uvicorn.Server):
 
 class HttpServer:
     """Binds ``host:port`` (port 0 picks a free one) and serves ``app`` until ``stop()``, which is idempotent.
-    With ``hot``, the requests it claims are answered by the fast lane instead of going through ``app``."""
+    With ``hot``, the requests it claims are answered by the fast lane instead of going through ``app``. With
+    ``tls`` a ``ServerTrust`` (a node), it speaks only TLS 1.3, requires a client certificate and closes every
+    connection ``tls`` does not admit before reading a byte of it; its ``url`` then carries its key's pin
+    (``bus.tls``). With ``tls`` a plain context (the gateway's HTTPS), it serves TLS to any client."""
 
-    def __init__(self, app: ASGIApp, host: str = "127.0.0.1", port: int = 0, *, hot: HotRoutes | None = None) -> None:
+    def __init__(self, app: ASGIApp, host: str = "127.0.0.1", port: int = 0, *, hot: HotRoutes | None = None,
+                 tls: ServerTrust | ssl.SSLContext | None = None) -> None:
         self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         # Accepted connections inherit this on Linux; without it a response written as headers + body waits
@@ -45,8 +54,18 @@ class HttpServer:
         if hot is not None:
             fallback = uvicorn.importer.import_from_string(uvicorn.config.HTTP_PROTOCOLS[str(protocol)])
             protocol = HotPathProtocol.bind(hot, fallback, self._hot_connections)
+        self._tls = tls
+        extra: dict[str, object] = {}
+        if isinstance(tls, ServerTrust):
+            plain: type[asyncio.Protocol] = (uvicorn.importer.import_from_string(
+                uvicorn.config.HTTP_PROTOCOLS[protocol]) if isinstance(protocol, str) else protocol)
+            protocol = _admitting(plain, tls)
+        if tls is not None:
+            context = tls.context if isinstance(tls, ServerTrust) else tls
+            extra["ssl_context_factory"] = lambda _config, _default: context
         config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
-                                timeout_keep_alive=int(IDLE_S), proxy_headers=False, http=protocol)
+                                timeout_keep_alive=int(IDLE_S), proxy_headers=False, http=protocol,
+                                **extra)  # type: ignore[arg-type]
         self._server = _EmbeddedServer(config)
         self._task: asyncio.Task[None] | None = None
         self._sweeper: asyncio.Task[None] | None = None
@@ -54,7 +73,9 @@ class HttpServer:
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        if isinstance(self._tls, ServerTrust):
+            return pin_endpoint(f"https://{host}:{self.port}", self._tls.identity.fingerprint)
+        return f"{'https' if self._tls is not None else 'http'}://{host}:{self.port}"
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._server.serve(sockets=[self._sock]), name=f"http-{self.port}")
@@ -87,6 +108,18 @@ class HttpServer:
             conn.close()
         with contextlib.suppress(OSError):
             self._sock.close()
+
+
+def _admitting(protocol: type[asyncio.Protocol], trust: ServerTrust) -> type[asyncio.Protocol]:
+    """``protocol``, closing a connection whose peer ``trust`` does not admit as soon as its handshake is done
+    (asyncio hands a TLS connection to the protocol only then), before any request on it is read."""
+    def connection_made(self: asyncio.Protocol, transport: asyncio.BaseTransport) -> None:
+        protocol.connection_made(self, transport)
+        if not trust.admits(transport.get_extra_info("ssl_object")):
+            log.warning("refused a TLS connection from %s: its key is not registered",
+                        transport.get_extra_info("peername"))
+            transport.abort()  # type: ignore[attr-defined]
+    return type(f"Admitting{protocol.__name__}", (protocol,), {"connection_made": connection_made})
 
 
 def _has_httptools() -> bool:

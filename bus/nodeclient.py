@@ -8,15 +8,19 @@ with an error, which is what the structured session failure reports.
 from __future__ import annotations
 
 import json
+import ssl
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Literal
 
 import httpx
 
 from bus.capability import HEADER_CAPABILITY, HEADER_SESSION_TOKEN
+from bus.frame_batch import FrameBatcher, batchable
 from bus.hoplink import HttpLink, LinkError
+from bus.tls import PinnedTransport, PinTable, split_pin
 from schemas.errors import HopError, error_from_body
 from schemas.node import LayerRange
+from schemas.prefix_offer import PrefixOffer, PrefixOfferRequest
 from schemas.route import HopPosition, ReplayRequest, RouteUpdate
 from schemas.session import FailureReason, Prompt, SessionOpen, SessionOpened, TokenizeReply
 from schemas.snapshot import SnapshotList
@@ -32,19 +36,40 @@ SessionState = Literal["open", "ended", "gone", "unreachable", "unknown"]
 
 
 class NodeClient:
-    """One pooled, keep-alive HTTP client for every node this process talks to. ``aclose()`` is idempotent."""
+    """One pooled, keep-alive HTTP client for every node this process talks to. ``aclose()`` is idempotent.
 
-    def __init__(self, *, timeout_s: float = 10.0, headers: dict[str, str] | None = None) -> None:
+    With ``tls`` (``bus.tls.client_context``) it presents this process's identity to ``https://<pin>@...`` endpoints
+    and checks each node's key against the endpoint's pin before a request goes out. With ``batch_frames`` the
+    decode and token frames of one loop turn for one peer go out as one batch (``bus.frame_batch``)."""
+
+    def __init__(self, *, timeout_s: float = 10.0, headers: dict[str, str] | None = None,
+                 tls: ssl.SSLContext | None = None, batch_frames: bool = False) -> None:
         self._timeout = timeout_s
+        self._tls = tls
+        self._pins = PinTable()
+        nodelay = [(6, 1, 1)]  # IPPROTO_TCP, TCP_NODELAY
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 5.0)),
             limits=httpx.Limits(max_connections=256, max_keepalive_connections=64, keepalive_expiry=60.0),
             headers=headers or {},
-            transport=httpx.AsyncHTTPTransport(socket_options=[(6, 1, 1)]),  # IPPROTO_TCP, TCP_NODELAY
+            transport=(httpx.AsyncHTTPTransport(socket_options=nodelay) if tls is None
+                       else PinnedTransport(tls, self._pins, socket_options=nodelay)),
         )
         self._links: dict[str, HttpLink] = {}
+        self.batcher = FrameBatcher(self._link, _refused) if batch_frames else None
+        """Issue #26: decode and token frames to one peer in one loop turn go as one request (``bus.frame_batch``)."""
+
+    def _link(self, endpoint: str) -> HttpLink:
+        link = self._links.get(endpoint)
+        if link is None:
+            bare, pin = split_pin(endpoint)
+            link = self._links[endpoint] = HttpLink(bare, tls=self._tls if bare.startswith("https:") else None,
+                                                    pin=pin)
+        return link
 
     async def aclose(self) -> None:
+        if self.batcher is not None:
+            await self.batcher.aclose()
         links, self._links = self._links, {}
         for link in links.values():
             await link.aclose()
@@ -54,10 +79,13 @@ class NodeClient:
                    timeout: float | None, session_token: str | None) -> Coroutine[Any, Any, None]:
         """The per-token path: raw keep-alive link (the request is written now if a connection is idle), same error
         semantics as the httpx path once awaited."""
-        link = self._links.get(endpoint)
-        if link is None:
-            link = self._links[endpoint] = HttpLink(endpoint)
+        if self._tls is None and endpoint.startswith("https:"):
+            return _failing(HopError(node, "unreachable", f"node {node} at {split_pin(endpoint)[0]} speaks TLS, and "
+                                                          "this process runs with tls = off"))
         wait = timeout if timeout is not None else self._timeout
+        if self.batcher is not None and batchable(body):
+            return self.batcher.send(node, endpoint, path, body, content_type, wait, session_token)
+        link = self._link(endpoint)
         return self._hot_answer(node, endpoint, path, wait,
                                 link.post_now(path, body, content_type, wait, _auth(session_token)))
 
@@ -79,7 +107,8 @@ class NodeClient:
         headers = {"content-type": content_type} if content_type else {}
         headers.update(extra or {})
         try:
-            response = await self._client.request(method, url, content=content, json=json, headers=headers,
+            response = await self._client.request(method, self._pins.url(url), content=content, json=json,
+                                                  headers=headers,
                                                   timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT)
         except httpx.TimeoutException as exc:
             raise HopError(node, "timeout", f"node {node} did not answer {method} {_path(url)} within "
@@ -185,6 +214,26 @@ class NodeClient:
                                 extra=_auth(session_token))
         return r.content
 
+    async def prefix_offer(self, node: str, endpoint: str, request: PrefixOfferRequest, *, capability: str = "",
+                           timeout: float | None = None) -> PrefixOffer:
+        """What ``node`` holds of a prompt's prefix (issue #26): ``actors.node.prefix_offers``."""
+        r = await self._request(node, "POST", f"{endpoint}/v1/prefixes", json=request.model_dump(mode="json"),
+                                timeout=timeout, extra={HEADER_CAPABILITY: capability} if capability else None)
+        return PrefixOffer.model_validate(r.json())
+
+    async def post_receipt(self, node: str, endpoint: str, body: bytes, *, referee: bool = False,
+                           timeout: float | None = None) -> httpx.Response:
+        """A spot check's receipt for ``node`` to recompute (issue #28, ``actors.node.spot_check``): accepted with
+        202; ``referee``: to settle a dispute, answered with the referee's verdict."""
+        path = "/v1/spot-checks/referee" if referee else "/v1/spot-checks"
+        return await self._request(node, "POST", f"{endpoint}{path}", content=body, timeout=timeout,
+                                   content_type="application/x-swarmroute-receipt")
+
+    async def get_prefix_piece(self, node: str, endpoint: str, offer: str, index: int, *,
+                               timeout: float | None = None) -> bytes:
+        r = await self._request(node, "GET", f"{endpoint}/v1/prefixes/{offer}/{index}", timeout=timeout)
+        return r.content
+
     async def drop_snapshots(self, node: str, endpoint: str, session_id: str, *, session_token: str | None = None,
                              timeout: float = 2.0) -> None:
         await self._request(node, "DELETE", f"{endpoint}/v1/snapshots/{session_id}", timeout=timeout,
@@ -228,6 +277,10 @@ def _refused(node: str, request: str, status: int, body: bytes) -> HopError:
     peer = error_from_body(status, parsed)
     return HopError(node, "http_error", f"node {node} answered {status} to {request}: {peer.message}",
                     peer_status=status, peer_error=peer)
+
+
+async def _failing(error: HopError) -> None:
+    raise error
 
 
 def _auth(session_token: str | None) -> dict[str, str] | None:

@@ -49,6 +49,29 @@ class Subjects:
         return f"{self.namespace}.tracker.repair"
 
     @property
+    def spot_checker_request(self) -> str:
+        """Request/reply: CheckerRequest -> CheckerReply (a node asking who recomputes a receipt of its layers, or a
+        checker asking for a referee, issue #28); trackers serve it in queue group ``tracker``."""
+        return f"{self.namespace}.tracker.spot"
+
+    @property
+    def dispute_request(self) -> str:
+        """Request/reply: Dispute -> DisputeReply (a checker reporting a disagreement its referee settled, issue
+        #28); trackers serve it in queue group ``tracker`` and evict the node found wrong."""
+        return f"{self.namespace}.tracker.dispute"
+
+    def evictions(self, node_id: str = "*") -> str:
+        """Eviction notes of one node (``*`` for all): an Eviction with its evidence when the trackers evict it,
+        one with ``cleared`` when its operator clears it (issue #28)."""
+        return f"{self.namespace}.evictions.{_wild_or(node_id, 'node id')}"
+
+    @property
+    def eviction_bucket(self) -> str:
+        """JetStream KV bucket of Eviction keyed by node id, without TTL: a node stays evicted until its operator
+        clears it (``swarmroute evictions clear <node-id>``)."""
+        return f"{self.namespace}_evictions"
+
+    @property
     def lease_bucket(self) -> str:
         """JetStream KV bucket of RangeLease keyed ``<model_id>.<start>-<end>.<slot>``; entries expire when their
         node stops renewing them (same TTL as the registry)."""

@@ -37,6 +37,7 @@ from bus.httpserver import HttpServer
 from bus.nodeclient import NodeClient
 from bus.service import register
 from bus.subjects import Subjects
+from bus.tls import client_from_settings, gateway_context
 from bus.tracker_client import TrackerClient
 from gateway import sse
 from gateway.admission import AdmissionMiddleware, AdmissionQueue, AdmittedSessions, QueueLimits
@@ -236,7 +237,8 @@ class Gateway(NatsActor):
 
     async def _on_start(self) -> None:
         subjects = Subjects(self.settings.namespace)
-        self._nodes = NodeClient(timeout_s=self.settings.hop_timeout_s)
+        self._nodes = NodeClient(timeout_s=self.settings.hop_timeout_s,
+                                 tls=client_from_settings(self.settings, self.settings.member_name or "gateway"))
         metrics = GatewayMetrics()
         queue = AdmissionQueue(QueueLimits.from_settings(self.settings), metrics)
         manager = AdmittedSessions(self.nc, TrackerClient(self.nc, subjects), self._nodes, self.settings, queue)
@@ -244,7 +246,8 @@ class Gateway(NatsActor):
         self.background = BackgroundResponses(self.serving, ResponseStore(self.nc, self.settings), self._nodes,
                                               self.settings)
         self.background.start_sweeping()
-        self.server = HttpServer(build_app(self.serving, self.settings, self.background), self._host, self._port)
+        self.server = HttpServer(build_app(self.serving, self.settings, self.background), self._host, self._port,
+                                 tls=gateway_context(self.settings, self._host))
         await self.server.start()
         self.service = await register(self.nc, namespace=subjects.namespace, role="gateway",
                                        member=self.settings.member_name or "gateway", extra={"url": self.server.url},

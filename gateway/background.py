@@ -34,6 +34,7 @@ from bus import capability
 from bus.nodeclient import NodeClient
 from gateway import sse
 from gateway.live_session import LiveSession
+from gateway.reasoning import splits
 from gateway.response_store import ResponseStore, StoredMessage
 from gateway.responses import ResponseReply, sse_event
 from gateway.route_nodes import RouteNodes
@@ -98,7 +99,8 @@ class ResponseView:
         self.record = record
         req = ResponsesRequest.model_validate(record.request)
         self.reply = ResponseReply(req, response_id=record.response_id, prompt_tokens=record.prompt_tokens,
-                                   tool_format=record.tool_format, created_at=record.created_at)
+                                   tool_format=record.tool_format, created_at=record.created_at,
+                                   reasoning=record.reasoning)
         self.ended = False
         self._next_seq = 0
 
@@ -158,7 +160,11 @@ class BackgroundResponses:
         record = ResponseRecord(
             response_id=f"resp_{session_id}", session_id=session_id, created_at=float(int(time.time())),
             request=req.model_dump(mode="json", by_alias=True, exclude_unset=True), prompt_tokens=session.n_prompt,
-            tool_format=session.tool_format, route=session.route)
+            tool_format=session.tool_format, route=session.route,
+            # Decided once, here: every gateway then renders the block as this one's live stream would have, whatever
+            # its own reasoning format.
+            reasoning=session.reasoning if splits(self.serving.reasoning_format(None), session.reasoning,
+                                                  streamed=False) else None)
         try:
             await self.store.put_record(record)
         except BaseException:

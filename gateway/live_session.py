@@ -337,18 +337,31 @@ class LiveSession:
         return self.telemetry.phase if self.telemetry and not self.telemetry.phase.terminal else SessionPhase.PREFILL
 
     def _head_replaceable(self) -> bool:
-        """A lost head can be replaced (issue #31): the session repairs, decodes one plain choice on a route of
-        several hops (its tail holds the sampler), and has repairs left."""
+        """A lost head can be replaced (issue #31): the session repairs, decodes one choice (in verify windows
+        or not) and has repairs left. On a route of several hops the tail still holds the sampler; on a 1-node
+        route the replacement rebuilds it from the tokens the client has (``backend.replay_sampled``)."""
         request, route = self.request, self.route
-        return (request is not None and route is not None and request.repair and request.n == 1
-                and request.speculate is None and len(route.hops) > 1 and self.n == 1
+        return (request is not None and route is not None and request.repair and request.n == 1 and self.n == 1
                 and self._epoch < MAX_EPOCH and len(self.lost_heads) < self._links.settings.max_repairs)
+
+    def _not_replaced(self) -> str:
+        """Why a lost head is not replaced, for the session's failure message ("" for a plain fail-stop: repair
+        off, or the session not opened yet)."""
+        request = self.request
+        if request is None or not self._links.settings.repair:
+            return ""
+        if self.n > 1:  # opened without repair (``gateway.session_opener``)
+            return (f"; not repaired: a session of {self.n} sampled choices is not repaired after losing its head "
+                    f"(the head keeps no snapshot or journal of forked choices and the gateway no per-choice "
+                    f"cut; greedy n and n = 1 are)")
+        return (f"; repair impossible: its repairs are used up ({len(self.lost_heads)} heads replaced, route epoch "
+                f"{self._epoch}; at most {self._links.settings.max_repairs} repairs)")
 
     async def _replace_head(self, node: str, why: str) -> SessionEnd | None:
         """The head is gone: have a node serving its layers take the session over (``RouteNodes.replace_head``);
         None once it has (the stream goes on), else the session's failure naming the head."""
         if not self._head_replaceable():
-            return await self._fail_lost(node, why)
+            return await self._fail_lost(node, why + self._not_replaced())
         assert self.request is not None and self.route is not None
         log.warning("session %s lost its head %s (%s); replacing it", self.id[:8], node, why)
         repairing = self.snapshot(SessionPhase.REPAIRING)

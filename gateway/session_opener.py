@@ -139,8 +139,9 @@ class SessionOpener:
         max_tokens = session_budget(len(tokens), request.max_tokens, default=default, context=n_ctx) \
             if tokens is not None else request.max_tokens or default
         speculate = self._speculation(sampling, route_n, len(route.hops))
-        # A speculative session's KV goes back and forth between windows: it does not snapshot (issue #20).
-        repair = self._repairs and route_n == 1 and speculate is None
+        # A speculative session's KV goes back and forth between windows: it does not snapshot (issue #20); its
+        # hops journal every accepted position instead, and a repair replays them from 0 (issue #31).
+        repair = self._repairs and route_n == 1
         # Each hop gets only its own grants (for the session, and for its standby): the head passes each later
         # hop's on to it alone.
         downstream = [HopGrant(capability=h.capability, standby=h.standby.capability if h.standby else "")
@@ -151,7 +152,8 @@ class SessionOpener:
             fit_max_tokens=tokens is None and request.max_tokens is None, max_tokens=max_tokens, sampling=sampling,
             stop=request.stop, ignore_eos=request.ignore_eos, prefill_chunk=self._settings.prefill_chunk,
             capability=head.capability, n=route_n, repair=repair,
-            snapshot_every=self._settings.snapshot_every if repair else 0, speculate=speculate, downstream=downstream)
+            snapshot_every=self._settings.snapshot_every if repair and speculate is None else 0, speculate=speculate,
+            downstream=downstream)
         session.request = request_open  # what a replacement for a lost head starts from (issue #31)
         with session.timed("open"):
             opened = await self._nodes.open(route, request_open)

@@ -44,6 +44,9 @@ _NATS_URL = re.compile(r"^(nats|tls|ws|wss)://[^\s,]+$")
 _SECRET_SETTINGS = {"nats_user", "nats_creds"} | {
     name for name, f in Settings.model_fields.items() if "SecretStr" in str(f.annotation)}
 """Credential settings: never in ``settings``; NATS ones come from ``nats.auth``, the rest from ``secrets``."""
+_MEMBER_SETTINGS = {"tls_cert_file": "identity.cert", "tls_key_file": "identity.key"}
+"""Settings one member alone may hold: fleet-wide, every member would share one key (and a key already held by a
+live node is not registered for a second one)."""
 _FLEET_OWNED_SETTINGS = {"nats_url", "namespace", "registry_replicas", "nats_randomize", "member_name", "home",
                          "nats_inbox_prefix", "log_level"}
 
@@ -212,6 +215,17 @@ class ModelSpec(_Spec):
         return self
 
 
+class IdentitySpec(_Spec):
+    """A member's data-plane key pair, as files on its own machine: a certificate (self-signed, or issued by the
+    fleet's CA, ``settings.tls_ca_file``) and its private key (0600), both PEM."""
+
+    cert: Path
+    """The certificate (PEM); its key's fingerprint is the member's identity (docs/operations.md, Security)."""
+
+    key: Path
+    """The private key of ``cert`` (PEM, unencrypted, readable by its owner only)."""
+
+
 class _Member(_Spec):
     name: str = Field(pattern=_NAME, max_length=64)
     """Unique in the fleet; what ``--name`` selects. A node's name is its node id."""
@@ -235,6 +249,11 @@ class GatewaySpec(_Member):
 
     api_keys: list[SecretRef] = Field(default_factory=list)
     """Bearer keys clients must send; empty means no authentication."""
+
+    identity: IdentitySpec | None = None
+    """This member's data-plane key and certificate (``{cert: PATH, key: PATH}``, paths on its machine), instead of
+    the key it creates on its first start under its home (``<home>/identity/<name>.key``). Checked when the member
+    starts: a missing or unreadable file, a key readable by others or a certificate of another key stops it."""
 
     @field_validator("listen")
     @classmethod
@@ -265,11 +284,17 @@ class NodeSpec(_Member):
     listen: str = "127.0.0.1:0"
     """host:port of the node's binary HTTP API (port 0 picks a free one)."""
 
-    advertise_url: str | None = Field(default=None, pattern=r"^http://\S+$")
-    """URL peers use to reach this node when it differs from ``listen`` (containers, NAT)."""
+    advertise_url: str | None = Field(default=None, pattern=r"^https?://\S+$")
+    """URL peers use to reach this node when it differs from ``listen`` (containers, NAT); ``https://`` when it
+    serves TLS (off loopback, ``tls: auto``): the node pins its key into it."""
 
     wire_dtype: Literal["f32", "bf16", "f16"] = "f32"
     """Activation dtype on the wire."""
+
+    identity: IdentitySpec | None = None
+    """This member's data-plane key and certificate (``{cert: PATH, key: PATH}``, paths on its machine), instead of
+    the key it creates on its first start under its home (``<home>/identity/<name>.key``). Checked when the member
+    starts: a missing or unreadable file, a key readable by others or a certificate of another key stops it."""
 
     @field_validator("listen")
     @classmethod
@@ -362,11 +387,14 @@ class Fleet(_Spec):
             where = f"settings.{key}"
             if key in _SECRET_SETTINGS:
                 problems.append(f"{where}: a credential; give it under nats.auth, gateways[].api_keys or secrets")
+            elif key in _MEMBER_SETTINGS:
+                problems.append(f"{where}: one key for every member; give each node and gateway its own "
+                                f"({_MEMBER_SETTINGS[key]} of nodes[] and gateways[])")
             elif key in _FLEET_OWNED_SETTINGS:
                 problems.append(f"{where}: set by the fleet file itself (nats, namespace) or the command line")
             elif key not in known:
-                problems.append(f"{where}: unknown setting (known: "
-                                f"{', '.join(sorted(known - _SECRET_SETTINGS - _FLEET_OWNED_SETTINGS))})")
+                allowed = known - _SECRET_SETTINGS - _FLEET_OWNED_SETTINGS - set(_MEMBER_SETTINGS)
+                problems.append(f"{where}: unknown setting (known: {', '.join(sorted(allowed))})")
         for key in self.secrets:
             if key not in _SECRET_SETTINGS - {"nats_user", "nats_creds", "nats_password", "nats_token", "api_keys"}:
                 problems.append(f"secrets.{key}: not a secret setting this section can carry (NATS credentials go "
@@ -488,10 +516,15 @@ class Fleet(_Spec):
         nats = self.nats.model_copy(update={"embedded_config": fix(self.nats.embedded_config), "auth": auth})
         models = {k: m.model_copy(update={"path": fix(m.path)}) for k, m in self.models.items()}
         seeders = [sd.model_copy(update={"path": fix(sd.path)}) for sd in self.seeders]
-        gateways = [g.model_copy(update={"api_keys": [fix_secret(k) for k in g.api_keys]}) for g in self.gateways]
+        def fix_identity(i: IdentitySpec | None) -> IdentitySpec | None:
+            return i and i.model_copy(update={"cert": fix(i.cert), "key": fix(i.key)})
+
+        gateways = [g.model_copy(update={"api_keys": [fix_secret(k) for k in g.api_keys],
+                                         "identity": fix_identity(g.identity)}) for g in self.gateways]
+        nodes = [n.model_copy(update={"identity": fix_identity(n.identity)}) for n in self.nodes]
         secrets = {k: fix_secret(v) for k, v in self.secrets.items()}
         return self.model_copy(update={"nats": nats, "models": models, "gateways": gateways, "secrets": secrets,
-                                       "seeders": seeders})
+                                       "seeders": seeders, "nodes": nodes})
 
 
 def _coverage_problems(key: str, ranges: list[tuple[int, tuple[int, int] | None]], n_layers: int | None) -> list[str]:

@@ -13,6 +13,10 @@ from schemas.session import FinishReason, TokenLogprobs
 
 MAGIC = b"SRF1"
 TOKEN_MAGIC = b"SRT1"
+BATCH_MAGIC = b"SRB1"
+"""A batch (issue #26): several sessions' decode frames or token frames to one node in one request."""
+MAX_BATCH = 256
+"""Most entries one batch carries (a hop's sessions: far more than any node's ``max_sessions``)."""
 MAX_DIMS = 4
 
 

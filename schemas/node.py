@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from typing import Final, Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, model_validator
 
@@ -137,7 +138,28 @@ class NodeAdvertisement(WireModel):
                                           description="data-plane round trip (ms) to each node this one routes to or "
                                                       "from, by node id: GET /health on a kept-alive connection, the "
                                                       "least of a few tries (actors.node.link_probe)")
+    fingerprint: str = Field(default="", exclude_if=lambda v: not v, pattern=r"^([0-9a-f]{64})?$",
+                             description="SHA-256 of the node's data-plane public key (issue #29), pinned in its "
+                                         "https endpoint: peers accept only this key for this node id")
+    certificate: str = Field(default="", exclude_if=lambda v: not v, max_length=8192,
+                             description="the node's certificate (PEM) for that key: node servers trust it")
+    build_id: str = Field(default="", exclude_if=lambda v: not v,
+                          description="the backend build (issue #28): library version and build flags / CPU "
+                                      "features, e.g. llama.cpp's system info, or torch's version; nodes of one "
+                                      "build must agree exactly in spot checks")
+    kernels_id: str = Field(default="", exclude_if=lambda v: not v,
+                            description="the backend's kernel family (issue #28): the same library version and "
+                                        "kernels, any CPU features; nodes of one family agree within the narrow "
+                                        "band of spot checks, nodes of different families only within the wide one")
     rss_bytes: int = Field(default=0, ge=0, exclude_if=lambda v: v == 0,
                            description="resident memory of the node's process: weights, KV, everything")
     started_at: float = Field(default_factory=time.time)
     sent_at: float = Field(default_factory=time.time)
+
+    @model_validator(mode="after")
+    def _pinned(self) -> NodeAdvertisement:
+        """An endpoint's pin (``https://<fingerprint>@host:port``) is the advertised fingerprint, or there is none."""
+        user, at, _ = urlsplit(self.endpoint).netloc.rpartition("@")
+        if at and user != self.fingerprint:
+            raise ValueError("the endpoint's key pin differs from the advertised fingerprint")
+        return self

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from schemas.base import WireModel
 from schemas.openai import RequestBody, RequestPart, field_error
+from schemas.reasoning import ReasoningStart
 from schemas.route import Route
 from schemas.session import MAX_TOP_LOGPROBS
 from schemas.tools import FUNCTION_NAME_PATTERN, ToolCallFormat
@@ -534,3 +535,7 @@ class ResponseRecord(WireModel):
     prompt_tokens: int = Field(ge=0, description="as the head counted them")
     tool_format: ToolCallFormat | None = Field(default=None, description="how the head asked for tool calls")
     route: Route = Field(description="as opened, with the head's session token (to cancel it)")
+    reasoning: ReasoningStart | None = Field(
+        default=None, description="where the reply starts relative to a think block (the head's "
+                                  "SessionOpened.reasoning), when the opening gateway's reasoning format splits it off "
+                                  "into a reasoning item; None: the reply is text (issue #27)")

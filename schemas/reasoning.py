@@ -10,6 +10,7 @@ neither may import the other.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 THINK_OPEN = "<think>"
@@ -36,6 +37,9 @@ prompt opened (the reply's reasoning ends at ``</think>``), ``closed`` outside o
 PROMPT_TAIL_CHARS = 64
 """How much of the prompt's end the head looks at for an opened think block."""
 
+PROMPT_TAIL_TOKENS = 16
+"""How many of the prompt's last tokens the head decodes to find that end (a token is at least a byte)."""
+
 
 def marks_reasoning(template_source: str) -> bool:
     """Whether a chat template writes think blocks (read from its source, as llama.cpp detects template
@@ -52,3 +56,13 @@ def reasoning_start(template_source: str | None, prompt_tail: str) -> ReasoningS
     if opened >= 0 and THINK_CLOSE not in prompt_tail[opened:] and not prompt_tail[opened + len(THINK_OPEN):].strip():
         return "open"
     return "closed"
+
+
+def prompt_reasoning_start(template_source: str | None, prompt_tokens: Sequence[int],
+                           token_bytes: Callable[[int], bytes]) -> ReasoningStart | None:
+    """``reasoning_start`` for a tokenized prompt: its last tokens' text, as the backend's ``token_bytes`` spells
+    them (every backend's head reads it this way, whatever its tokenizer)."""
+    if template_source is None or not marks_reasoning(template_source):
+        return None
+    tail = b"".join(token_bytes(t) for t in prompt_tokens[-PROMPT_TAIL_TOKENS:])
+    return reasoning_start(template_source, tail.decode("utf-8", errors="replace")[-PROMPT_TAIL_CHARS:])

@@ -32,6 +32,10 @@ class Hop(WireModel):
                                                      "when the swarm runs without a secret")
     standby: StandbyRef | None = Field(default=None, exclude_if=lambda v: v is None,
                                        description="where this hop sends its snapshots (issue #18)")
+    prefix_source: StandbyRef | None = Field(default=None, exclude_if=lambda v: v is None,
+                                             description="a node of the same layers off the route that kept more "
+                                                         "of the request's prefix: this hop may pull it from there "
+                                                         "(issue #26)")
 
 
 class Route(WireModel):

@@ -84,6 +84,10 @@ class SamplingParams(WireModel):
         description="None: no logprobs; 0: the sampled token's only; N: also the N most likely tokens")
     constraint: OutputConstraint | None = Field(
         default=None, exclude_if=_none, description="what the tail's grammar sampler enforces")
+    reasoning: ReasoningStart | None = Field(
+        default=None, exclude_if=_none,
+        description="issue #27, set by the head with a constraint: where the reply starts relative to a think block "
+                    "(its template and prompt tell); the tail's grammar then enforces the constraint after the block")
     batch_invariant: bool = Field(
         default=False, exclude_if=lambda v: not v,
         description="issue #31: every hop computes this session's rows in passes of their own, so its tokens do "
@@ -311,6 +315,9 @@ class FailureReason(WireModel):
     phase: SessionPhase
     kind: Literal["unreachable", "timeout", "http_error", "backend_error", "cancelled", "protocol", "internal"]
     message: str
+    evicted: bool = Field(default=False, exclude_if=lambda v: not v,
+                          description="the node was evicted for computing wrong (issue #28): a repair routes around "
+                                      "it and never uses its snapshots")
 
     def describe(self) -> str:
         """One line for humans: who, when, how, what was seen."""

@@ -49,6 +49,14 @@ class Settings(BaseSettings):
     gateway_port: int = Field(default=8000, ge=0, le=65535)
     """Gateway HTTP port."""
 
+    up_measure_cores: bool = True
+    """``swarmroute up`` measures on this CPU whether its local llama.cpp nodes decode faster splitting the cores or
+    each with every core and OpenMP's passive wait (``swarmroute.core_share``); False: the equal share, unmeasured."""
+
+    core_share_cache: Path = Field(default_factory=lambda: _default_home() / "core-share.json")
+    """Where those measurements are kept, per CPU, model file and llama.cpp version (outside ``home``: a machine's
+    CPU does not change with the deployment)."""
+
     api_keys: list[SecretStr] = Field(default_factory=list)
     """Bearer keys the gateway accepts; empty means no authentication."""
 
@@ -79,6 +87,13 @@ class Settings(BaseSettings):
     hop (~0.1 ms per link on a VM where wake-ups are expensive, nothing measurable elsewhere: tests/bench/
     bench_gguf_route.py) for a core that stays busy while the node decodes; nodes that share a machine lose more
     than they gain. 0, the default, turns polling off (actors/node/spin.py)."""
+
+    frame_batch: bool = False
+    """Opt-in (issue #26): a node sends the decode frames and token frames it has for one peer in one turn of its
+    loop as one request (``POST /v1/batch``, docs/protocol.md), instead of one request per session: concurrent
+    sessions on a route then cost one request per pass per hop. Every node of a route must be of a version that
+    serves ``/v1/batch`` (a lone frame still goes as before). Off: measured no faster on one shared 2-core machine
+    (docs/operations.md, "Frame batches")."""
 
     session_idle_ttl_s: float = Field(default=120.0, gt=0)
     """A node frees a session's KV after this long without frames."""
@@ -168,11 +183,16 @@ class Settings(BaseSettings):
     member_name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]+$")
     """This process's name in its fleet (a node's is its node id): shown by $SRV discovery and ``fleet status``."""
 
-    seed_upload_limit: int = Field(default=0, ge=0)
-    """Bytes/s at most that each holder of a model's pieces (a node serving it from a local file or a fetched
-    range, a seeder) uploads them to nodes joining with the model's id; 0 for no limit. A serving node seeds at a
-    lower CPU priority than it decodes either way (docs/operations.md, "Every holder seeds"); ``--upload-limit``
-    overrides it per process."""
+    seed_upload_limit: int = Field(default=20_000_000, ge=0)
+    """Bytes/s at most that a serving node (from a local file or a fetched range) uploads the model's pieces it holds
+    to nodes joining with the model's id; 0 for no limit. Its uploads share the CPU with its decoding: on a 2-core
+    AMD EPYC a 1-thread node decoded at 0.83x its idle rate while seeding unlimited (~115 MB/s over loopback), and at
+    0.98x within 25 MB/s or 10 MB/s (tests/bench/bench_seed_while_serving.py, docs/operations.md, "Every holder
+    seeds"). ``--upload-limit`` overrides it per process."""
+
+    seeder_upload_limit: int = Field(default=0, ge=0)
+    """Bytes/s at most that a ``swarmroute seeder`` uploads; 0 (the default) for no limit: a seeder decodes nothing,
+    so nothing of its own is slowed by its uploads. ``--upload-limit`` overrides it per process."""
 
     drain_timeout_s: float = Field(default=30.0, ge=0)
     """On SIGTERM a node stops advertising and waits this long for its open sessions to finish before it stops
@@ -233,6 +253,17 @@ class Settings(BaseSettings):
     cache, where a parked prefix's cells (or a prompt's last tokens computed as a short batch) move a session's
     logits by up to ~1 (docs/architecture.md, "Prefix reuse")."""
 
+    prefill_subchunks: int = Field(default=1, ge=1, le=16)
+    """A route's prompt that is one prefill chunk (a short prompt) is computed in up to this many sub-chunks, one
+    per hop at most, so that each hop computes the next while the one after it computes the last (issue #26); 1
+    (the default) computes it in one step on each hop, one hop after the other. Sub-chunks round differently from
+    the whole step in ggml's kernels, so greedy text can change at near-ties (docs/architecture.md)."""
+
+    prefix_pull: str = Field(default="auto", pattern=r"^(auto|never|always)$")
+    """Prefixes across routes (issue #26): a hop whose route lacks a prompt's prefix pulls it from a node of the same
+    layers that kept it when that is cheaper than computing it (``auto``: from the link rate and the hop's prefill
+    rate it measured), or always computes it (``never``), or always pulls (``always``)."""
+
     # ---- Hide the network (issue #20): speculative decoding across the route -----------------------------------
 
     speculation: str = Field(default="off", pattern=r"^(off|ngram|model)$")
@@ -274,3 +305,89 @@ class Settings(BaseSettings):
     ``deepseek`` stream the think block as ``reasoning_content``, ``deepseek-legacy`` keeps it inline in ``content``
     (a whole reply also gets ``reasoning_content``), ``none`` leaves it unparsed. A request's ``reasoning_format``
     overrides it (``schemas.reasoning``)."""
+
+    # ---- A data plane safe on public networks (issue #29) ------------------------------------------------------
+
+    tls: Literal["auto", "on", "off"] = "auto"
+    """Node data plane over mutually authenticated TLS 1.3: ``auto`` serves TLS when the node listens on anything
+    but loopback, ``on`` always, ``off`` never (a warning names what a non-loopback listener then exposes). Clients
+    (nodes, gateways) speak TLS to every ``https://`` endpoint whatever this says, unless it is ``off``."""
+
+    tls_cert_file: Path | None = None
+    """This process's data-plane certificate (PEM), with ``tls_key_file``: given by the fleet file or signed by the
+    fleet's CA. Unset: a self-signed one for a key created on first start under ``home``/identity (0600)."""
+
+    tls_key_file: Path | None = None
+    """The private key of ``tls_cert_file`` (PEM); never logged."""
+
+    tls_ca_file: Path | None = None
+    """A fleet's own CA (PEM): node servers accept any certificate it issued, clients require it of servers (the
+    endpoint's pin is still checked). Unset: keys are trusted only as the registry names them."""
+
+    tls_trusted_certs: Path | None = None
+    """Node servers: certificates (PEM, concatenated) of the gateways they accept connections from. Gateways are
+    not in the registry; their keys are named here (the fleet file writes it)."""
+
+    nats_tls_ca_file: Path | None = None
+    """CA (PEM) that signed the NATS servers' certificate: connect with ``tls://`` and verify it."""
+
+    nats_tls_cert_file: Path | None = None
+    """Client certificate (PEM) for NATS servers that verify clients (``tls { verify: true }``)."""
+
+    nats_tls_key_file: Path | None = None
+    """Key of ``nats_tls_cert_file``."""
+
+    gateway_tls_cert_file: Path | None = None
+    """Serve the gateway's OpenAI API over HTTPS with this certificate (PEM), for when no Ingress is in front."""
+
+    gateway_tls_key_file: Path | None = None
+    """Key of ``gateway_tls_cert_file``."""
+    # ---- Spot checks and eviction (issue #28) ------------------------------------------------------------------
+
+    spot_check_rate: float = Field(default=0.05, ge=0.0, le=1.0)
+    """The fraction of sessions each hop records a receipt for (its input and output frames from position 0 to
+    ``spot_check_positions``, prefill chunks and decode steps alike; the tail's outputs are the top logits of the
+    rows it sampled from); another node serving the same layers recomputes it off the session's path
+    (docs/reliability.md, "Spot checks"). 0 turns checks off."""
+
+    spot_check_positions: int = Field(default=96, ge=1)
+    """How many positions one receipt covers from position 0 (the frame that crosses it is the last one): a
+    checker recomputes all of them, so this bounds a check's cost."""
+
+    spot_check_rel_tol: float = Field(default=1e-4, gt=0.0)
+    """The band between nodes of one kernel family (``kernels_id``: same llama.cpp and CPU buffer types, any CPU
+    features) when they are not bit-identical: a receipt agrees when, at its median *clean* position (before the
+    first pass that shared its batch, on either side), the L2 distance of the two boundary states is at most this
+    fraction of the checker's norm and ``spot_check_min_top_k`` of their top ``spot_check_top_k`` components are the
+    same. Measured on the bundled model (tests/bench/bench_spot_checks.py, docs/reliability.md §7): an AVX2 build
+    against an AVX-512 one at most 1.0e-6 per position; Q8_0 1.6e-2 at the median (1.6e-3 at the least)."""
+
+    spot_check_top_k: int = Field(default=32, ge=1)
+    """How many of the largest-magnitude components of a boundary state (the tail: the largest logits) the bands
+    compare."""
+
+    spot_check_min_top_k: float = Field(default=0.75, ge=0.0, le=1.0)
+    """The least overlap of the two top-k sets at the median judged position for a receipt to agree."""
+
+    spot_check_logit_rel_tol: float = Field(default=1e-2, gt=0.0)
+    """The tail's band within one kernel family: a tail's receipt (the ``spot_check_top_k`` largest logits of each
+    row it sampled from) agrees when, at its median clean sampled position, the logits of the ids both top-k sets
+    hold are within this fraction (L2) of the checker's and ``spot_check_min_top_k`` of the checker's ids are among
+    the receipt's. Measured: AVX2 against AVX-512 0 at the median; Q8_0 3.7e-2."""
+
+    spot_check_wide_rel_tol: float = Field(default=5e-2, gt=0.0)
+    """The band across kernel families (plain against repacked kernels: 1.5e-2 at the median, measured, as far as
+    Q8_0), or for a receipt with no clean position (honest load noise stays in the KV: up to 2.4e-2). Catches what
+    is grossly wrong (Q4_0 1.1e-1, skipped layers 0.83); not Q8_0."""
+
+    spot_check_wide_logit_rel_tol: float = Field(default=4e-2, gt=0.0)
+    """The tail's wide band, across kernel families (plain kernels 0.7e-2 to 1.5e-2 at the median; Q4_0 7e-2 to
+    1.5e-1). A tail's receipt with no clean sampled position is not judged: honest load noise reaches 8e-2 at single
+    positions."""
+
+    test_misbehave: str = Field(default="", pattern=r"^(|noise:[0-9.eE+-]+|skip|quant:.+)$")
+    """TEST ONLY (issue #28): make this node compute wrong while advertising honest work, to test spot checks
+    against: ``noise:SIGMA`` adds Gaussian noise of that standard deviation to every hidden state it sends,
+    ``skip`` sends its input on unchanged (skips its layers; not on a head), ``quant:PATH`` computes with the
+    weights of another quantization of the same model while advertising the original. A node started with it logs
+    an error at start; never set it in production."""

@@ -47,6 +47,15 @@ class Identity:
 
 
 def build_backend(args: argparse.Namespace, settings: Settings) -> tuple[Backend, Identity]:
+    backend, identity = _build_backend(args, settings)
+    if settings.test_misbehave and not settings.test_misbehave.startswith("quant:"):
+        from actors.backends.misbehaving import Misbehaviour, misbehaving
+
+        backend = misbehaving(backend, Misbehaviour.parse(settings.test_misbehave))  # TEST ONLY (issue #28)
+    return backend, identity
+
+
+def _build_backend(args: argparse.Namespace, settings: Settings) -> tuple[Backend, Identity]:
     layers = getattr(args, "layers", None)
     start, end = (None, None) if layers in (None, ALL_LAYERS) else layers  # None for start/end: the whole model
     kind = args.backend
@@ -95,10 +104,35 @@ def _llamacpp(args: argparse.Namespace, settings: Settings, start: int | None, e
         options["n_ctx"] = args.ctx
     if (prepared.start, prepared.end) == (0, prepared.manifest.n_layers):
         options["sha256"] = prepared.manifest.model_id  # the whole file: its sha256 is the content-derived id
+    if settings.test_misbehave.startswith("quant:"):
+        return _other_quantization(args, settings, prepared, options, start, end)
     prove_in_child("llamacpp", options)
     backend = load_backend("llamacpp", **options)
     aliases = (args.model_id,) if args.model_id else ()
     return backend, Identity(prepared.manifest.model_id, prepared.manifest.manifest_id, verified=True, aliases=aliases)
+
+
+def _other_quantization(args: argparse.Namespace, settings: Settings, honest: PreparedArtifact,
+                        options: dict[str, Any], start: int | None, end: int | None) -> tuple[Backend, Identity]:
+    """TEST ONLY (issue #28, ``test_misbehave=quant:PATH``): compute with another quantization of the same model
+    and advertise the original: its identity, file type and artifact hash."""
+    from actors.backends.llamacpp.placement import file_sha256
+    from actors.backends.misbehaving import Misbehaviour, misbehaving
+    from swarmroute.artifact_prep import prepare
+
+    how = Misbehaviour.parse(settings.test_misbehave)
+    other = prepare(settings.home, Path(how.path), model_id=None, start=start, end=end,
+                    allow_unproven=args.allow_unproven_architecture)
+    honest_sha = options.get("sha256")
+    options = {**options, "model_path": other.path}
+    options.pop("sha256", None)
+    prove_in_child("llamacpp", options)
+    inner = load_backend("llamacpp", **options)
+    info = inner.info.model_copy(update={"file_type": honest.manifest.file_type or inner.info.file_type,
+                                         "artifact_sha256": honest_sha or file_sha256(honest.path)})
+    aliases = (args.model_id,) if args.model_id else ()
+    return (misbehaving(inner, how, honest_info=info),
+            Identity(honest.manifest.model_id, honest.manifest.manifest_id, verified=True, aliases=aliases))
 
 
 def memory_sessions(prepared: PreparedArtifact, memory: int | None, context: int) -> int:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from schemas.settings import Settings
-from swarmroute import argtypes, artifact_commands, fleet, plan_command, provision, seeder
+from swarmroute import argtypes, artifact_commands, eviction_command, fleet, plan_command, provision, seeder
 from swarmroute.foreground import (
     BACKEND_CRASHED,
     drain_node,
@@ -259,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     artifact_commands.register(sub)
     plan_command.register(sub)
+    eviction_command.register(sub, _common, _settings)
     fleet.register(sub)
     return parser
 

@@ -26,10 +26,11 @@ from nats.aio.client import Client as NATS
 from actors.registry import registry_snapshot
 from actors.tracker.routes import uncovered_layers
 from bus.connection import connected
+from bus.identity import IdentityError, from_files
 from bus.service import discover
 from bus.subjects import Subjects
-from schemas.errors import SwarmrouteError
-from schemas.fleet import Fleet, GatewaySpec, MemberRole, Role
+from schemas.errors import BadRequestError, SwarmrouteError
+from schemas.fleet import Fleet, GatewaySpec, MemberRole, NodeSpec, Role
 from schemas.node import NODE_FETCHING, NodeAdvertisement
 from schemas.settings import Settings
 from swarmroute import argtypes
@@ -55,11 +56,26 @@ def member_settings(fleet: Fleet, role: MemberRole, name: str, *, nats_url: str 
             values[setting] = resolve_secret(ref)
     if isinstance(member, GatewaySpec):
         values["api_keys"] = [resolve_secret(k) for k in member.api_keys]
+    if isinstance(member, GatewaySpec | NodeSpec) and member.identity is not None:
+        values.update(tls_cert_file=member.identity.cert, tls_key_file=member.identity.key)
+        _check_identity(fleet, member)
     if home is not None:
         values["home"] = home
     if log_level is not None:
         values["log_level"] = log_level
     return Settings(**values)
+
+
+def _check_identity(fleet: Fleet, member: GatewaySpec | NodeSpec) -> None:
+    """The member's given key pair, read here (on its machine) so a wrong one stops it at start, naming the field,
+    rather than at its first handshake."""
+    assert member.identity is not None
+    section, members = ("gateways", fleet.gateways) if isinstance(member, GatewaySpec) else ("nodes", fleet.nodes)
+    where = f"{section}[{[m.name for m in members].index(member.name)}].identity"
+    try:
+        from_files(member.identity.cert, member.identity.key)
+    except IdentityError as exc:
+        raise BadRequestError(f"{where}: {exc}", code="invalid_fleet") from None
 
 
 def monitor_settings(fleet: Fleet, *, nats_url: str | None = None) -> Settings:

@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import json
 import os
+import subprocess
 import sys
 import time
 import urllib.request
@@ -26,6 +27,7 @@ from schemas.errors import SwarmrouteError, validation_message
 from schemas.fleet import Fleet, GatewaySpec, ModelSpec, NodeSpec, SeederSpec, TrackerSpec
 from schemas.settings import Settings
 from swarmroute.backends import DEFAULT_CTX, DEFAULT_SESSIONS
+from swarmroute.core_share import MAX_MODEL_BYTES, CoreShare, choose, operator_chose_wait
 from swarmroute.fleet_members import LocalFleet
 from swarmroute.supervisor import Supervisor
 
@@ -111,10 +113,28 @@ def local_node_env(n_local: int, threads: int) -> dict[str, str]:
     barrier: one node with both cores of an AMD EPYC decoded 89 tok/s with libgomp's default and 44 with passive
     (issue #26; docs/operations.md "Cores on one machine"). The operator's own environment wins (for OpenMP, either
     of its wait settings)."""
-    if n_local * threads <= machine_cores():
+    if n_local * threads <= machine_cores() or operator_chose_wait():
         return {}
-    own = set(os.environ) | ({"OMP_WAIT_POLICY"} if "GOMP_SPINCOUNT" in os.environ else set())
-    return {k: v for k, v in PASSIVE_WAIT.items() if k not in own}
+    return dict(PASSIVE_WAIT)
+
+
+def measured_share(args: argparse.Namespace, settings: Settings, n_local: int) -> CoreShare | None:
+    """The threads of ``up``'s local llama.cpp nodes as measured on this CPU (``swarmroute.core_share``), or None
+    for the equal share: not llama.cpp, one node, the measurement turned off, the operator's own OpenMP wait (it
+    wins), a model too large to measure at start, or a measurement that failed (said on stderr)."""
+    if args.backend != "llamacpp" or n_local < 2 or not settings.up_measure_cores or not args.model:
+        return None
+    if operator_chose_wait():
+        return None
+    model = Path(args.model)
+    if not model.is_file() or model.stat().st_size > MAX_MODEL_BYTES:
+        return None
+    try:
+        return choose(model, n_local, machine_cores(), cache=settings.core_share_cache)
+    except (OSError, RuntimeError, ValueError, subprocess.TimeoutExpired) as exc:
+        print(f"swarmroute up: could not measure how the nodes share the cores ({exc}); an equal share each",
+              file=sys.stderr, flush=True)
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,13 +145,21 @@ class UpSessions:
     why: str
 
 
+UP_SESSIONS_CAP = 64
+"""The most sessions ``up`` gives a node from memory (issue #30). More cost start-up and memory, not speed
+(``tests/bench/bench_up_sessions.py``, docs/operations.md): one node of the bundled model took ~50 s to come up
+with 32 or 64 sessions and ~80 s with 253, at 1.1, 1.8 and 5.7 GB of RSS (~20 MiB per 4096-token session), and
+one stream decodes as fast with any of them. 64 is the issue's burst, admitted at once; ``--max-sessions``
+chooses more."""
+
+
 def up_sessions(args: argparse.Namespace, path: Path | None, n_layers: int, n_nodes: int,
-                memory: int | None = None) -> UpSessions:
+                memory: int | None = None, cap: int | None = None) -> UpSessions:
     """``--max-sessions`` if given; else, for llama.cpp nodes, what ``memory`` (default: this machine's available
     memory, ``swarmroute.provision.available_memory``) split evenly among the ``n_nodes`` local nodes holds for
     each node's layers at ``--ctx``: the planner's weights and KV cost per session, the computation ``swarmroute
-    node --memory`` makes (``swarmroute.backends.sessions_in_memory``, issue #30). Other backends have no such cost
-    model: ``DEFAULT_SESSIONS``."""
+    node --memory`` makes (``swarmroute.backends.sessions_in_memory``, issue #30), at most ``cap`` (``up`` gives
+    ``UP_SESSIONS_CAP``). Other backends have no such cost model: ``DEFAULT_SESSIONS``."""
     if args.max_sessions:
         return UpSessions([args.max_sessions] * n_nodes, f"{args.max_sessions} sessions per node (--max-sessions)")
     if args.backend != "llamacpp" or path is None:
@@ -149,8 +177,11 @@ def up_sessions(args: argparse.Namespace, path: Path | None, n_layers: int, n_no
     ranges = split_layers(n_layers, n_nodes)
     where = f"{_gib(each)} per node ({_gib(total)} available on this machine, split over {n_nodes})"
     counts = [sessions_in_memory(shape, start, end, each, context, what=where) for start, end in ranges]
-    held = ", ".join(f"node-{i + 1} [{a},{b}) {n}" for i, ((a, b), n) in enumerate(zip(ranges, counts, strict=True)))
     capped = f"; llama.cpp holds at most {session_limit()}" if session_limit() in counts else ""
+    if cap is not None and max(counts) > cap:
+        counts = [min(n, cap) for n in counts]
+        capped = f"; up takes at most {cap}: more cost start-up and memory, not speed"
+    held = ", ".join(f"node-{i + 1} [{a},{b}) {n}" for i, ((a, b), n) in enumerate(zip(ranges, counts, strict=True)))
     return UpSessions(counts, f"sessions per node from memory: {held} ({where} holds that many {context}-token "
                               f"caches beside the node's layers{capped}; --max-sessions to choose)")
 
@@ -214,10 +245,15 @@ def run_up(args: argparse.Namespace, settings: Settings) -> int:
     if args.port is None:
         args.port = settings.gateway_port
     chosen: list[UpSessions] = []
+    if not args.threads:
+        share = measured_share(args, settings, n_nodes)
+        if share is not None:
+            args.threads = share.threads
+            print(f"swarmroute up: {share.why}", file=sys.stderr, flush=True)
 
     def fleet() -> LocalFleet:
         path = Path(args.model) if args.backend != "stub" and args.model else None
-        chosen.append(up_sessions(args, path, n_layers, n_nodes))
+        chosen.append(up_sessions(args, path, n_layers, n_nodes, cap=UP_SESSIONS_CAP))
         return LocalFleet(
             up_fleet(args, settings, up_model(args, model_id, n_layers), nodes=n_nodes,
                      gateway=listen(host, args.port), sessions=chosen[0].counts),

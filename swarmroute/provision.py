@@ -87,7 +87,7 @@ async def _serve(args: argparse.Namespace, settings: Settings) -> int:
     context = args.ctx or _default_context()
     # It seeds what it holds from the first piece on, within the upload limit, below its decoding's CPU priority.
     session = TorrentSession(torrent_config(settings, torrent_host(args, settings), args.torrent_port,
-                                            upload_limit(args, settings)))
+                                            upload_limit(args, settings, serving=True)))
     config = ProvisionConfig(node_id=name, model_id=args.model_id, memory_bytes=memory,
                              manifest_id=args.manifest_id, layers=args.layers,
                              max_sessions=args.max_sessions or DEFAULT_SESSIONS,

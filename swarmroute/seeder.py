@@ -5,7 +5,8 @@ store. It verifies what it holds, seeds exactly the verified ranges and answers 
 it is a NATS micro service (role ``seeder``), so ``fleet status`` sees it.
 
 Every other holder seeds too: a node serving a GGUF from its store (``hold_served``, below) and a node that
-fetched its range (``swarmroute.provision``), each within ``--upload-limit`` (else ``Settings.seed_upload_limit``).
+fetched its range (``swarmroute.provision``), each within ``--upload-limit`` (else ``Settings.seed_upload_limit``;
+a seeder's is ``Settings.seeder_upload_limit``).
 """
 
 from __future__ import annotations
@@ -46,12 +47,16 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
 def add_upload_limit(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     p.add_argument("--upload-limit", type=argtypes.at_least(0), default=None,
                    help="bytes/s this process seeds the model's pieces at most, 0 for unlimited (default: "
-                        "SWARMROUTE_SEED_UPLOAD_LIMIT, unlimited unless set)")
+                        "SWARMROUTE_SEED_UPLOAD_LIMIT, 20 MB/s, for a serving node; SWARMROUTE_SEEDER_UPLOAD_LIMIT, "
+                        "unlimited, for a seeder)")
 
 
-def upload_limit(args: argparse.Namespace, settings: Settings) -> int:
+def upload_limit(args: argparse.Namespace, settings: Settings, *, serving: bool) -> int:
+    """``--upload-limit``, else the setting for what the process is: a serving node shares its CPU with decoding."""
     limit = getattr(args, "upload_limit", None)
-    return settings.seed_upload_limit if limit is None else int(limit)
+    if limit is not None:
+        return int(limit)
+    return settings.seed_upload_limit if serving else settings.seeder_upload_limit
 
 
 def torrent_host(args: argparse.Namespace, settings: Settings) -> str:
@@ -76,7 +81,7 @@ async def hold_served(args: argparse.Namespace, settings: Settings, node: Node) 
     config = HolderConfig(node_id=node.config.node_id, model_id=node.config.model_id,
                           served=(layers.start, layers.end),
                           torrent=torrent_config(settings, torrent_host(args, settings), args.torrent_port,
-                                                 upload_limit(args, settings)),
+                                                 upload_limit(args, settings, serving=True)),
                           allow_unproven=args.allow_unproven_architecture)
     holder = Holder(config, settings, nc=node.nc)
     try:
@@ -120,7 +125,7 @@ async def _seed(args: argparse.Namespace, settings: Settings) -> int:
     name = args.node_id or settings.member_name or f"seeder-{model_id[:8]}"
     session = TorrentSession(SwarmConfig(listen_host=args.listen_host or settings.bind_host,
                                          listen_port=args.listen_port,
-                                         upload_limit=upload_limit(args, settings)))
+                                         upload_limit=upload_limit(args, settings, serving=False)))
     stop = stop_event()
     sync = ArtifactSync(settings, Store(settings.home), session,
                         SyncConfig(node_id=name, allow_unproven=args.allow_unproven_architecture), name=name)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["tests.support.ci_strict"]
+pytest_plugins = ["tests.support.ci_strict", "tests.support.disk_budget"]
 
 GEMMA_PATH = Path.home() / ".cache" / "swarmroute" / "models" / "gemma-3-270m-q4_k_m.gguf"
 

@@ -251,6 +251,29 @@ async def test_a_step_queued_while_the_worker_takes_a_batch_is_not_lost(engine: 
     assert out.token is not None
 
 
+async def test_a_call_that_arrives_while_the_worker_gathers_runs_before_the_steps_queued_after_it(
+        engine: StepEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``call_soon`` promises its call runs before any step queued after it: a speculating head rolls a session's
+    KV back with a call and queues the next step at once. The worker, gathering a pass's cohort, once took the
+    steps queued behind a call that had ended its wait into the pass first (an ngram session stepped at position
+    27 while its KV ended at 30)."""
+    import actors.node.engine as engine_module
+
+    for sid in ("a", "b"):
+        await open_session(engine, sid)
+    await asyncio.gather(*engine.enqueue_group([StepInput(s, 0, tokens=PROMPT, sample=True) for s in ("a", "b")]))
+    monkeypatch.setattr(engine_module, "GATHER_WINDOW_S", 5.0)  # the worker now waits long for b, a's cohort
+    first = engine.enqueue(StepInput("a", len(PROMPT), tokens=[7], sample=True), inline=False)
+    await asyncio.sleep(0.1)  # the worker is gathering
+    batches: list[list[tuple[str, int]]] = engine.backend.batches  # type: ignore[attr-defined]
+    with engine._cond:  # both queued before the worker wakes
+        call = engine.call_soon(lambda: batches.append([("call", -1)]))
+        second = engine.enqueue(StepInput("b", len(PROMPT), tokens=[7], sample=True), inline=False)
+    await asyncio.wait_for(asyncio.gather(call, first, second), 5)
+    at_call = batches.index([("call", -1)])
+    assert ("b", len(PROMPT)) in [entry for batch in batches[at_call + 1:] for entry in batch], batches
+
+
 @pytest.mark.parametrize(("groups", "expected"), [(1, [4]), (2, [2, 2])])
 async def test_a_heads_ring_steps_ride_in_as_many_groups_as_the_grouping_says(groups: int,
                                                                              expected: list[int]) -> None:
@@ -304,3 +327,50 @@ async def test_a_multi_threaded_backend_computes_every_step_on_the_worker_thread
         assert backend.threads == {"backend"}
     finally:
         await engine.stop()
+
+
+async def test_decoding_sessions_ride_every_pass_ahead_of_queued_prefill_chunks() -> None:
+    """Issue #30: a burst of prompts queued ahead of a running session's decode step does not hold it back. A pass
+    takes the decoding session's step first and fills the rest of the budget with prefill chunks, oldest first,
+    keeping room for the oldest one; before, the chunks filled the budget in queue order and the decode step
+    waited for all of them."""
+    backend = RecordingStub(max_batch_tokens=8)
+    engine = StepEngine(backend)
+    await engine.start()
+    try:
+        for sid in ("run", "p1", "p2", "p3"):
+            await open_session(engine, sid)
+        out, _ = await engine.submit(StepInput("run", 0, tokens=PROMPT, sample=True))
+        backend.batches.clear()
+        held, go = threading.Event(), threading.Event()
+
+        def busy() -> None:  # the worker busy while the queue fills
+            held.set()
+            go.wait(5)
+
+        blocker = engine.call_soon(busy)
+        await asyncio.to_thread(held.wait, 5)
+        chunks = [engine.enqueue(StepInput(sid, 0, tokens=PROMPT), inline=False, prefill=True)
+                  for sid in ("p1", "p2", "p3")]
+        decode = engine.enqueue(StepInput("run", len(PROMPT), tokens=[out.token], sample=True),  # type: ignore[list-item]
+                                inline=False)
+        go.set()
+        await blocker
+        await asyncio.gather(decode, *chunks)
+        assert backend.batches[0] == [("run", len(PROMPT)), ("p1", 0)], backend.batches
+        assert backend.batches[1:] == [[("p2", 0), ("p3", 0)]], backend.batches
+    finally:
+        await engine.stop()
+
+
+async def test_a_sessions_first_step_past_prefill_and_its_close_end_its_prefill_ticket(engine: StepEngine) -> None:
+    engine.prefill_rate = 100.0  # as if measured: both tickets fit at once
+    for sid in ("a", "b"):
+        await open_session(engine, sid)
+        await engine.prefills.admit(sid, len(PROMPT), 1.0)
+    out, _ = await engine.enqueue(StepInput("a", 0, tokens=PROMPT, sample=True), prefill=True)
+    assert engine.prefills.holds("a"), "its prefill chunk keeps the ticket"
+    await engine.enqueue(StepInput("a", len(PROMPT), tokens=[out.token], sample=True))  # type: ignore[list-item]
+    assert not engine.prefills.holds("a") and engine.prefills.holds("b")
+    await engine.close_session("b")
+    assert not engine.prefills.holds("b") and engine.prefills.in_flight == 0

@@ -13,6 +13,7 @@ from typing import Any
 import openai
 import pytest
 
+from bus.identity import Identity, identity_from_settings, load_or_create
 from bus.server import EmbeddedNats
 from schemas.errors import BadRequestError
 from schemas.fleet import Fleet, parse_fleet
@@ -76,6 +77,11 @@ MISTAKES = [
     ("settings", {"heartbeat_s": -1}, "settings.heartbeat_s: Input should be greater than 0"),
     ("settings", {"swarm_secret": "x"}, "settings.swarm_secret: a credential"),
     ("settings", {"nats_url": "nats://x:1"}, "settings.nats_url: set by the fleet file itself"),
+    ("settings", {"tls_key_file": "/k"}, "settings.tls_key_file: one key for every member; give each node and gateway "
+                                         "its own (identity.key"),
+    ("nodes[0].identity", {"cert": "/c.crt"}, "nodes[0].identity.key: required field is missing"),
+    ("gateways[0].identity", {"cert": "/c", "key": "/k", "ca": "/x"}, "gateways[0].identity.ca: unknown field"),
+    ("nodes[0].advertise_url", "ftp://10.0.0.1:9000", "nodes[0].advertise_url: String should match pattern"),
     ("secrets", {"heartbeat_s": {"env": "X"}}, "secrets.heartbeat_s: not a secret setting"),
     ("models.stub-model.n_layers", 0, "models.stub-model.n_layers: Input should be greater than or equal to 1"),
     ("trackers", [], "trackers: List should have at least 1 item"),
@@ -167,6 +173,68 @@ def test_member_settings_resolve_secrets_and_keep_them_off_the_command_line(tmp_
         member_settings(fleet, "node", "n1")
     with pytest.raises(BadRequestError, match="no node named 'n9'"):
         member_settings(fleet, "node", "n9")
+
+
+def _with_identities(tmp_path: Path, doc: dict[str, Any]) -> tuple[Path, Identity, Identity]:
+    """``doc`` written with a key pair given to its first node and its gateway (paths relative to the file), the
+    nodes' TLS on and the gateway's certificate trusted by them."""
+    node, gateway = load_or_create(tmp_path / "keys", "node-key"), load_or_create(tmp_path / "keys", "gateway-key")
+    doc = copy.deepcopy(doc)
+    doc["nodes"][0]["identity"] = {"cert": "keys/node-key.crt", "key": "keys/node-key.key"}
+    doc["gateways"][0]["identity"] = {"cert": "keys/gateway-key.crt", "key": "keys/gateway-key.key"}
+    doc.setdefault("settings", {}).update(tls="on", tls_trusted_certs=str(gateway.cert_file))
+    return write_fleet(tmp_path / "fleet.yaml", doc), node, gateway
+
+
+def test_a_member_named_key_pair_is_its_identity_and_a_bad_one_names_the_field(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLEET_TEST_NODE_PASSWORD", "pw")
+    fleet_file, node_key, gateway_key = _with_identities(tmp_path, BASE)
+    fleet = load_fleet(fleet_file)
+    home = tmp_path / "home"
+    given = member_settings(fleet, "node", "n1", home=home)
+    assert identity_from_settings(given, "n1").fingerprint == node_key.fingerprint
+    assert identity_from_settings(member_settings(fleet, "gateway", "gateway", home=home),
+                                  "gateway").fingerprint == gateway_key.fingerprint
+    own = identity_from_settings(member_settings(fleet, "node", "n2", home=home), "n2")  # none given: its own
+    assert own.key_file == home / "identity" / "n2.key" and own.fingerprint not in (node_key.fingerprint,
+                                                                                      gateway_key.fingerprint)
+    node_key.key_file.chmod(0o644)
+    with pytest.raises(BadRequestError, match=r"^nodes\[0\]\.identity: .*node-key\.key is readable by others"):
+        member_settings(fleet, "node", "n1")
+    node_key.key_file.chmod(0o600)
+    gateway_key.cert_file.unlink()
+    with pytest.raises(BadRequestError, match=r"^gateways\[0\]\.identity: cannot read the certificate "
+                                              r".*gateway-key\.crt: No such file"):
+        member_settings(fleet, "gateway", "gateway")
+    doc = copy.deepcopy(BASE)
+    doc["nodes"][1]["identity"] = {"cert": str(node_key.cert_file), "key": str(own.key_file)}
+    with pytest.raises(BadRequestError, match=r"^nodes\[1\]\.identity: .*node-key\.crt is not the certificate of "
+                                              r"the key in .*n2\.key"):
+        member_settings(load_fleet(write_fleet(tmp_path / "mixed.yaml", doc)), "node", "n2")
+
+
+def test_fleet_members_serve_tls_with_the_keys_the_file_names(nats_server: EmbeddedNats, tmp_path: Path,
+                                                              children: Children) -> None:
+    """Real members started from the file: node-1 serves (and pins into its endpoint) the key the file gives it,
+    node-2 the key it created under its home, and the gateway reaches both with the key the file gives it (the
+    nodes admit only that one, by ``tls_trusted_certs``)."""
+    port = free_port()
+    fleet_file, node_key, _ = _with_identities(tmp_path, _stub_fleet(nats_server.url, port))
+    home = ["--home", str(tmp_path / "home")]
+    members = [children.add(Proc([role, "--fleet", str(fleet_file), "--name", name, *home]))
+               for role, name in [("tracker", "tracker-1"), ("node", "node-1"), ("node", "node-2"),
+                                  ("gateway", "gateway")]]
+    first = members[1].wait_for(r"node node-1 ready at https://([0-9a-f]{64})@127\.0\.0\.1:", timeout=60)
+    second = members[2].wait_for(r"node node-2 ready at https://([0-9a-f]{64})@127\.0\.0\.1:", timeout=60)
+    members[3].wait_for(rf"gateway ready at http://127.0.0.1:{port}", timeout=60)
+    assert first.group(1) == node_key.fingerprint
+    assert second.group(1) == load_or_create(tmp_path / "home" / "identity", "node-2").fingerprint
+    code, report = _status(fleet_file, tmp_path / "home")
+    assert code == 0 and report["healthy"], report
+    text, route = _chat(port, "named keys", 12)
+    assert text == stub_reference(Prompt(messages=[{"role": "user", "content": "named keys"}]), 12)
+    assert route == ["node-1", "node-2"]
 
 
 @pytest.mark.parametrize("path", sorted(DEPLOY.rglob("fleet*.yaml")), ids=lambda p: str(p.relative_to(DEPLOY)))

@@ -7,7 +7,9 @@ call whose arguments validate against the function's schema, whatever this small
 
 from __future__ import annotations
 
+import ctypes
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,8 +22,8 @@ llama_cpp = pytest.importorskip("llama_cpp")
 from actors.backend import StepInput  # noqa: E402
 from actors.backends import load_backend  # noqa: E402
 from actors.backends.llamacpp.backend import LlamaCppBackend  # noqa: E402
-from actors.backends.llamacpp.grammar import JSON_CHAR_RULE, MAX_PARALLEL_CALLS, grammar_for  # noqa: E402
-from actors.backends.llamacpp.sampling import Sampler  # noqa: E402
+from actors.backends.llamacpp.grammar import JSON_CHAR_RULE, MAX_PARALLEL_CALLS, Grammar, grammar_for  # noqa: E402
+from actors.backends.llamacpp.sampling import Sampler, _grammar_sampler  # noqa: E402
 from gateway.tools import parse_reply  # noqa: E402
 from schemas.constraint import (  # noqa: E402
     GrammarConstraint,
@@ -31,6 +33,7 @@ from schemas.constraint import (  # noqa: E402
     ToolCallConstraint,
 )
 from schemas.errors import BadRequestError  # noqa: E402
+from schemas.reasoning import ReasoningStart  # noqa: E402
 from schemas.session import Prompt, SamplingParams  # noqa: E402
 from schemas.tools import FunctionSpec, ToolCallFormat, ToolSet  # noqa: E402
 
@@ -116,6 +119,71 @@ def test_tool_grammars_name_the_function_before_its_arguments() -> None:
     text = grammar_for(ToolCallConstraint(tools=[WEATHER], mode="required", parallel=False)).text
     rule = next(line for line in text.splitlines() if line.startswith("tool-call ::="))
     assert rule.index("name") < rule.index("arguments")
+
+
+def accepted(vocab: Any, grammar: Grammar, text: str, *, per_character: bool) -> str:
+    """What llama.cpp's grammar sampler makes of ``text`` fed as the model's tokens (or one character a token):
+    ``rejected`` at a token it forbids, ``complete`` when it would then allow the end of generation, else
+    ``partial``."""
+    smpl = _grammar_sampler(vocab, grammar, "test")
+    pieces = list(text) if per_character else [text]
+    try:
+        for piece in pieces:
+            raw = piece.encode()
+            ids = (llama_cpp.llama_token * (len(raw) + 8))()
+            n = llama_cpp.llama_tokenize(vocab, raw, len(raw), ids, len(ids), False, False)
+            assert n > 0
+            for token in ids[:n]:
+                if not _allows(smpl, token):
+                    return "rejected"
+                llama_cpp.llama_sampler_accept(smpl, token)
+        return "complete" if _allows(smpl, llama_cpp.llama_vocab_eos(vocab)) else "partial"
+    finally:
+        llama_cpp.llama_sampler_free(smpl)
+
+
+def _allows(smpl: Any, token: int) -> bool:
+    one = llama_cpp.llama_token_data(token, 0.0, 0.0)
+    llama_cpp.llama_sampler_apply(smpl, ctypes.byref(llama_cpp.llama_token_data_array(ctypes.pointer(one), 1, -1,
+                                                                                          False)))
+    return math.isfinite(one.logit)
+
+
+AFTER_REASONING: list[tuple[ReasoningStart, str, str]] = [
+    ("open", "I add 3 and 4.\n</think>\n\n{}", "complete"),
+    ("open", 'a </thi< b <</think </think>{"a": 1}', "complete"),  # pieces of the tag inside the block
+    ("open", "</think>{}", "complete"),  # an empty block
+    ("open", "{}", "partial"),  # JSON inside the block is reasoning: the block must still close
+    ("open", "x</think>y</think>{}", "rejected"),  # the first </think> ends the block
+    ("open", "x</think>\n\n", "partial"),
+    ("closed", "{}", "complete"),  # no block: the constraint from the first token, as before
+    ("closed", "\n<think>\nhm, {\n</think>\n\n{}", "complete"),  # the reply opens one itself
+    ("closed", "<think>a</think>b", "rejected"),
+    ("closed", "Hm <think>a</think>{}", "rejected"),  # a later tag is text, and text is not JSON
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("start", "text", "expected"), AFTER_REASONING)
+def test_a_constraint_applies_after_the_think_block(vocab: Any, start: ReasoningStart, text: str,
+                                                    expected: str) -> None:
+    grammar = grammar_for(JsonObjectConstraint(), start)
+    assert accepted(vocab, grammar, text, per_character=False) == expected
+    assert accepted(vocab, grammar, text, per_character=True) == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("start", ["open", "closed"])
+def test_a_lazy_grammar_is_triggered_only_after_the_think_block(vocab: Any, start: ReasoningStart) -> None:
+    grammar = grammar_for(CONSTRAINTS["hermes auto (lazy)"], start)
+    block = "<think>" if start == "closed" else ""
+    # A call's tag inside the block is reasoning: the grammar waits, and the text after the block is free.
+    assert accepted(vocab, grammar, f"{block}I could use <tool_call> here.</think>\n\nIt is sunny.",
+                    per_character=False) == "complete"
+    # After the block the tag starts the grammar: what follows must be a call.
+    assert accepted(vocab, grammar, f"{block}Ask.</think>\n\n<tool_call>\nsunny", per_character=False) == "rejected"
+    assert accepted(vocab, grammar, f"{block}Ask.</think><tool_call>\n" + json.dumps(
+        {"name": "get_time", "arguments": {"tz": "UTC"}}) + "\n</tool_call>", per_character=False) == "complete"
 
 
 # ---- on the real model ------------------------------------------------------------------------------------------

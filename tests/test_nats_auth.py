@@ -129,6 +129,12 @@ async def test_each_role_does_its_job_with_no_violation(auth_server: EmbeddedNat
         assert streamed == whole.choices[0].text and len(whole.choices[0].text) > 0
         models = await client.models.list()
         assert [m.id for m in models.data] == [MODEL]
+        # The dashboard reads the registry's heartbeats within the gateway's role (issue #27).
+        async with httpx.AsyncClient() as http:
+            async def both_nodes_shown() -> bool:
+                state = (await http.get(f"{gateway.url}/dashboard/state")).json()
+                return {n["node_id"] for n in state["nodes"]} == {"n1", "n2"}
+            await eventually(both_nodes_shown, timeout=15, what="the dashboard showing both nodes")
 
         # A head's presence probe reaches its session's gateway, and the gateway answers, within their permissions.
         running = await client.completions.create(model=MODEL, prompt="hello", max_tokens=2000, temperature=0,
@@ -164,7 +170,7 @@ FORBIDDEN_PUBLISH = {
     "monitor": ["swarmroute.tracker.route", "swarmroute.tokens.forged", "$KV.swarmroute_nodes.fake"],
 }
 FORBIDDEN_SUBSCRIBE = {
-    "gateway": ["swarmroute.tracker.route", "_INBOX_tracker.x", "_INBOX_node.x", "$KV.swarmroute_nodes.n1"],
+    "gateway": ["swarmroute.tracker.route", "_INBOX_tracker.x", "_INBOX_node.x", "swarmroute.artifacts.who.m"],
     "node": ["swarmroute.tracker.route", "_INBOX_gateway.x", "swarmroute.tokens.s1", "swarmroute.telemetry.s1"],
     "tracker": ["swarmroute.tokens.s1", "_INBOX_gateway.x", "swarmroute.artifacts.who.m"],
     "monitor": ["swarmroute.tokens.s1", "_INBOX_gateway.x", "swarmroute.tracker.route"],

@@ -27,6 +27,7 @@ from artifacts.shard import needed_byte_ranges
 from artifacts.store import Store
 from artifacts.torrent import wanted_pieces
 from artifacts.verify import verify_shard
+from bus.identity import load_or_create
 from bus.server import EmbeddedNats, NatsServerConfig
 from gateway.app import Gateway
 from schemas.manifest import ModelManifest
@@ -87,8 +88,10 @@ async def separate_hosts(tmp: Path, n: int, *, subnet: int) -> AsyncIterator[
     test starts, all stopped at the end, children first."""
     with netns.hosts(n, subnet=subnet) as (bridge, hosts):
         server = EmbeddedNats(NatsServerConfig(store_dir=tmp / "nats", host=bridge)).start()
+        # Nodes off loopback serve TLS (issue #29) and accept only the gateways they are told of, as a fleet's are.
+        gateway_cert = load_or_create(tmp / "home" / "identity", "gateway").cert_file
         settings = make_settings(server.url, tmp / "home", token_timeout_s=60.0, first_token_timeout_s=120.0,
-                                 hop_timeout_s=60.0)
+                                 hop_timeout_s=60.0, tls_trusted_certs=gateway_cert)
         watch = await ProgressWatch().start(server.url)
         children = Children()
         try:

@@ -4,7 +4,10 @@
 The parser and the replies are checked on their own (every way of cutting a reply into tokens, tool calls after the
 block, the formats), the head's detection on templates alone, and the whole path on the bundled Gemma served by
 llama.cpp with a synthetic template that marks reasoning (a few-shot history makes the greedy model write a block
-and close it; ``</think>`` is three tokens of its vocabulary), through the official ``openai`` client.
+and close it; ``</think>`` is three tokens of its vocabulary), through the official ``openai`` client: chat and
+Responses replies, a background response replayed and resumed, and a ``response_format`` enforced after the block
+(on one node, and by the tail of a two-node route). The torch head's side is in tests/test_torch_route.py, the
+grammar's on its own in tests/test_grammar.py.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, get_args
 
+import jsonschema
 import openai
 import pytest
 import pytest_asyncio
@@ -386,17 +390,23 @@ async def test_a_template_without_think_markers_is_unchanged(think_swarm: Swarm)
     assert not any("reasoning_content" in d.to_dict() for d in deltas)
 
 
+def responses_history() -> list[Any]:
+    """The few-shot history as Responses input: reasoning items before the assistant messages."""
+    history: list[Any] = []
+    for m in SHOTS:
+        if m.get("reasoning_content"):
+            history.append({"type": "reasoning", "id": f"rs_{len(history)}", "summary": [],
+                            "content": [{"type": "reasoning_text", "text": m["reasoning_content"]}]})
+        history.append({"role": m["role"], "content": m["content"]})
+    return history
+
+
 @pytest.mark.slow
 @pytest.mark.asyncio(loop_scope="module")
 async def test_responses_return_the_block_as_a_reasoning_item(think_swarm: Swarm) -> None:
     use_template(think_swarm, think_template(True))
     reasoning, answer, _ = await chat(think_swarm)
-    history: list[Any] = []
-    for m in SHOTS:  # the few-shot history as Responses input: reasoning items before the assistant messages
-        if m.get("reasoning_content"):
-            history.append({"type": "reasoning", "id": f"rs_{len(history)}", "summary": [],
-                            "content": [{"type": "reasoning_text", "text": m["reasoning_content"]}]})
-        history.append({"role": m["role"], "content": m["content"]})
+    history = responses_history()
     stream = await client(think_swarm).responses.create(model=MODEL, input=history, max_output_tokens=N,
                                                         temperature=0, stream=True)
     events = [event async for event in stream]
@@ -410,3 +420,86 @@ async def test_responses_return_the_block_as_a_reasoning_item(think_swarm: Swarm
     whole = await client(think_swarm).responses.create(model=MODEL, input=history, max_output_tokens=N,
                                                        temperature=0)
     assert [o.type for o in whole.output] == ["reasoning", "message"] and whole.output_text == answer
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_background_response_replays_and_resumes_its_block_as_the_reasoning_item(think_swarm: Swarm) -> None:
+    use_template(think_swarm, think_template(True))
+    reasoning, answer, _ = await chat(think_swarm)
+    sdk = client(think_swarm)
+    created = await sdk.responses.create(model=MODEL, input=responses_history(), max_output_tokens=N,
+                                         temperature=0, background=True)
+    await think_swarm.freed(timeout=120)  # it ran to its end with nobody reading
+    whole = [event async for event in await sdk.responses.retrieve(created.id, stream=True)]
+    assert "".join(e.delta for e in whole if e.type == "response.reasoning_text.delta") == reasoning
+    assert "".join(e.delta for e in whole if e.type == "response.output_text.delta") == answer
+    final = whole[-1].response
+    assert [o.type for o in final.output] == ["reasoning", "message"]
+    assert [c.text for c in final.output[0].content or []] == [reasoning] and final.output_text == answer
+    # Resumed inside the block: every later event once, the reasoning item's own included.
+    n = next(i for i, e in enumerate(whole) if e.type == "response.reasoning_text.delta")
+    rest = [event async for event in await sdk.responses.retrieve(created.id, stream=True, starting_after=n)]
+    assert [e.model_dump() for e in rest] == [e.model_dump() for e in whole[n + 1:]]
+    assert any(e.type == "response.reasoning_text.done" and e.text == reasoning for e in rest)
+    stored = await sdk.responses.retrieve(created.id)
+    assert stored.model_dump() == final.model_dump()
+
+
+ANSWER_SCHEMA: dict[str, Any] = {"type": "object", "properties": {"answer": {"type": "integer"}},
+                                 "required": ["answer"], "additionalProperties": False}
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_json_schema_constrains_the_answer_after_the_block(think_swarm: Swarm) -> None:
+    use_template(think_swarm, think_template(True))
+    reasoning, _, _ = await chat(think_swarm)  # free: the block the greedy model writes, and closes
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA}}
+    reply = await client(think_swarm).chat.completions.create(model=MODEL, messages=SHOTS, max_tokens=64,
+                                                              temperature=0, response_format=fmt)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop"
+    # The block is the same as unconstrained (greedy, and the grammar leaves it free); the answer is the schema's.
+    assert extra(choice.message, "reasoning_content") == reasoning
+    assert choice.message.content is not None
+    jsonschema.validate(json.loads(choice.message.content), ANSWER_SCHEMA)
+    stream = await client(think_swarm).chat.completions.create(model=MODEL, messages=SHOTS, max_tokens=64,
+                                                               temperature=0, response_format=fmt, stream=True)
+    deltas = [c.choices[0].delta async for c in stream if c.choices]
+    assert "".join(extra(d, "reasoning_content") or "" for d in deltas) == reasoning
+    assert "".join(d.content or "" for d in deltas) == choice.message.content
+    # json_object likewise.
+    whole = await client(think_swarm).chat.completions.create(model=MODEL, messages=SHOTS, max_tokens=64,
+                                                              temperature=0, response_format={"type": "json_object"})
+    assert extra(whole.choices[0].message, "reasoning_content") == reasoning
+    assert isinstance(json.loads(whole.choices[0].message.content or ""), dict)
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio(loop_scope="module")
+async def test_the_tail_of_a_two_node_route_constrains_after_the_block_too(
+        think_swarm: Swarm, module_nats: EmbeddedNats, gemma_path: Path,
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    # The head, which reads the prompt, tells the tail on another node where the reply starts.
+    use_template(think_swarm, think_template(True))
+    reasoning, _, _ = await chat(think_swarm)
+    shard_dir = tmp_path_factory.mktemp("think-shards")
+    backends = [load_backend("llamacpp", model_path=gemma_path, n_ctx=1024, max_sessions=2, threads=1,
+                             layer_start=a, layer_end=b, shard_dir=shard_dir) for a, b in ((0, 9), (9, 18))]
+    settings = make_settings(module_nats.url, tmp_path_factory.mktemp("think2") / "home", namespace="think2",
+                             token_timeout_s=60.0, first_token_timeout_s=120.0, hop_timeout_s=60.0)
+    swarm = await start_swarm(settings, backends, model_id=MODEL)
+    try:
+        use_template(swarm, think_template(True))
+        reply = await client(swarm).chat.completions.create(
+            model=MODEL, messages=SHOTS, max_tokens=64, temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA}})
+        message = reply.choices[0].message
+        assert [h["node_id"] for h in (reply.model_extra or {})["swarmroute"]["route"]] == ["n1", "n2"]
+        assert extra(message, "reasoning_content") == reasoning
+        jsonschema.validate(json.loads(message.content or ""), ANSWER_SCHEMA)
+    finally:
+        await swarm.stop()
+        for b in backends:
+            b.close()

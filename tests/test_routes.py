@@ -205,6 +205,22 @@ def test_a_route_whose_nodes_kept_the_longest_prefix_comes_first() -> None:
     assert ids(adverts, prefix_keys=["k9"]) == ["h2", "t1"]
 
 
+def test_a_hop_is_named_a_source_off_the_route_that_kept_more_of_the_prefix() -> None:
+    """Issue #26, prefixes across routes: a full route A kept the prefix; the route B given names, for each of its
+    hops, A's node of the same layers (its own holding a shorter key, none, or the longest already: no source)."""
+    a = [holding(node("a-head", 0, 9, active=4), "k1", "k2"), holding(node("a-tail", 9, 18, active=4), "k1", "k2"),
+         holding(node("half", 0, 6), "k1", "k2")]
+    b = [holding(node("b-head", 0, 9), "k1"), node("b-tail", 9, 18)]
+    route = select_route([*a, *b], MODEL, "s1", prefix_keys=["k1", "k2", "k3"])
+    assert [h.node_id for h in route.hops] == ["b-head", "b-tail"]
+    assert [h.prefix_source.node_id if h.prefix_source else None for h in route.hops] == ["a-head", "a-tail"]
+    assert route.hops[0].prefix_source is not None and route.hops[0].prefix_source.endpoint.endswith("/a-head")
+    # none where the hop holds the longest key any node holds already, nor without keys
+    route = select_route([*a, *b], MODEL, "s1", prefix_keys=["k1"])
+    assert route.hops[0].prefix_source is None and route.hops[1].prefix_source is not None
+    assert all(h.prefix_source is None for h in select_route([*a, *b], MODEL, "s1").hops)
+
+
 def test_every_hop_gets_a_standby_off_the_route_serving_its_layers_when_there_is_one() -> None:
     from actors.tracker.routes import with_standbys
 

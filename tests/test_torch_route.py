@@ -141,6 +141,43 @@ async def test_bundled_gemma_through_a_two_node_torch_route_equals_generate(sett
     assert expected.strip()  # the model said something: the comparison is not between two empty strings
 
 
+THINK_TEMPLATE = (  # the tiny template, with a DeepSeek-R1-style generation prompt that opens a think block
+    "{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'].split('</think>')[-1] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant><think>\n{% endif %}")
+
+
+async def test_a_torch_head_reports_the_block_its_template_opened_and_the_reply_comes_back_as_reasoning(
+        settings: Settings, swarms: Swarms) -> None:
+    route = build_route(TINY, (0, 3, 6))
+    head = route[0]
+    assert head.codec is not None
+    messages = [{"role": "user", "content": "Say something about rivers and trees."}]
+    assert head.reasoning_start(head.codec.tokenize(Prompt(messages=messages))) is None  # the tiny template: none
+    head.codec.tokenizer.chat_template = THINK_TEMPLATE
+    assert head.reasoning_start(head.codec.tokenize(Prompt(messages=messages))) == "open"
+    assert route[1].reasoning_start([2, 3]) is None  # only a head reads prompts
+    swarm = await swarms.start(settings, route, model_id=TINY)
+    client = openai.AsyncOpenAI(base_url=swarm.base_url, api_key="unused", max_retries=0)
+
+    async def chat(**extra: object) -> openai.types.chat.ChatCompletion:
+        return await client.chat.completions.create(model=TINY, messages=messages,  # type: ignore[arg-type]
+                                                    max_tokens=16, temperature=0, extra_body=extra)
+
+    raw = (await chat(reasoning_format="none")).choices[0].message.content  # the reply as the model wrote it
+    assert raw is not None
+    before, closed, after = raw.partition("</think>")
+    reasoning, answer = before.strip(" \t\r\n"), after.lstrip(" \t\r\n")  # as llama.cpp strips them
+    assert reasoning  # the tiny model wrote something inside the block
+    message = (await chat()).choices[0].message
+    assert (message.model_extra or {}).get("reasoning_content") == reasoning
+    assert message.content == (answer if closed else "")
+    stream = await client.chat.completions.create(model=TINY, messages=messages,  # type: ignore[arg-type]
+                                                  max_tokens=16, temperature=0, stream=True)
+    deltas = [c.choices[0].delta async for c in stream if c.choices]
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == reasoning
+    assert "".join(d.content or "" for d in deltas) == message.content
+
+
 def test_load_torch_is_what_the_cli_builds() -> None:
     backend = load_torch(model=TINY, layer_start=3, layer_end=6, max_sessions=3, context_length=512, dtype="float32")
     assert (backend.layers.start, backend.layers.end, backend.max_sessions) == (3, 6, 3)

@@ -49,6 +49,17 @@ def test_tiny_chat_template_and_end_of_generation() -> None:
         codec.tokenize(Prompt())
 
 
+def test_an_assistant_turns_reasoning_content_reaches_the_template() -> None:
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{% if m.get('reasoning_content') %}"
+                               "<think>{{ m['reasoning_content'] }}</think>{% endif %}{{ m['content'] }}\n{% endfor %}")
+    codec = TokenCodec(tokenizer, [])
+    ids = codec.tokenize(Prompt(messages=[{"role": "user", "content": "hi"},
+                                          {"role": "assistant", "content": "hello", "reasoning_content": "greet"}]))
+    assert b"".join(codec.token_bytes(i) for i in ids) == b"<user>hi\n<assistant><think>greet</think>hello\n"
+    assert codec.template_source == tokenizer.chat_template
+
+
 @pytest.mark.slow
 def test_gemma_token_bytes_are_exact_including_byte_fallback(gemma_codec: TokenCodec) -> None:
     codec = gemma_codec

@@ -24,7 +24,7 @@ import threading
 import numpy as np
 import numpy.typing as npt
 
-from actors.backend import Hidden, StepInput, StepOutput
+from actors.backend import Hidden, StepInput, StepOutput, TopLogits
 from actors.backends.session_table import HoldsSessions, SessionTable, Wording, choice_seed
 from schemas.errors import BadRequestError, SnapshotError
 from schemas.node import BackendInfo, LayerRange
@@ -210,7 +210,10 @@ class StubBackend(HoldsSessions[_Session]):
         if not item.sample:
             return StepOutput()
         s.last_logits = (out[-1] @ self._unembed).astype(np.float64) + self._mask
-        return self._pick(s, s.last_logits)
+        picked = self._pick(s, s.last_logits)
+        if item.top_k:
+            picked.top = TopLogits.of(s.last_logits, item.top_k)
+        return picked
 
     def _pick(self, s: _Session, logits: npt.NDArray[np.float64]) -> StepOutput:
         token = self._sample(s, logits)

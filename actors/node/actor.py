@@ -15,21 +15,27 @@ import sys
 import time
 
 from nats.aio.client import Client as NATS
+from nats.aio.subscription import Subscription
 from nats.errors import NoRespondersError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel
 
 from actors.backend import Backend
 from actors.node.admission import Admission
+from actors.node.build_id import build_id, kernels_id
 from actors.node.config import NodeConfig
 from actors.node.control_api import ControlApi
 from actors.node.endings import Endings
 from actors.node.engine import StepEngine
+from actors.node.eviction_watch import EvictionWatch
 from actors.node.hop_api import HopApi
 from actors.node.link_probe import LinkProbe, route_neighbours
 from actors.node.metrics import NodeMetrics
 from actors.node.opener import SessionOpener
+from actors.node.peer_keys import PeerKeys
 from actors.node.prefix_cache import PrefixCache
+from actors.node.prefix_offers import PrefixOffers
+from actors.node.prefix_pull import PrefillRate, PrefixPull, PullPolicy
 from actors.node.process_memory import resident_bytes
 from actors.node.recovery.snapshot_store import SnapshotStore
 from actors.node.recovery.standby import StandbyApi
@@ -39,6 +45,7 @@ from actors.node.runtime import NodeRuntime
 from actors.node.session import NodeSession
 from actors.node.speculation.drafts import DraftSource, ModelDraft, NgramDraft
 from actors.node.spin import LoopPoller
+from actors.node.spot_check import SpotChecks
 from actors.registry import open_registry
 from actors.selfcheck import warm_up
 from actors.services import node_service
@@ -62,6 +69,7 @@ from schemas.node import Capacity, NodeAdvertisement
 from schemas.route import RepairRequest, RouteReply
 from schemas.session import CONTEXT_CAP, SessionOpen, SessionOpened
 from schemas.settings import Settings
+from schemas.spot_check import CheckerReply, CheckerRequest, Dispute, DisputeReply
 
 log = logging.getLogger(__name__)
 SWITCH_INTERVAL_S = 0.0001
@@ -90,10 +98,14 @@ class Node(NatsActor):
         """Other nodes' snapshot chains this node holds as their standby (issue #18)."""
         self.standby = StandbyApi(self.snapshots, self.admission, config.node_id,
                                   max_body_bytes=settings.max_frame_bytes)
-        self._client = NodeClient(timeout_s=settings.hop_timeout_s)
+        self.keys = PeerKeys(settings, config.node_id, config.host)
+        """Its data-plane identity and TLS (issue #29)."""
+        self._client = NodeClient(timeout_s=settings.hop_timeout_s, tls=self.keys.client,
+                                  batch_frames=settings.frame_batch)
         self._tasks: list[asyncio.Task[None]] = []
         self._rebinding: asyncio.Task[None] | None = None
         self._kv: KeyValue | None = None
+        self._evictions_sub: Subscription | None = None
         self.runtime: NodeRuntime | None = None
         self.hidden_shape = tuple(backend.info.hidden_shape)
         self.metrics = NodeMetrics()
@@ -113,24 +125,43 @@ class Node(NatsActor):
         self.metrics.prefix_cache_sessions.set_function(lambda: float(len(self.reuse.cache)))
         self.draft_engine = StepEngine(draft) if draft is not None else None
         """The draft model's engine, on a head that was given one (``speculation = model``, issue #20)."""
+        self.prefix_offers = PrefixOffers(self.reuse, self.admission, model_id=config.model_id, layers=backend.layers,
+                                          backend=backend.info.version, max_body_bytes=settings.max_body_bytes)
+        """Kept prefixes offered to hops of other routes (issue #26)."""
+        self.prefix_pull = PrefixPull(self.reuse, self._client,
+                                      PullPolicy(PrefillRate(self.metrics.prefill_totals), mode=settings.prefix_pull),
+                                      model_id=config.model_id, layers=backend.layers,
+                                      timeout_s=settings.hop_timeout_s)
+        """Prefixes pulled from other routes' nodes when that is cheaper than computing them (issue #26)."""
+        self.spot = SpotChecks(node_id=config.node_id, model_id=config.model_id, build_id=build_id(backend.info),
+                               kernels_id=kernels_id(backend.info),
+                               backend=backend, engine=self.engine, settings=settings, metrics=self.metrics,
+                               ask_checker=self._ask_checker, report_dispute=self._report_dispute,
+                               client=self._client)
+        """Spot checks (issue #28): this node's sampled receipts, and the receipts it recomputes for others."""
+        self.spot.manifest_id = config.manifest_id
+        self.eviction_watch = EvictionWatch(config.node_id, self.sessions, self.metrics)
         self.opener = SessionOpener(node_id=config.node_id, model_id=config.model_id, backend=backend,
                                     engine=self.engine, client=self._client, admission=self.admission,
                                     reuse=self.reuse, metrics=self.metrics, sessions=self.sessions,
-                                    hidden_shape=self.hidden_shape, on_closed=self._session_closed)
+                                    hidden_shape=self.hidden_shape, on_closed=self._session_closed,
+                                    pull=self.prefix_pull)
         control = ControlApi(node_id=config.node_id, backend=backend, engine=self.engine, admission=self.admission,
                              reuse=self.reuse, metrics=self.metrics, standby=self.standby, sessions=self.sessions,
                              open_session=lambda request: self.open_session(request),  # a wrapper set later counts
                              advertisement=self.advertisement, beat_soon=self._beat_soon.set,
-                             max_body_bytes=settings.max_body_bytes, endings=self.endings)
+                             max_body_bytes=settings.max_body_bytes, endings=self.endings,
+                             prefix_offers=self.prefix_offers, extra_routes=self.spot.routes())
         hop_api = HopApi(control.app(), control.session_for, max_frame_bytes=settings.max_frame_bytes,
                          max_body_bytes=settings.max_body_bytes)
-        self.server = HttpServer(hop_api, config.host, config.port, hot=hop_api)
-        self.links = LinkProbe(self._route_peers, interval_s=max(self.settings.heartbeat_s, 1.0) * 2.5)
+        self.server = HttpServer(hop_api, config.host, config.port, hot=hop_api, tls=self.keys.trust)
+        self.links = LinkProbe(self._route_peers, interval_s=max(self.settings.heartbeat_s, 1.0) * 2.5,
+                               tls=self.keys.client)
         """Data-plane RTTs to the nodes this one routes to and from, advertised for operators."""
 
     @property
     def endpoint(self) -> str:
-        return self.config.advertise_url or self.server.url
+        return self.keys.endpoint(self.config.advertise_url or self.server.url)
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -144,7 +175,8 @@ class Node(NatsActor):
                                    wire_dtype=WireDType.parse(self.config.wire_dtype), metrics=self.metrics,
                                    poller=LoopPoller(on_polled=self.metrics.spin_seconds.inc),
                                    client_present=self._client_present, manifest_id=self.config.manifest_id,
-                                   ask_repair=self._ask_repair, drafts=self._draft_source)
+                                   ask_repair=self._ask_repair, drafts=self._draft_source,
+                                   spot_recorder=self.spot.recorder_for)
         await self.engine.start()
         # On the engine's thread, like every later pass: a pass started on any other thread that lives on would
         # leave a second OpenMP pool in the process, and every pass after it ~1.6x slower (actors/node/engine.py).
@@ -153,10 +185,16 @@ class Node(NatsActor):
             await self.draft_engine.start()
             await self.draft_engine.call(warm_up, self.draft_engine.backend)
         await self.server.start()
+        await self.keys.follow(self.nc, self.subjects)
         self._kv = await open_registry(self.nc, self.subjects, self.settings.registry_ttl_s,
                                        replicas=self.settings.registry_replicas)
         await self.advertise_now()
         self.service = await node_service(self.nc, self.subjects, self.advertisement)
+        self._evictions_sub = await self.nc.subscribe(self.subjects.evictions(), cb=self.eviction_watch.on_message)
+        if self.settings.test_misbehave:
+            log.error("node %s runs with SWARMROUTE_TEST_MISBEHAVE=%s: it computes WRONG on purpose (a test of spot "
+                      "checks, issue #28); never run it in production", self.config.node_id,
+                      self.settings.test_misbehave)
         self._tasks = [asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
                        asyncio.create_task(self._sweep_loop(), name="idle-sweep"),
                        asyncio.create_task(self.links.run(), name="link-probe")]
@@ -182,6 +220,10 @@ class Node(NatsActor):
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self._stop_service()
+        if self._evictions_sub is not None:
+            with contextlib.suppress(Exception):
+                await self._evictions_sub.unsubscribe()
+        await self.spot.aclose()
         await self._withdraw()
         for session in list(self.sessions.values()):
             await session.close()
@@ -192,6 +234,7 @@ class Node(NatsActor):
             self.draft_engine.backend.close()
         await self._client.aclose()
         await self.links.aclose()
+        await self.keys.stop()
 
     # ---- NATS --------------------------------------------------------------------------------------------------
 
@@ -213,7 +256,9 @@ class Node(NatsActor):
                                  is_tail=self.backend.is_tail, backend=info, capacity=capacity,
                                  verified=self.config.verified, manifest_id=self.config.manifest_id,
                                  aliases=list(self.config.aliases), link_rtt_ms=dict(self.links.rtt_ms),
-                                 rss_bytes=resident_bytes())
+                                 rss_bytes=resident_bytes(), fingerprint=self.keys.fingerprint,
+                                 certificate=self.keys.certificate, build_id=self.spot.build_id,
+                                 kernels_id=self.spot.kernels_id)
 
     @property
     def _registry_timeout_s(self) -> float:
@@ -253,6 +298,20 @@ class Node(NatsActor):
         except Exception as exc:  # noqa: BLE001 - an outage: the head asks again while it may
             return error_reply(RouteReply, NoRouteError(f"the trackers did not answer: {type(exc).__name__}"))
         return RouteReply(route=route)
+
+    async def _ask_checker(self, request: CheckerRequest) -> CheckerReply:
+        """Who recomputes a receipt of this node's layers (or referees a dispute): the trackers pick (issue #28)."""
+        try:
+            msg = await self.nc.request(self.subjects.spot_checker_request, codec.encode(request),
+                                        timeout=self.settings.hop_timeout_s)
+            return codec.decode(msg.data, CheckerReply)
+        except Exception as exc:  # noqa: BLE001 - no tracker, an outage: the check is skipped
+            return CheckerReply(status=503, error=f"the trackers did not answer: {type(exc).__name__}")
+
+    async def _report_dispute(self, dispute: Dispute) -> DisputeReply:
+        msg = await self.nc.request(self.subjects.dispute_request, codec.encode(dispute),
+                                    timeout=self.settings.hop_timeout_s)
+        return codec.decode(msg.data, DisputeReply)
 
     async def advertise_at(self, url: str | None) -> None:
         """Advertise another base URL for peers (e.g. a proxy in front of this node), at once."""
@@ -326,7 +385,7 @@ class Node(NatsActor):
             del self.sessions[session.id]
             if session.is_head and session.phase.terminal:
                 self.endings.ended(session.id, session.phase)
-        if session.keep and session.request.n == 1 and self.reuse.enabled:
+        if session.keep and self.reuse.enabled:  # n > 1: choice 0's KV (the session's own backend session)
             try:
                 await self.reuse.keep(session.id, session.recovery.tokens, min(session.keep, session.position),
                                       session.request.prefill_chunk, session.session_token)

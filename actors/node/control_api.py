@@ -21,13 +21,14 @@ this app). docs/protocol.md has the full contract::
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from pydantic import BaseModel
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute
 from starlette.routing import Route as HttpRoute
 
 from actors.backend import Backend
@@ -38,6 +39,7 @@ from actors.node.head_session import HeadSession
 from actors.node.hop_session import HopSession
 from actors.node.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from actors.node.metrics import NodeMetrics
+from actors.node.prefix_offers import PrefixOffers
 from actors.node.recovery.standby import StandbyApi
 from actors.node.reuse import Reuse
 from actors.node.session import NodeSession
@@ -58,7 +60,8 @@ class ControlApi:
                  metrics: NodeMetrics, standby: StandbyApi, sessions: dict[str, NodeSession],
                  open_session: Callable[[SessionOpen], Awaitable[SessionOpened]],
                  advertisement: Callable[[], NodeAdvertisement], beat_soon: Callable[[], None],
-                 max_body_bytes: int, endings: Endings | None = None) -> None:
+                 max_body_bytes: int, endings: Endings | None = None,
+                 prefix_offers: PrefixOffers | None = None, extra_routes: Sequence[BaseRoute] = ()) -> None:
         self.node_id = node_id
         self.backend = backend
         self.engine = engine
@@ -75,6 +78,10 @@ class ControlApi:
         self.max_body_bytes = max_body_bytes
         self.endings = endings or Endings()
         """Sessions this node headed that ended: a probe of one hears "ended", not "not open"."""
+        self.extra_routes = list(extra_routes)
+        """Routes of other parts of the node (spot checks, issue #28)."""
+        self.prefix_offers = prefix_offers
+        """Its kept prefixes offered to other routes (issue #26)."""
 
     def app(self) -> Starlette:
         routes = [
@@ -90,6 +97,8 @@ class ControlApi:
             HttpRoute("/v1/sessions/{sid}/route", self._route_update, methods=["POST"]),
             HttpRoute("/v1/sessions/{sid}/replay", self._replay, methods=["POST"]),
             *self.standby.routes(),
+            *(self.prefix_offers.routes() if self.prefix_offers is not None else []),
+            *self.extra_routes,
         ]
         return edge_app(routes)
 

@@ -33,7 +33,14 @@ closed is waited for no more. On a head, decode steps of routes of several hops 
 every hop computes the same batch in turn) or a share, so that groups follow each other around the ring and the hops
 compute different sessions at the same time, whichever it measured to be faster.
 
-Why one module of ~510 lines: one worker thread and the one lock (``_cond``) over its queues, which the batching,
+Prefill waits for running sessions (issue #30): every pass takes the queued steps of sessions already decoding
+first and fills what is left of the token budget with prefill chunks (``enqueue(prefill=True)``), keeping room
+for the oldest chunk so that prefill always moves too; a head's sessions admit their prefill through
+``prefills`` (``actors.node.prefill_gate``), so that a burst of new sessions puts at most a couple of passes of
+prefill on any hop of their routes at once. A burst of admissions then never starves decode, and never makes a
+hop's answer wait past its timeout behind every other prompt.
+
+Why one module of ~540 lines: one worker thread and the one lock (``_cond``) over its queues, which the batching,
 the cohort wait, the inline runs, the chains and the hand-offs all read and write; split, that lock's rules (which
 state it guards, who may wake the worker) would span modules. The ring grouping it consults lives in ``ring``.
 """
@@ -50,6 +57,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from actors.backend import Backend, StepInput, StepOutput
+from actors.node.prefill_gate import PrefillGate
 from actors.node.ring import MERGE_HOLD_S, RingGroups, RingSessions
 from schemas.errors import NodeStoppingError, SessionNotFoundError
 
@@ -73,6 +81,14 @@ than this apart: the frames one pass of the hop before sends arrive back to back
 
 SOLO_WINDOW_S = 0.25
 """A session counts as active on this node for this long after its last submitted step."""
+
+PREFILL_PASSES = 2
+"""The most full passes of prefill (the backend's token budget each) a head may have under way on its routes at
+once (``prefills``, whose limit is otherwise the time its measured rate needs): two, so that on a route the head
+computes the next sessions' chunks while the hop after it computes the previous ones."""
+
+RATE_WEIGHT = 0.3
+"""Weight of the latest pass in the measured prefill rate (an exponential average over passes with prefill)."""
 
 Follow = Callable[[StepInput, StepOutput], "StepInput | None"]
 """Called on the worker thread after a chained step: the session's next step, or ``None`` to end the chain."""
@@ -124,6 +140,8 @@ class _Pending:
     """Set by the worker when the pass carrying this step starts (``enqueue(handoff=True)`` waits for it)."""
     ring: tuple[str, ...] = ()
     """A head's decode step on a route of several hops: the route's nodes (empty: any other step)."""
+    prefill: bool = False
+    """A prompt's chunk: it rides a pass after the steps of the sessions already decoding."""
 
     def abandoned(self) -> bool:
         return (self.chain is not None and self.chain.stopped) or (self.future is not None and self.future.done())
@@ -162,6 +180,11 @@ class StepEngine:
         """Session id -> when it last submitted a step (monotonic): who is active, for the inline decision."""
         self.may_inline = (backend.info.threads or 1) == 1
         """Steps may run on the loop thread: only a backend on one thread (module docstring: OpenMP's pools)."""
+        self.prefill_rate: float | None = None
+        """Positions per second of the latest passes that carried prefill chunks (written by the worker)."""
+        self.prefills = PrefillGate(PREFILL_PASSES * backend.max_batch_tokens, lambda: self.prefill_rate)
+        """Loop: the prefill a head's sessions have under way; a session's first step that is not a prefill chunk,
+        or its close, ends its ticket."""
         self.batches_run = 0
         self.max_batch_seen = 0
 
@@ -195,6 +218,7 @@ class StepEngine:
         """Free a backend session on the worker, and drop every step of it still queued: a closed session's step
         in a batch would fail the whole forward pass, and with it every other session riding in it. The session
         no longer counts as active, and no batch waits for it."""
+        self.prefills.release(session_id)
         await self.call(self._close_now, session_id)
         self._last_step.pop(session_id, None)
 
@@ -228,13 +252,16 @@ class StepEngine:
         return await self.enqueue(item, handoff=True)
 
     def enqueue(self, item: StepInput, *, handoff: bool = False, inline: bool = True,
-                ring: tuple[str, ...] = ()) -> asyncio.Future[Result]:
+                ring: tuple[str, ...] = (), prefill: bool = False) -> asyncio.Future[Result]:
         """``submit`` without waiting: the step is queued before this returns (cancel the future to drop it), or,
         alone on an idle engine, already run inline (the future is done; ``inline=False``: never, the loop has
         something more urgent to do meanwhile). ``handoff``: if the worker is idle, block (at most
         ``HANDOFF_WAIT_S``) until it has taken the step. ``ring``: a head's decode step, the nodes of its route
-        (its passes are grouped, see the module's docstring)."""
+        (its passes are grouped, see the module's docstring). ``prefill``: a prompt's chunk, which rides a pass after
+        the decoding sessions' steps; a head session's first other step ends its prefill ticket (``prefills``)."""
         future: asyncio.Future[Result] = self._running_loop().create_future()
+        if not prefill:
+            self.prefills.release(item.session_id)
         if self._claim_inline(item, allowed=inline):
             try:
                 future.set_result(self._run_inline(item))
@@ -244,7 +271,7 @@ class StepEngine:
         # Only for a lone session: with others active the worker should wait for their steps and batch them.
         wait = handoff and not self._busy and len(self._last_step) == 1
         pending = _Pending(item, time.perf_counter(), future=future, taken=threading.Event() if wait else None,
-                           ring=ring if len(ring) > 1 and item.n_positions == 1 else ())
+                           ring=ring if len(ring) > 1 and item.n_positions == 1 else (), prefill=prefill)
         self._enqueue(pending)
         if pending.taken is not None:
             pending.taken.wait(HANDOFF_WAIT_S)
@@ -260,6 +287,7 @@ class StepEngine:
         pendings = [_Pending(item, now, future=loop.create_future()) for item in items]
         for item in items:
             self._last_step[item.session_id] = mono
+            self.prefills.release(item.session_id)
         with self._cond:
             if self._stopping:
                 raise NodeStoppingError("node is stopping")
@@ -301,6 +329,7 @@ class StepEngine:
     def chain(self, first: StepInput, follow: Follow) -> StepChain:
         """Run ``first``, then whatever ``follow`` makes of each output, without a round trip through the loop."""
         self._running_loop()
+        self.prefills.release(first.session_id)
         chain = StepChain(follow)
         self._enqueue(_Pending(first, time.perf_counter(), chain=chain))
         return chain
@@ -349,10 +378,13 @@ class StepEngine:
 
     def _take_batch(self) -> list[_Pending]:
         """With ``_cond`` held: wait briefly for the steps that belong with the oldest queued one (``_gather``), then
-        take what fits the budget and, of a head's ring steps, what the route's grouping allows."""
+        take what fits the budget and, of a head's ring steps, what the route's grouping allows: the steps of
+        sessions already decoding first, with room kept for the oldest prefill chunk, then prefill chunks."""
         first = next((p for p in self._steps if not p.abandoned()), None)
         if first is not None:
             self._gather(first)
+            if self._calls:  # arrived while gathering: it goes ahead of the steps queued after it (``call_soon``)
+                return []
         now = time.monotonic()
         self._rings.prune(now)
         for sid in [sid for sid, t in self._seen_at.items() if now - t > SOLO_WINDOW_S]:
@@ -364,14 +396,17 @@ class StepEngine:
         rest: list[_Pending] = []
         seen: set[str] = set()
         used = 0
-        for p in self._steps:
-            if p.abandoned():
-                continue
+        live = [p for p in self._steps if not p.abandoned()]
+        oldest = next((p for p in live if p.prefill), None)
+        reserve = oldest.item.n_positions if oldest is not None else 0
+        for p in [*(p for p in live if not p.prefill), *(p for p in live if p.prefill)]:
             n = p.item.n_positions
             if p.ring and p.ring not in caps:
                 caps[p.ring] = self._ring_cap(p.ring, now)
-            # A session's steps stay in order, one per pass; the first item always goes so nothing starves.
-            if p.item.session_id in seen or (batch and used + n > budget) or (
+            # A session's steps stay in order, one per pass; the first item always goes so nothing starves, and
+            # decoding sessions leave room for the oldest prefill chunk.
+            room = budget if p.prefill else budget - reserve
+            if p.item.session_id in seen or (batch and used + n > room) or (
                     p.ring and ringed.get(p.ring, 0) >= caps[p.ring]):
                 rest.append(p)
                 continue
@@ -447,6 +482,10 @@ class StepEngine:
             self._to_loop(_fail_all, batch, exc)
             return
         compute_ms = (time.perf_counter() - started) * 1e3
+        if any(p.prefill for p in batch):
+            rate = sum(p.item.n_positions for p in batch) / max(compute_ms, 1e-3) * 1e3
+            self.prefill_rate = rate if self.prefill_rate is None else (
+                RATE_WEIGHT * rate + (1 - RATE_WEIGHT) * self.prefill_rate)
         self.batches_run += 1
         self.max_batch_seen = max(self.max_batch_seen, len(batch))
         if self._on_pass is not None:

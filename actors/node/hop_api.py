@@ -9,11 +9,18 @@ that skips Starlette's routing, Request and Response machinery for these two pat
 the Starlette app. A frame or token whose body names another session than its URL is refused here, for both
 token encodings. Errors keep the node API's shape: the ``SwarmrouteError`` mapped to its status and
 OpenAI-style body.
+
+``POST /v1/batch`` (issue #26, ``bus.frame_batch``) carries several sessions' decode frames or token frames in one
+request: each entry is handed to its session as if it had come alone, in order, and the batch is answered once every
+entry is (a frame once computed and forwarded), with one result per entry, so that one session's refusal fails only
+that session's request upstream.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
@@ -23,12 +30,15 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from actors.backend import Hidden
 from bus import frame as frames
 from bus.capability import HEADER_SESSION_TOKEN
+from bus.frame_batch import BATCH_CONTENT_TYPE, BATCH_PATH
 from bus.hotpath import Answer
 from bus.http_edge import answer, read_body
 from bus.nodeclient import FRAME_CONTENT_TYPE, TOKEN_CONTENT_TYPE, WINDOW_CONTENT_TYPE
 from schemas.errors import BadRequestError, FrameError, SwarmrouteError, validation_message
-from schemas.frame import FrameHeader, SampledToken, SampledWindow
+from schemas.frame import MAGIC, TOKEN_MAGIC, FrameHeader, SampledToken, SampledWindow
 from schemas.session import TokenEvent
+
+log = logging.getLogger(__name__)
 
 
 class HopTarget(Protocol):
@@ -62,6 +72,8 @@ class HopApi:
     # ---- the fast lane's interface (bus.hotpath.HotRoutes) -------------------------------------------------------
 
     def claims(self, method: str, path: str) -> int | None:
+        if method == "POST" and path == BATCH_PATH:
+            return self._max_frame_bytes
         if method != "POST" or not path.startswith(_PREFIX):
             return None
         sid, _, leaf = path[len(_PREFIX):].partition("/")
@@ -71,6 +83,8 @@ class HopApi:
 
     def handle(self, path: str, headers: Mapping[bytes, bytes], body: bytes) -> Answer | Awaitable[Answer]:
         """Answer a claimed request; awaitable only when a frame's step had to queue for the backend's worker."""
+        if path == BATCH_PATH:
+            return self._batch(headers, body)
         sid, _, leaf = path[len(_PREFIX):].partition("/")
         try:
             if leaf == "tokens":
@@ -127,6 +141,43 @@ class HopApi:
             raise BadRequestError(f"tokens are sent as {TOKEN_CONTENT_TYPE} or application/json")
         session.on_token(event)
 
+    def _batch(self, headers: Mapping[bytes, bytes], body: bytes) -> Answer | Awaitable[Answer]:
+        """Every entry to its session, in order; answered with one result per entry once all are."""
+        if (_text(headers.get(b"content-type")) or BATCH_CONTENT_TYPE) != BATCH_CONTENT_TYPE:
+            return answer(FrameError(f"batches must be sent as {BATCH_CONTENT_TYPE}"))
+        try:
+            entries = frames.decode_batch(body)
+        except frames.FrameDecodeError as exc:
+            return answer(FrameError(str(exc)))
+        results = [self._entry(frame, token) for frame, token in entries]
+        ready = [r for r in results if not isinstance(r, Awaitable)]
+        if len(ready) == len(results):
+            return _results(ready)
+        # Every entry under way at once (a coroutine does nothing until awaited): an entry waiting for its session's
+        # previous step must not hold the others' steps back.
+        return _results_later([asyncio.ensure_future(r) if isinstance(r, Awaitable) else r for r in results])
+
+    def _entry(self, frame: bytes, token: str) -> int | None | SwarmrouteError | Awaitable[int]:
+        """One batch entry, handed on as a request of its own would be: a frame's position (or its awaitable),
+        ``None`` for a token, or the error this entry alone is refused with."""
+        try:
+            magic = frame[:4]
+            if magic not in (MAGIC, TOKEN_MAGIC) or len(frame) < 24:
+                raise FrameError(f"a batch carries activation or token frames, not {magic!r}")
+            sid = frames.session_str(frame[8:24])  # both kinds carry the session at bytes 8..24
+            if magic == TOKEN_MAGIC:
+                self._token(sid, {b"content-type": TOKEN_CONTENT_TYPE.encode(),
+                                  **({_TOKEN_HEADER: token.encode("latin-1")} if token else {})}, frame)
+                return None
+            session = self._lookup(sid, token or None)
+            try:
+                header, hidden = frames.decode(frame)
+            except frames.FrameDecodeError as exc:
+                raise FrameError(str(exc)) from None
+            return session.on_frame(header, hidden, len(frame))
+        except SwarmrouteError as exc:
+            return exc
+
     # ---- ASGI, for requests the fast lane left to uvicorn ---------------------------------------------------------
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -156,6 +207,35 @@ async def _answer_later(position: Awaitable[int]) -> Answer:
     # ring comes round).
     await asyncio.sleep(0)
     return _position(at)
+
+
+async def _results_later(results: list[int | None | SwarmrouteError | Awaitable[int]]) -> Answer:
+    settled: list[int | None | SwarmrouteError] = []
+    for r in results:
+        if not isinstance(r, Awaitable):
+            settled.append(r)
+            continue
+        try:
+            settled.append(await r)
+        except SwarmrouteError as exc:
+            settled.append(exc)
+        except Exception as exc:  # noqa: BLE001 - one entry's fault is that entry's answer, as a lone request's
+            log.exception("batch entry failed")
+            settled.append(SwarmrouteError(f"internal error on the hop endpoint: {exc!r}"))
+    await asyncio.sleep(0)  # as ``_answer_later``: the forwards go out first
+    return _results(settled)
+
+
+def _results(results: list[int | None | SwarmrouteError]) -> Answer:
+    parts = []
+    for r in results:
+        if r is None:
+            parts.append(b'{"status":204}')
+        elif isinstance(r, int):
+            parts.append(b'{"status":200,"position":%d}' % r)
+        else:
+            parts.append(b'{"status":%d,"error":%s}' % (r.status, json.dumps(r.to_body()["error"]).encode()))
+    return 200, b'{"results":[' + b",".join(parts) + b"]}", ()
 
 
 def _position(position: int) -> Answer:

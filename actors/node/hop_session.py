@@ -14,7 +14,7 @@ import asyncio
 import functools
 from collections.abc import Awaitable
 
-from actors.backend import Hidden, KvBackend, StepInput, StepOutput
+from actors.backend import Hidden, StepInput, StepOutput
 from actors.node.choices import Choice
 from actors.node.session import NodeSession, SessionFailed, StepFuture, settled
 from actors.node.speculation.policy import Target, verify
@@ -175,7 +175,7 @@ class HopSession(NodeSession):
 
     def _run_frame(self, choice: Choice, header: FrameHeader, hidden: Hidden, nbytes: int) -> int | Awaitable[int]:
         item = self._frame_step_input(choice, header, hidden, nbytes)
-        step = self.rt.engine.enqueue(item, handoff=True)
+        step = self.rt.engine.enqueue(item, handoff=True, prefill=header.kind is FrameKind.PREFILL)
         if step.done():
             return self._frame_computed(choice, header, item, step)
         choice.frame_step = step
@@ -213,8 +213,11 @@ class HopSession(NodeSession):
         # A frame a repair replays below ``quiet_below`` has its token already: the tail computes it without
         # sampling (no logits over the vocabulary, and the sampler's penalty window and draws stay as they are).
         sample = header.sample and self.is_tail and not window and self.recovery.forwards(header.start_position)
+        # A tail recording a spot-check receipt keeps the largest logits of each row it samples from (issue #28).
+        top_k = self.spot.top_k if sample and choice.index == 0 and self.spot is not None and not self.spot.stopped \
+            else 0
         return StepInput(choice.backend_id, header.start_position, hidden=hidden, sample=sample, rows=window,
-                         forks=forks)
+                         top_k=top_k, forks=forks)
 
     async def _frame_awaited(self, choice: Choice, header: FrameHeader, item: StepInput, step: StepFuture) -> int:
         try:
@@ -235,6 +238,8 @@ class HopSession(NodeSession):
         if self.is_tail and header.kind is FrameKind.VERIFY:
             self._judge(choice, header, out, stamps)
         elif self.is_tail:
+            if self.spot is not None and choice.index == 0:
+                self.spot.answered(header.start_position, item.sample, out.top)
             if header.sample and self.recovery.forwards(header.start_position):
                 self._send_token(choice, out, stamps)
                 for fork, first in zip(forks, out.forks, strict=True):
@@ -267,8 +272,10 @@ class HopSession(NodeSession):
             await self.rt.client.report_failure(head.node_id, head.endpoint, self.id, reason,
                                                 session_token=self.session_token)
         except HopError:
-            if self.request.repair and reason.node_id == head.node_id and self.request.n == 1:
-                return  # the head itself is lost: the gateway finds it and a replacement head re-binds (issue #31)
+            if (self.request.repair or self.request.n > 1) and reason.node_id == head.node_id:
+                # The head itself is lost: the gateway finds it and a replacement head re-binds (issue #31), or,
+                # for sampled choices (n > 1, opened without repair), fails it saying why and frees every hop.
+                return
             end = SessionEnd(session_id=self.id, phase=SessionPhase.FAILED, failure=reason)
             await self.rt.publish(self.rt.subjects.tokens(self.id), end)
         else:
@@ -299,23 +306,13 @@ class HopSession(NodeSession):
                 self.recovery.truncate(update.truncate_to)
             if self.is_tail and update.generated is not None:
                 await self.restart_generation(update.generated)
+            # Verify windows (issue #20) are numbered afresh by the head that drives the new epoch, and its first
+            # one follows a plain frame: the old epoch's order and expected token would drop them all.
+            if self.request.speculate is not None:
+                self._order.close()
+                self.__dict__.pop("_order", None)
+                self._expect = None
             self.recovery.quiet_below = update.quiet_below if self.is_tail else None
         journal = self.recovery.journal
         return HopPosition(session_id=self.id, node_id=self.rt.node_id, position=choice.position,
                            journal_start=journal.start if journal is not None else None)
-
-    async def restart_generation(self, generated: list[int]) -> None:
-        """Tail: the stop rules and the sampler as if they had seen exactly ``generated`` (what the head has)."""
-        generation = self._new_generation()
-        assert generation is not None
-        for token in generated:
-            generation.accept(token)
-        self.choices.first.generation = generation
-        self.phase = SessionPhase.DECODE if generated else SessionPhase.PREFILL
-        await self.rt.engine.call(self._kv().replay_sampled, self.id, list(generated))
-
-    def _kv(self) -> KvBackend:
-        backend = self.rt.engine.backend
-        if not isinstance(backend, KvBackend):
-            raise BadRequestError(f"node {self.rt.node_id}'s {backend.info.kind} backend cannot cut or rebuild KV")
-        return backend

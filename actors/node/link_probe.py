@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 import time
 from collections.abc import Callable, Iterable
 
 import httpx
 
+from bus.tls import PinnedTransport, PinTable
 from schemas.route import Route
 
 PROBE_INTERVAL_S = 5.0
@@ -37,10 +39,12 @@ def route_neighbours(route: Route, hop_index: int, node_id: str) -> dict[str, st
 
 class LinkProbe:
     """Measures the peers ``peers()`` names (node id -> endpoint) every ``interval_s``; ``rtt_ms`` holds the
-    latest figures. ``run()`` is the loop (a task of the node), ``aclose()`` frees the connections."""
+    latest figures. ``run()`` is the loop (a task of the node), ``aclose()`` frees the connections. With ``tls``
+    (a client context) it reaches pinned ``https://`` peers as the node's frames do."""
 
     def __init__(self, peers: Callable[[], Iterable[tuple[str, str]]], *, interval_s: float = PROBE_INTERVAL_S,
-                 forget_s: float = FORGET_S, clock: Callable[[], float] = time.monotonic) -> None:
+                 forget_s: float = FORGET_S, clock: Callable[[], float] = time.monotonic,
+                 tls: ssl.SSLContext | None = None) -> None:
         self._peers = peers
         self._interval = interval_s
         self._forget = forget_s
@@ -51,8 +55,11 @@ class LinkProbe:
         self.rtt_ms: dict[str, float] = {}
         # Idle connections are dropped before the peer's server drops them (uvicorn: 5 s), so a try rarely meets a
         # connection closed under it; the first try of a round may pay a connect, the least of the round does not.
-        self._client = httpx.AsyncClient(timeout=httpx.Timeout(TIMEOUT_S),
-                                         limits=httpx.Limits(max_keepalive_connections=32, keepalive_expiry=3.0))
+        limits = httpx.Limits(max_keepalive_connections=32, keepalive_expiry=3.0)
+        self._pins = PinTable()
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(TIMEOUT_S), limits=limits,
+                                         transport=None if tls is None else PinnedTransport(tls, self._pins,
+                                                                                            limits=limits))
 
     def _refresh(self) -> list[tuple[str, str]]:
         """Peers to measure now: new ones at once, the others once their figure is ``interval_s`` old."""
@@ -72,7 +79,7 @@ class LinkProbe:
         for _ in range(TRIES):
             started = time.perf_counter()
             try:
-                response = await self._client.get(f"{endpoint.rstrip('/')}/health")
+                response = await self._client.get(self._pins.url(f"{endpoint.rstrip('/')}/health"))
             except httpx.ConnectError:
                 return None  # refused: the peer is gone
             except httpx.HTTPError:

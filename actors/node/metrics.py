@@ -25,11 +25,17 @@ Series (all names prefixed ``swarmroute_``)::
     node_snapshot_failures_total              snapshot segments a standby did not take (the chain restarts)
     node_snapshots_held_bytes                 bytes of other nodes' snapshots held here as their standby
     node_repairs_total{outcome}               head: route repairs, repaired | failed (issue #18)
+    node_spot_checks_total{role,outcome}      spot checks (issue #28): checked submitted | no_checker; check or
+                                              referee agree | disagree | skipped | unjudged (a tail receipt with no
+                                              clean position)
+    node_evicted_info{node,layers,rule,median_rel_err,median_top_k}
+                                              1 per node the trackers evicted, with the checker's evidence
     node_prefix_reused_positions_total        prompt positions taken from kept KV instead of computed
     node_prefix_cache_sessions                finished sessions whose KV is kept for reuse
     node_prefill_positions_total              prompt positions this node computed (prefill chunks; reused ones are
                                               not: with reuse, the new tokens only, issue #26)
     node_prefix_rejected_total                kept prefixes that failed their hashes (dropped and recomputed)
+    node_prefix_pulled_positions_total        prompt positions pulled from a node of another route (issue #26)
     node_spec_windows_total{source}           head: verify windows sent, by draft source (issue #20)
     node_spec_drafts_total{source,outcome}    head: drafts the tail judged, accepted | rejected; the acceptance
                                               rate is accepted / (accepted + rejected)
@@ -116,6 +122,10 @@ class NodeMetrics:
         self.snapshots_held = Gauge("swarmroute_node_snapshots_held_bytes", "Bytes of other nodes' snapshots held "
                                     "here", registry=r)
         self.repairs = Counter("swarmroute_node_repairs", "Head: route repairs by outcome", ["outcome"], registry=r)
+        self.spot_checks = Counter("swarmroute_node_spot_checks", "Spot checks by role and outcome (issue #28)",
+                                   ["role", "outcome"], registry=r)
+        self.evicted = Gauge("swarmroute_node_evicted_info", "Nodes the trackers evicted, with the evidence",
+                             ["node", "layers", "rule", "median_rel_err", "median_top_k"], registry=r)
         self.prefix_reused = Counter("swarmroute_node_prefix_reused_positions", "Prompt positions taken from kept "
                                      "KV instead of computed", registry=r)
         self.spec_windows = Counter("swarmroute_node_spec_windows", "Head: verify windows sent (issue #20)",
@@ -132,6 +142,8 @@ class NodeMetrics:
                                          "prefill chunks", registry=r)
         self.prefix_rejected = Counter("swarmroute_node_prefix_rejected", "Kept prefixes that failed their hashes",
                                        registry=r)
+        self.prefix_pulled = Counter("swarmroute_node_prefix_pulled_positions", "Prompt positions pulled from a "
+                                     "node of another route instead of computed (issue #26)", registry=r)
         self.prefix_cache_sessions = Gauge("swarmroute_node_prefix_cache_sessions", "Finished sessions whose KV "
                                            "is kept for reuse", registry=r)
 
@@ -152,6 +164,17 @@ class NodeMetrics:
     def session_opened(self, hop_index: int, n_hops: int) -> None:
         role = "whole" if n_hops == 1 else "head" if hop_index == 0 else "tail" if hop_index == n_hops - 1 else "middle"
         self.sessions_opened.labels(role=role).inc()
+
+    def prefill_totals(self) -> tuple[float, float]:
+        """(prompt positions computed, seconds of prefill steps) so far: the node's prefill rate (issue #26)."""
+        positions = seconds = 0.0
+        for metric in (*self.prefill_positions.collect(), *self.step_seconds.collect()):
+            for sample in metric.samples:
+                if sample.name == "swarmroute_node_prefill_positions_total":
+                    positions = sample.value
+                elif sample.name == "swarmroute_node_step_seconds_sum" and sample.labels.get("kind") == "prefill":
+                    seconds = sample.value
+        return positions, seconds
 
     def step(self, kind: str, compute_ms: float, queue_ms: float) -> None:
         self.step_seconds.labels(kind=kind).observe(compute_ms / 1e3)

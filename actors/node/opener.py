@@ -19,6 +19,7 @@ from actors.node.engine import StepEngine
 from actors.node.head_session import HeadSession
 from actors.node.hop_session import HopSession
 from actors.node.metrics import NodeMetrics
+from actors.node.prefix_pull import PrefixPull
 from actors.node.recovery.standby import fetch_chain
 from actors.node.reuse import Reuse
 from actors.node.route_open import RouteOpening
@@ -29,12 +30,14 @@ from bus.nodeclient import NodeClient
 from schemas.errors import BadRequestError, CapacityError, ContextLengthError
 from schemas.reasoning import ReasoningStart
 from schemas.session import CONTEXT_CAP, Resume, SessionOpen, SessionOpened, session_budget
+from schemas.snapshot import StandbyRef
 
 
 class SessionOpener:
     def __init__(self, *, node_id: str, model_id: str, backend: Backend, engine: StepEngine, client: NodeClient,
                  admission: Admission, reuse: Reuse, metrics: NodeMetrics, sessions: dict[str, NodeSession],
-                 hidden_shape: tuple[int, ...], on_closed: Callable[[NodeSession], Awaitable[None]]) -> None:
+                 hidden_shape: tuple[int, ...], on_closed: Callable[[NodeSession], Awaitable[None]],
+                 pull: PrefixPull | None = None) -> None:
         self.node_id = node_id
         self.model_id = model_id
         self.backend = backend
@@ -47,6 +50,8 @@ class SessionOpener:
         """The node's open sessions, by id: an opened session is registered here."""
         self.hidden_shape = hidden_shape
         self.on_closed = on_closed
+        self.pull = pull
+        """Prefixes this node's route lacks, pulled from another route's node (issue #26)."""
         self.opened_total = 0
         """Sessions opened here so far (advertised: trackers tell a restarted node by it)."""
 
@@ -60,6 +65,12 @@ class SessionOpener:
         if request.prompt is not None:  # issue #20: the head tokenizes what the gateway did not
             request = await self._tokenized(request)
         self._check_tokens(request)
+        reasoning = self._reasoning(request)
+        if reasoning is not None and request.sampling.constraint is not None:
+            # The tail constrains the answer after the reply's think block (issue #27): it is told where the reply
+            # starts, as the gateway is, in the request every later hop (and a replacement for one) is opened with.
+            request = request.model_copy(update={"sampling": request.sampling.model_copy(
+                update={"reasoning": reasoning})})
         session_token = grant.session_token if grant else None
         # The head opens the hops after it now, while it opens its own backend session and prefills (issue #20).
         opening = RouteOpening(self.client, request, session_token) if request.downstream else None
@@ -90,7 +101,7 @@ class SessionOpener:
         return SessionOpened(session_id=request.session_id, node_id=self.node_id,
                              prompt_tokens=len(request.prompt_tokens), reused=session.reused,
                              max_tokens=request.max_tokens if request.fit_max_tokens else None,
-                             reasoning=self._reasoning(request))
+                             reasoning=reasoning)
 
     def _reasoning(self, request: SessionOpen) -> ReasoningStart | None:
         """The head tells the gateway where the reply starts relative to a think block (issue #27), read from the
@@ -150,21 +161,44 @@ class SessionOpener:
         reused = 0
         if request.resume is not None:
             await self._rebuild(request, request.resume, session_token)
-        elif request.n == 1:
-            limit = request.reuse_limit
-            if opening is not None and self.reuse.reusable(request.prompt_tokens, request.prefill_chunk):
-                # Prefix reuse: the head reuses no more than every hop after it holds (issue #18).
-                limit = min(o.reused for o in await opening.result())
-            rejected = self.reuse.rejected
-            reused = await self.reuse.start(request.session_id, request.prompt_tokens, request.prefill_chunk, limit)
-            self.metrics.prefix_rejected.inc(self.reuse.rejected - rejected)
+        else:  # n > 1 too: choice 0 starts from the prefix, and the forks copy it with the prompt (issue #26)
+            source = request.route.hops[request.hop_index].prefix_source if self.pull is not None else None
+            if source is not None:
+                reused = await self._pulled(request, source, opening)
+            else:
+                limit = request.reuse_limit
+                if opening is not None and self.reuse.reusable(request.prompt_tokens, request.prefill_chunk):
+                    # Prefix reuse: the head reuses no more than every hop after it holds (issue #18).
+                    limit = min(o.reused for o in await opening.result())
+                rejected = self.reuse.rejected
+                reused = await self.reuse.start(request.session_id, request.prompt_tokens, request.prefill_chunk,
+                                                limit)
+                self.metrics.prefix_rejected.inc(self.reuse.rejected - rejected)
         start = SessionStart(session_token=session_token, reused=reused, opening=opening)
+        session: NodeSession
         if request.hop_index == 0:
-            return HeadSession(rt, request, hidden_shape=self.hidden_shape, on_closed=self.on_closed, start=start)
-        session = HopSession(rt, request, hidden_shape=self.hidden_shape, on_closed=self.on_closed, start=start)
-        if request.resume is not None and session.is_tail:
+            session = HeadSession(rt, request, hidden_shape=self.hidden_shape, on_closed=self.on_closed, start=start)
+        else:
+            session = HopSession(rt, request, hidden_shape=self.hidden_shape, on_closed=self.on_closed, start=start)
+        if request.resume is not None and session.is_tail:  # a lost tail's replacement, or a 1-node route's head
             await session.restart_generation(request.resume.generated)
         return session
+
+    async def _pulled(self, request: SessionOpen, source: StandbyRef, opening: RouteOpening | None) -> int:
+        """What the session starts from when its hop has a prefix source (issue #26): what this node kept, then
+        what the source holds beyond, pulled if cheaper than computing it. A head pulls while the later hops open
+        (and pull) and then keeps no more than the least of them holds."""
+        assert self.pull is not None
+        tokens, chunk, sid = request.prompt_tokens, request.prefill_chunk, request.session_id
+        limit = None if opening is not None else request.reuse_limit
+        rejected, pulled, dropped = self.reuse.rejected, self.pull.pulled_positions, self.pull.rejected
+        reused = await self.reuse.start(sid, tokens, chunk, limit)
+        reused = await self.pull.pull(sid, tokens, reused, limit, chunk, source)
+        if opening is not None:
+            reused = await self.reuse.cut(sid, reused, min([reused, *(o.reused for o in await opening.result())]))
+        self.metrics.prefix_rejected.inc(self.reuse.rejected - rejected + self.pull.rejected - dropped)
+        self.metrics.prefix_pulled.inc(self.pull.pulled_positions - pulled)
+        return reused
 
     async def _rebuild(self, request: SessionOpen, resume: Resume, session_token: str | None) -> None:
         """A replacement for a lost hop (issue #18): import the lost hop's snapshot chain from its standby (every
@@ -172,8 +206,6 @@ class SessionOpener:
         ``resume.start`` with the tokens generated so far (a tail starts its sampler and stop rules over from
         them); the journal replay that follows brings the KV up to the route's position. A replacement head (issue
         #31) recomputes what lies beyond the chain from the tokens itself (``actors.node.recovery.takeover``)."""
-        if request.hop_index == 0 and len(request.route.hops) < 2:
-            raise BadRequestError("a head is replaced only on a route of several hops (its tail samples)")
         if resume.segments:
             kv = await fetch_chain(self.client, resume, request.session_id, self.backend.layers, self.model_id,
                                    session_token=session_token)

@@ -12,13 +12,14 @@ other sessions for more than a chunk; a prefix that ends inside a piece imports 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 from actors.backend import KvBackend
 from actors.node.engine import StepEngine
-from actors.node.prefix_cache import Kept, PrefixCache, reusable
+from actors.node.prefix_cache import Kept, PrefixCache, piece_digest, reusable
 from actors.node.recovery.snapshot_store import SnapshotStore
 from schemas.errors import SnapshotError
 from schemas.node import LayerRange
@@ -44,6 +45,19 @@ class ResidentKv(Protocol):
 
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shared:
+    """What this node gives a puller of a prefix (issue #26, prefixes across routes): ``reusable`` positions of its
+    prompt, as KV pieces of positions ``bounds`` (each piece's sha256 in ``digests``: a host piece's as it was
+    kept, so a piece that changed since fails at the puller), and the kept tokens they hold."""
+
+    reusable: int
+    tokens: list[int]
+    bounds: list[tuple[int, int]]
+    blobs: list[bytes]
+    digests: list[str]
 
 
 class Reuse:
@@ -168,6 +182,30 @@ class Reuse:
                                                    lambda: kv.import_kv(session_id, blobs, end), end, want) else 0
         return took
 
+    async def share(self, prompt: list[int], have: int) -> Shared | None:
+        """The KV this node kept of the longest prefix of ``prompt``, from the piece holding position ``have`` on
+        (a resident entry's exported from ``have`` exactly, in pieces of its chunk); None if it holds no more than
+        ``have`` positions of it."""
+        if self._kv is None or not self.cache.enabled:
+            return None
+        kept = self.cache.match(prompt)
+        if kept is None or kept[2] <= have:
+            return None
+        name, entry, n = kept
+        resident, chunk = self._resident, max(entry.chunk, 1)
+        if entry.resident and resident is not None:
+            bounds = [(a, min(a + chunk, n)) for a in range(have, n, chunk)]
+            try:
+                blobs = [await self._engine.call(resident.export_parked, name, a, b) for a, b in bounds]
+                return Shared(n, entry.tokens, bounds, blobs, [piece_digest(b) for b in blobs])
+            except SnapshotError:
+                self._lost(name)  # evicted under memory pressure since
+        first, last = have // chunk, -(-n // chunk)
+        if not entry.pieces or last > len(entry.pieces):
+            return None
+        bounds = [(i * chunk, min((i + 1) * chunk, len(entry.tokens))) for i in range(first, last)]
+        return Shared(n, entry.tokens, bounds, entry.pieces[first:last], entry.digests[first:last])
+
     async def _from_entry(self, session_id: str, name: str, entry: Kept, want: int) -> int:
         """Positions ``[0, want)`` of kept ``entry`` into the session: adopted from its parked sequence, or imported
         from its host pieces; 0 when it cannot be used (the session is then still at 0)."""
@@ -196,6 +234,30 @@ class Reuse:
             log.warning("session %s: kept prefix %s not imported (%s); recomputing it", session_id[:8], name[:8], exc)
             self.cache.discard(name)
             return 0
+
+    async def place_pulled(self, session_id: str, blobs: list[bytes], start: int, end: int, want: int) -> bool:
+        """Pulled pieces of positions ``[start, end)`` into the session (issue #26), which holds ``start`` or more
+        positions (it is cut back to ``start`` first), then cut to ``want``; False, with the session back at 0, when
+        the result lacks windowed cells its next position attends to. ``SnapshotError`` if the backend refuses the
+        pieces (the session then holds ``[0, start)``)."""
+        kv = self._kv
+        assert kv is not None
+
+        def load() -> None:
+            kv.truncate(session_id, start)
+            kv.import_kv(session_id, blobs, end)
+
+        return await self._engine.call(self._place, session_id, load, end, want)
+
+    async def cut(self, session_id: str, position: int, want: int) -> int:
+        """Cut a session holding ``position`` positions back to ``want``; its new position (0 when what is left
+        lacks windowed cells its next position attends to)."""
+        if want >= position:
+            return position
+        return want if await self._engine.call(self._place, session_id, lambda: None, position, want) else 0
+
+    def whole(self, n: int, chunk: int) -> int:
+        return self._whole(n, chunk)
 
     def _place(self, session_id: str, load: Callable[[], None], end: int, want: int) -> bool:
         """On the worker, in one call (no other step between): ``load`` positions ``[0, end)`` into the session,

@@ -12,12 +12,14 @@ from actors.node.engine import StepEngine
 from actors.node.metrics import NodeMetrics
 from actors.node.speculation.drafts import DraftSource, NgramDraft
 from actors.node.spin import LoopPoller
+from actors.node.spot_receipt import SpotRecorder
 from bus.nats_edge import error_reply
 from bus.nodeclient import NodeClient
 from bus.subjects import Subjects
 from schemas.errors import BadRequestError, NoRouteError
 from schemas.frame import WireDType
 from schemas.route import RepairRequest, RouteReply
+from schemas.session import SessionOpen
 from schemas.settings import Settings
 
 PublishModel = Callable[[str, BaseModel], Awaitable[None]]
@@ -35,6 +37,10 @@ def _ngram_only(session_id: str, source: str) -> DraftSource:
     if source != "ngram":
         raise BadRequestError(f"this node has no {source!r} draft source (set SWARMROUTE_DRAFT_MODEL on the head)")
     return NgramDraft()
+
+
+def _no_spot_checks(request: SessionOpen, reused: int) -> SpotRecorder | None:
+    return None
 
 
 async def _no_tracker(request: RepairRequest) -> RouteReply:
@@ -63,3 +69,5 @@ class NodeRuntime:
     """(session id, source name) -> the draft source of a speculative session this node heads (issue #20)."""
     manifest_id: str = ""
     """The artifact manifest this node's shard was verified against (snapshot segments name it)."""
+    spot_recorder: Callable[[SessionOpen, int], SpotRecorder | None] = _no_spot_checks
+    """(a session's open, the positions it reused) -> its spot-check receipt when it is sampled (issue #28)."""

@@ -18,7 +18,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Literal
 
-from actors.backend import Hidden, StepInput, StepOutput
+from actors.backend import Hidden, KvBackend, StepInput, StepOutput
 from actors.node.choices import Choice, Choices
 from actors.node.engine import StepTiming
 from actors.node.generation import Generation
@@ -98,6 +98,8 @@ class NodeSession:
         """Polls the loop until this session's next decode frame or token (multi-node routes)."""
         self.recovery = Recovery(rt, request, self.route.hops[self.hop_index], is_tail=self.is_tail,
                                  session_token=lambda: self.session_token)
+        self.spot = None if self.is_tail and self.hop_index == 0 else rt.spot_recorder(request, start.reused)
+        """Its spot-check receipt, when this session is sampled on this hop (issue #28)."""
         """Tokens, journal, snapshots and epoch: what lets the session survive a lost node (issue #18)."""
         resume = request.resume
         if resume is not None:  # a replacement for a lost hop: the node imported the KV up to ``resume.start``
@@ -183,6 +185,8 @@ class NodeSession:
             task.cancel()
         await self._on_closed(self)
         await asyncio.gather(*others, return_exceptions=True)  # no task outlives its session
+        if self.spot is not None:
+            self.spot.seal()
         await self.recovery.close()
         if self.outbox is not None:
             self.outbox.close()
@@ -240,6 +244,8 @@ class NodeSession:
         choice.position += item.n_positions
         if choice.index == 0:
             self.recovery.computed(start, choice.position, item.tokens if tokens is None else tokens)
+            if self.spot is not None:
+                self.spot.computed(start, item, timing.batch_size)
         # Metrics wait for the next loop turn: right after a forward pass the caches are cold and every line of
         # Python costs several times its usual price; the frame or token goes out first.
         asyncio.get_running_loop().call_soon(self.rt.metrics.step, "decode" if self.phase is SessionPhase.DECODE
@@ -263,6 +269,23 @@ class NodeSession:
                             finish_reason=finish, stamps=stamps, choice=choice.index, logprobs=logprobs,
                             epoch=self.recovery.epoch)
 
+    async def restart_generation(self, generated: list[int]) -> None:
+        """Tail (a head that is its own tail too): the stop rules and the sampler, random state included, as if they
+        had seen exactly ``generated`` (the tokens the head, or the gateway, has)."""
+        generation = self._new_generation()
+        assert generation is not None
+        for token in generated:
+            generation.accept(token)
+        self.choices.first.generation = generation
+        self.phase = SessionPhase.DECODE if generated else SessionPhase.PREFILL
+        await self.rt.engine.call(self._kv().replay_sampled, self.id, list(generated))
+
+    def _kv(self) -> KvBackend:
+        backend = self.rt.engine.backend
+        if not isinstance(backend, KvBackend):
+            raise BadRequestError(f"node {self.rt.node_id}'s {backend.info.kind} backend cannot cut or rebuild KV")
+        return backend
+
     # ---- sending on --------------------------------------------------------------------------------------------
 
     def queue_frame(self, kind: FrameKind, start: int, hidden: Hidden, sample: bool, step: int,
@@ -271,6 +294,8 @@ class NodeSession:
         """Send one computed frame on (journaled first, so a replacement of the successor can be rebuilt)."""
         if choice == 0:
             self.recovery.record(Entry(kind, start, hidden, sample, step, tokens))
+            if self.spot is not None:
+                self.spot.sent(start, hidden)
         if not self.recovery.forwards(start):
             return  # a replacement rebuilding: its successor holds these positions already
         self._send_frame(kind, start, hidden, sample, step, stamps, choice, group, tokens)

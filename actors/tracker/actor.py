@@ -10,21 +10,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 
 from actors.registry import RegistryView, open_registry
 from actors.services import tracker_service
+from actors.tracker.evictions import Evictions, decide, open_evictions, pick_checker
+from actors.tracker.pending import PendingRoutes
 from actors.tracker.routes import (
     has_full_chain,
     replace_hop,
     routable,
-    select_route,
     uncovered_layers,
     with_standbys,
 )
+from actors.tracker.views import RouteViews
 from bus import capability, codec
 from bus.actor import NatsActor
 from bus.nats_edge import endpoint, error_reply
@@ -34,12 +37,15 @@ from schemas.errors import BadRequestError, CapacityError, PeerStatusError, Swar
 from schemas.node import NODE_FETCHING, LayerRange
 from schemas.route import FetchingNode, ModelsReply, RepairRequest, Route, RouteReply, RouteRequest, ServedModel
 from schemas.settings import Settings
+from schemas.spot_check import CheckerReply, CheckerRequest, Dispute, DisputeReply, Eviction
 
 if TYPE_CHECKING:
     from actors.tracker.assigner import Assigner
 
 log = logging.getLogger(__name__)
 QUEUE_GROUP = "tracker"
+VIEW_WINDOW_S = 0.25
+"""Longest a route view is kept (``actors.tracker.views``; an eighth of a heartbeat when that is shorter)."""
 
 
 class Tracker(NatsActor):
@@ -49,22 +55,32 @@ class Tracker(NatsActor):
         super().__init__(settings, nc=nc, name="tracker")
         self.subjects = Subjects(settings.namespace)
         self.registry: RegistryView | None = None
-        self._pending: dict[str, list[tuple[float, int]]] = {}
-        """node id -> (when a route was handed out, the node's sessions_opened then), oldest first."""
+        self.views: RouteViews | None = None
+        self.pending = PendingRoutes(self._settled, settings.heartbeat_s * 1.5)
         self._signer = capability.signer_from_settings(settings)
         self.assigner: Assigner | None = None
         self.assigner_missing = ""
+        self.evictions: Evictions | None = None
+        """Nodes found computing wrong (issue #28): never routed to until their operator clears them."""
+        self._spot_subs: list[Any] = []
 
     async def _on_start(self) -> None:
         kv = await open_registry(self.nc, self.subjects, self.settings.registry_ttl_s,
                                  replicas=self.settings.registry_replicas)
         self.registry = RegistryView(kv, self.settings.registry_ttl_s, nc=self.nc, subjects=self.subjects)
         await self.registry.start()
+        self.views = RouteViews(self.registry, min(VIEW_WINDOW_S, self.settings.heartbeat_s / 8))
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.registry.ready.wait(), 5.0)
         # Route and models requests are micro-service endpoints (same subjects, queue group "tracker"), so $SRV
         # discovery lists every tracker and $SRV.STATS counts its requests.
         self.assigner = await self._open_assigner()
+        await self._open_evictions()
+        self._spot_subs = [
+            await self.nc.subscribe(self.subjects.spot_checker_request, queue=QUEUE_GROUP,
+                                    cb=_responder(endpoint(CheckerRequest, CheckerReply, self._handle_checker))),
+            await self.nc.subscribe(self.subjects.dispute_request, queue=QUEUE_GROUP,
+                                    cb=_responder(endpoint(Dispute, DisputeReply, self._handle_dispute)))]
         self.service = await tracker_service(self.nc, self.subjects, member=self.settings.member_name or "tracker",
                                               route=endpoint(RouteRequest, RouteReply, self._handle_route),
                                               models=self._handle_models,
@@ -74,54 +90,45 @@ class Tracker(NatsActor):
 
     async def _on_stop(self) -> None:
         await self._stop_service()
+        for sub in self._spot_subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        if self.evictions is not None:
+            await self.evictions.stop()
         if self.registry is not None:
             await self.registry.stop()
 
-    def _pending_counts(self) -> dict[str, int]:
-        # A route handed out counts against its nodes until the node reports the session settled (its
-        # sessions_opened + sessions_refused passed the value seen at hand-out: a refused or abandoned route is
-        # released with the node's next, immediate, heartbeat), at the latest for 1.5 heartbeats (a gateway that
-        # died while opening). Counting an arrived session as pending too counts it twice, and under fast churn a swarm
-        # with free slots refuses routes (tests/test_load.py).
-        horizon = time.monotonic() - self.settings.heartbeat_s * 1.5
-        opened = self._opened_counts()
-        counts: dict[str, int] = {}
-        for node, stamps in list(self._pending.items()):
-            stamps[:] = [(t, seen) for t, seen in stamps if t > horizon]
-            if not stamps:
-                del self._pending[node]
-                continue
-            arrived = max(0, opened.get(node, 0) - stamps[0][1])
-            if len(stamps) > arrived:
-                counts[node] = len(stamps) - arrived
-        return counts
+    def _evicted(self) -> frozenset[str]:
+        """Nodes found computing wrong (issue #28): excluded from every route, repair and standby."""
+        return frozenset(self.evictions.evicted) if self.evictions is not None else frozenset()
 
-    def _opened_counts(self) -> dict[str, int]:
+    def _settled(self, node_id: str) -> int | None:
         assert self.registry is not None
-        return {a.node_id: a.capacity.sessions_settled for a in self.registry.live()}
+        advert = self.registry.current(node_id)
+        return None if advert is None else advert.capacity.sessions_settled
 
     def route(self, request: RouteRequest) -> RouteReply:
-        assert self.registry is not None
+        assert self.registry is not None and self.views is not None
+        exclude = frozenset(request.exclude) | self._evicted()
         try:
-            route = select_route(self.registry.live(), request.model, request.session_id,
-                                 exclude=frozenset(request.exclude), pending=self._pending_counts(),
-                                 prefix_keys=request.prefix_keys)
+            index = self.views.index(request.model, exclude)
+            route = index.select(request.session_id, pending=self.pending,
+                                 prefix_keys=request.prefix_keys, current=self.registry.current)
         except CapacityError as exc:
             return error_reply(RouteReply, exc)
         except SwarmrouteError as exc:
             gaps: list[LayerRange] = []
             with contextlib.suppress(SwarmrouteError):  # the same nodes the route could use, so gaps match the message
-                gaps = uncovered_layers(*routable(self.registry.live(), request.model, frozenset(request.exclude)))
+                gaps = uncovered_layers(*routable(self.views.live(), request.model, exclude))
             return error_reply(RouteReply, exc, uncovered=gaps)
         if request.standby:
-            route = with_standbys(route, self.registry.live(), exclude=frozenset(request.exclude))
+            route = self.views.standbys(exclude).name(route)
         return RouteReply(route=self._hand_out(route))
 
     def _hand_out(self, route: Route, link: str | None = None) -> Route:
         """Count the route's nodes as busier until their heartbeats say so, and sign its grants."""
-        now, opened = time.monotonic(), self._opened_counts()
         for hop in route.hops:
-            self._pending.setdefault(hop.node_id, []).append((now, opened.get(hop.node_id, 0)))
+            self.pending.add(hop.node_id)
         if self._signer is not None:
             route = capability.issue(route, self._signer, self.settings.capability_ttl_s, link=link)
         return route
@@ -133,13 +140,13 @@ class Tracker(NatsActor):
         route = request.route
         if request.lost >= len(route.hops):
             return error_reply(RouteReply, BadRequestError(f"the route has no hop {request.lost}"))
-        exclude = frozenset([*request.exclude, route.hops[request.lost].node_id])
+        exclude = frozenset([*request.exclude, route.hops[request.lost].node_id]) | self._evicted()
+        live = self.registry.live()
         try:
-            repaired = replace_hop(self.registry.live(), route, request.lost, exclude=exclude,
-                                   pending=self._pending_counts())
+            repaired = replace_hop(live, route, request.lost, exclude=exclude, pending=self.pending.counts())
         except SwarmrouteError as exc:
             return error_reply(RouteReply, exc)
-        repaired = with_standbys(repaired, self.registry.live(), exclude=exclude)
+        repaired = with_standbys(repaired, live, exclude=exclude)
         if self._signer is not None and not request.session_token:
             return error_reply(RouteReply, BadRequestError("a repair needs the session's token when the swarm "
                                                            "signs capabilities"))
@@ -156,6 +163,54 @@ class Tracker(NatsActor):
         if reply.route:
             log.info("session %s routed: %s", request.session_id, reply.route.describe())
         return reply
+
+    # ---- spot checks and eviction (issue #28) --------------------------------------------------------------------
+
+    async def _open_evictions(self) -> None:
+        """The evictions bucket; a tracker that cannot open it (NATS permissions of an older deployment) still routes,
+        and says it cannot evict."""
+        try:
+            kv = await open_evictions(self.nc, self.subjects, replicas=self.settings.registry_replicas)
+            evictions = Evictions(self.nc, self.subjects, kv)
+            await evictions.start()
+        except Exception as exc:  # noqa: BLE001 - routing must not depend on it
+            log.warning("this tracker cannot evict nodes (the evictions bucket: %s: %s)", type(exc).__name__, exc)
+            return
+        self.evictions = evictions
+
+    async def _handle_checker(self, request: CheckerRequest) -> CheckerReply:
+        assert self.registry is not None
+        evicted = set(self.evictions.evicted) if self.evictions is not None else set()
+        return pick_checker(self.registry.live(), request, evicted=evicted)
+
+    async def _handle_dispute(self, dispute: Dispute) -> DisputeReply:
+        assert self.registry is not None
+        if self.evictions is None:
+            raise PeerStatusError(501, "this tracker cannot evict nodes (no evictions bucket)")
+        node, reason = decide(dispute, self.registry.live())
+        if not node:
+            log.warning("dispute over session %s: nobody evicted (%s)", dispute.session_id, reason)
+            return DisputeReply(reason=reason)
+        if node in self.evictions.evicted:
+            return DisputeReply(evicted=node, reason="evicted already")
+        layers = dispute.layers
+        await self.evictions.evict(Eviction(node_id=node, model_id=dispute.model_id, layers=layers, reason=reason,
+                                            session_id=dispute.session_id, checker=dispute.checker,
+                                            referee=dispute.referee))
+        await self._drop_leases(node, dispute.model_id)
+        return DisputeReply(evicted=node, reason=reason)
+
+    async def _drop_leases(self, node: str, model_id: str) -> None:
+        """An evicted node's layer leases go, so the assigner can give its range to a node that computes right."""
+        if self.assigner is None:
+            return
+        leases = self.assigner.leases
+        try:
+            for key, (lease, _) in (await leases.held(model_id)).items():
+                if lease.node_id == node:
+                    await leases.release(key)
+        except Exception as exc:  # noqa: BLE001 - a lease left behind expires once the node stops renewing it
+            log.warning("could not drop evicted node %s's leases: %s: %s", node, type(exc).__name__, exc)
 
     def models(self) -> ModelsReply:
         assert self.registry is not None
@@ -201,3 +256,10 @@ class Tracker(NatsActor):
         except Exception as exc:  # noqa: BLE001 - a NATS or JetStream failure: the node asks again, told why
             log.warning("assignment for node %s failed: %s: %s", request.node_id, type(exc).__name__, exc)
             raise SwarmrouteError(f"the tracker could not assign layers: {type(exc).__name__}: {exc}") from None
+
+
+def _responder(serve: Callable[[bytes], Awaitable[bytes]]) -> Callable[[Msg], Awaitable[None]]:
+    async def respond(msg: Msg) -> None:
+        await msg.respond(await serve(msg.data))
+
+    return respond

@@ -4,7 +4,7 @@ the same load in the same run; and what queueing costs: 64 streams at once again
 
 Run all benchmarks with ``bash tests/bench/run``; this one alone from the repository root:
 ``python -m tests.bench.bench_admission [--rounds 1] [--tokens 16] [--levels 1,4,16,64] [--no-llama-server]
-[--no-memory-route]``.
+[--no-memory-route] [--no-waves]``.
 
 Everything is the bundled Gemma 3 270M Q4_K_M on this machine, streamed ``/v1/completions`` through the official
 ``openai`` client (no retries: a 429 would be counted, not hidden), greedy, ``ignore_eos``, ``--tokens`` tokens per
@@ -16,8 +16,8 @@ whole run and interleaved level by level:
 * ``route-2``       two nodes, ``--threads 1`` each, 4 sessions each (layers 0:9, 9:18): 4 routes, like
                     llama-server's 4 slots;
 * ``route-2-mem``   the same two nodes with the sessions ``swarmroute up`` gives them by default: what this machine's
-                    available memory, split over the two, holds at this context (``swarmroute.launcher.up_sessions``;
-                    skipped with ``--no-memory-route``);
+                    available memory, split over the two, holds at this context, at most ``UP_SESSIONS_CAP``
+                    (``swarmroute.launcher.up_sessions``; skipped with ``--no-memory-route``);
 * ``llama-server``  llama.cpp's server, 2 threads, ``--parallel 4`` (4 slots of 1024 tokens), its own queue for
                     requests beyond its slots; skipped with a note when tests/bench/llama_server.py cannot build or
                     start it.
@@ -56,12 +56,12 @@ from tests.bench.route_procs import MODEL_ID, N_LAYERS, ProcessRoute, load_line
 CONFIGS = {"route-1": [2], "route-2": [1, 1]}
 """Each configuration's nodes by their ``--threads`` (``--one-node-threads`` replaces route-1's)."""
 MEMORY_ROUTE = "route-2-mem"
-ROUTE_SETTINGS = {"queue_wait_s": 900.0, "token_timeout_s": 120.0, "first_token_timeout_s": 600.0,
-                  "hop_timeout_s": 120.0}
+ROUTE_SETTINGS = {"queue_wait_s": 900.0, "token_timeout_s": 120.0, "first_token_timeout_s": 600.0}
 """Every stream is to get its turn and to finish on a machine loaded far beyond its cores: the queue's wait outlasts
-the longest level, a token may take 2 minutes (the default 15 s failed a stream of route-1 at a load average of 19 on
-2 cores), and so may one hop's step (the default 10 s failed all 64 streams of route-2-mem, whose tail prefilled the
-64 prompts at once at a load average of 23). The liveness probe stays on."""
+the longest level, and a token may take 2 minutes (the default 15 s failed a stream of route-1 at a load average of 19
+on 2 cores). The hop timeout is the default 10 s: it once failed all 64 streams of route-2-mem, whose tail prefilled
+the 64 prompts at once (load average 23); a head now lets a share of it onto the route at a time
+(``actors.node.prefill_gate``). The liveness probe stays on."""
 LLAMA_SERVER = "llama-server"
 SLOTS = 4
 CTX = 1024
@@ -190,9 +190,10 @@ async def maybe_llama_server(model: Path, wanted: bool) -> AsyncIterator[tuple[s
 
 def memory_sessions(model: Path) -> int:
     """The sessions ``swarmroute up`` gives each of 2 nodes at this context on this machine (the fewer of the two)."""
-    from swarmroute.launcher import up_sessions
+    from swarmroute.launcher import UP_SESSIONS_CAP, up_sessions
 
-    chosen = up_sessions(argparse.Namespace(max_sessions=None, backend="llamacpp", ctx=CTX), model, N_LAYERS, 2)
+    chosen = up_sessions(argparse.Namespace(max_sessions=None, backend="llamacpp", ctx=CTX), model, N_LAYERS, 2,
+                         cap=UP_SESSIONS_CAP)
     print(f"{MEMORY_ROUTE}: {chosen.why}", file=sys.stderr, flush=True)
     return min(chosen.counts)
 
@@ -254,7 +255,7 @@ async def run(args: argparse.Namespace) -> int:
                             print(f"round {r + 1}/{args.rounds}, {level} streams, {name}: {figure.throughput:.1f} "
                                   f"tok/s, {time.perf_counter() - began:.0f} s"
                                   + (" (cut)" if figure.cut else ""), file=sys.stderr, flush=True)
-                    for name in routes:
+                    for name in routes if not args.no_waves else ():
                         _, at_once = await burst(clients[name], MODEL_ID, 16 * SLOTS, args.tokens, f"{r}-burst",
                                                  args.level_timeout)
                         in_waves = await waves(clients[name], MODEL_ID, 16, SLOTS, args.tokens, f"{r}",
@@ -314,6 +315,8 @@ def report(figures: dict[str, dict[int, list[Level]]], ratios: dict[str, list[fl
     if why_not:
         print(f"llama-server ({SLOTS} slots): {why_not}")
     for name, values in ratios.items():
+        if not values:
+            continue  # --no-waves
         print(f"{name}: 64 streams at once / the same in 16 waves of {SLOTS}: {_median(values):.2f}x "
               f"(target <= {WAVES_TARGET:.1f}x)")
     for name, by_level in figures.items():
@@ -333,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds one level (or the 16 waves) may take before its streams are cut")
     parser.add_argument("--no-llama-server", action="store_true", help="skip the llama-server comparison")
     parser.add_argument("--one-node-threads", type=int, default=2, help="route-1's node's --threads")
+    parser.add_argument("--no-waves", action="store_true",
+                        help="skip 64 at once against 16 waves of 4 (the levels only)")
     parser.add_argument("--no-memory-route", action="store_true",
                         help=f"skip {MEMORY_ROUTE} (the 2-node route with up's memory-derived sessions)")
     return asyncio.run(run(parser.parse_args(argv)))

@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from swarmroute.core_share import cpu_model
+
 CONFIGS = ("guard", "no extra bufts", "amx allowed", "portable build")
 PORTABLE_FLAGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON "
                   "-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX512_VBMI=ON")
@@ -108,17 +110,6 @@ def _measure(config: str, model: Path, tokens: int, portable: Path | None) -> di
 
         return {"error": describe_exit(done.returncode), "buffers": buffers}
     return {**json.loads(done.stdout.strip().splitlines()[-1]), "buffers": buffers}
-
-
-def cpu_model() -> str:
-    """The CPU's name as the kernel reports it (machines differ: compare only ratios measured in one run)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 def main(argv: list[str] | None = None) -> int:

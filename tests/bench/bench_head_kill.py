@@ -1,7 +1,11 @@
 """Head loss (issue #31) against what a client retry costs, on the bundled Gemma 3 270M Q4_K_M, in one run.
 
-``python -m tests.bench.bench_head_kill [--rounds 2] [--contexts 2048] [--kill-after 16] [--timeline]``
+``python -m tests.bench.bench_head_kill [--rounds 2] [--contexts 2048] [--kill-after 16] [--timeline] [--solo]``
 (``--help`` lists every option; the defaults take ~5 minutes on a 2-core machine).
+
+``--solo``: a 1-node route instead (every node serves all 18 layers, so the head is its own tail and its sampler,
+stop rules and KV die with it; the replacement imports the chain its twin standby holds, recomputes the rest from
+the client's tokens and replays its sampler over them).
 
 Real processes on this machine: a nats-server, an in-process tracker and two in-process gateways, and ``swarmroute
 node --backend llamacpp --threads 1 --ctx 4096`` processes: ``tail`` (layers 9:18) and two nodes serving 0:9, one of
@@ -112,6 +116,13 @@ class Bench(bench_repair.Bench):
                         outcome=outcome, same_text="".join(run.pieces) == "".join(expected.pieces))
 
 
+class SoloBench(Bench):
+    """A 1-node route (issue #31): every node serves every layer, so the route's one node is head and tail."""
+
+    KEPT = ("k", "0:18")
+    REPLACED = ("a", "0:18")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
@@ -121,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ctx", type=int, default=4096, help="context per session of every node")
     parser.add_argument("--timeline", action="store_true",
                         help="print (stderr) every telemetry snapshot and token after each kill")
+    parser.add_argument("--solo", action="store_true", help="a 1-node route (nodes serving all layers)")
     args = parser.parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",")]
     load_start = os.getloadavg()
@@ -132,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def _run(args: argparse.Namespace, contexts: list[int], work: Path) -> list[HeadKill]:
-    bench = Bench(args, _model_path(), work)
+    bench = (SoloBench if args.solo else Bench)(args, _model_path(), work)
     kills: list[HeadKill] = []
     async with bench.swarms:
         await bench.start()
@@ -151,7 +163,9 @@ async def _run(args: argparse.Namespace, contexts: list[int], work: Path) -> lis
 def _report(args: argparse.Namespace, contexts: list[int], kills: list[HeadKill],
             load_start: tuple[float, float, float]) -> None:
     load_end = os.getloadavg()
-    print(f"\nHead loss, Gemma 3 270M Q4_K_M, 2-node route {HEAD} + {TAIL} (+ a spare {HEAD}), --threads 1 per node, "
+    layout = "1-node route 0:18 (+ two more nodes 0:18)" if args.solo else \
+        f"2-node route {HEAD} + {TAIL} (+ a spare {HEAD})"
+    print(f"\nHead loss, Gemma 3 270M Q4_K_M, {layout}, --threads 1 per node, "
           f"{args.rounds} round(s), snapshot every {args.snapshot_every}; load average {load_start[0]:.1f} at the "
           f"start, {load_end[0]:.1f} at the end (1 min; 2 cores)")
     print(f"kill the head after {args.kill_after} of {DECODED} tokens; medians over rounds")

@@ -15,7 +15,12 @@ and interleaved round by round:
 * ``route-3``  three nodes, ``--threads 1`` each (layers 0:6, 6:12, 12:18): a node cannot have fewer than one
                thread, so three threads on two cores. While the nodes take turns (one batch around the ring) no two
                compute at once; once different hops compute different sessions' steps at the same time, the third
-               thread has no core of its own.
+               thread has no core of its own;
+* ``route-2-batch``, ``route-3-batch``  the same routes with ``SWARMROUTE_FRAME_BATCH=1`` (issue #26, item 6): the
+               frames and tokens a node has for one peer in one loop turn go as one request (``bus/frame_batch.py``),
+               against the same route without it in the same round (before and after, in one run).
+
+``--configs route-1,route-2,route-2-batch`` runs only those (route-1 is always run: the ratios are to it).
 
 Printed per configuration: the concurrent decode rate (tokens of all sessions while every one of them was decoding:
 from the moment the last session got its first token to the moment the first one finished, divided by that time),
@@ -41,9 +46,12 @@ import openai
 
 from tests.bench.route_procs import MODEL_ID, ProcessRoute, delta, load_line, scrape
 
-CONFIGS = {"route-1": [2], "route-2": [1, 1], "route-2b": [1, 1], "route-3": [1, 1, 1]}
+CONFIGS = {"route-1": [2], "route-2": [1, 1], "route-2b": [1, 1], "route-3": [1, 1, 1], "route-2-batch": [1, 1],
+           "route-3-batch": [1, 1, 1]}
 LAYERS = {"route-2b": [(0, 14), (14, 18)]}
 """Splits other than near-even: route-2b gives the tail fewer layers, for the output layer it also computes."""
+NODE_SETTINGS = {"route-2-batch": {"frame_batch": True}, "route-3-batch": {"frame_batch": True}}
+"""Node settings other than the defaults, by configuration."""
 TARGET = 1.0
 """Issue #20: route-2's concurrent aggregate at least this times route-1's."""
 
@@ -73,6 +81,13 @@ async def concurrent(client: openai.AsyncOpenAI, sessions: int, tokens: int, rou
     return together, sum(len(r) for r in runs) / (max(r[-1] for r in runs) - started)
 
 
+def patient(timeout_s: float) -> dict[str, float]:
+    """Settings for a loaded shared machine: longer hop and token timeouts, and no presence or liveness probes (a
+    NATS client starved of CPU misses probes, and its sessions would be cancelled for a client that is there)."""
+    return {"hop_timeout_s": timeout_s, "token_timeout_s": timeout_s, "client_probe_s": 0.0,
+            "liveness_probe_s": 0.0}
+
+
 def scrape_nodes(route: ProcessRoute) -> list[dict[str, float]]:
     return [scrape(url) for url in route.node_urls]
 
@@ -82,14 +97,17 @@ async def run(args: argparse.Namespace) -> int:
 
     model = Path(g.assemble(Path.home() / ".cache" / "swarmroute" / "models" / "gemma-3-270m-q4_k_m.gguf"))
     load = [os.getloadavg()[0]]
-    figures: dict[str, dict[str, list[float]]] = {n: {"together": [], "aggregate": [], "alone": []} for n in CONFIGS}
-    rows: dict[str, list[list[float]]] = {n: [] for n in CONFIGS}
+    configs = {n: t for n, t in CONFIGS.items() if n == "route-1" or not args.configs or n in args.configs}
+    figures: dict[str, dict[str, list[float]]] = {n: {"together": [], "aggregate": [], "alone": []} for n in configs}
+    rows: dict[str, list[list[float]]] = {n: [] for n in configs}
     routes: dict[str, ProcessRoute] = {}
     with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp:
         try:
-            for name, threads in CONFIGS.items():
+            for name, threads in configs.items():
                 routes[name] = await asyncio.to_thread(ProcessRoute, model, threads, Path(tmp) / name,
-                                                       max_sessions=args.sessions, layers=LAYERS.get(name))
+                                                       max_sessions=args.sessions, layers=LAYERS.get(name),
+                                                       node_settings=NODE_SETTINGS.get(name),
+                                                       settings=patient(args.hop_timeout))
             clients = {n: openai.AsyncOpenAI(base_url=r.url, api_key="unused", max_retries=0, timeout=300)
                        for n, r in routes.items()}
             for client in clients.values():  # warm-up: first requests pay one-off costs
@@ -97,7 +115,11 @@ async def run(args: argparse.Namespace) -> int:
             for r in range(args.rounds):
                 for name, client in clients.items():
                     before = await asyncio.to_thread(scrape_nodes, routes[name])
-                    together, aggregate = await concurrent(client, args.sessions, args.tokens, r)
+                    try:
+                        together, aggregate = await concurrent(client, args.sessions, args.tokens, r)
+                    except openai.APIError:
+                        print(f"round {r + 1}: {name} failed", file=sys.stderr, flush=True)
+                        raise
                     after = await asyncio.to_thread(scrape_nodes, routes[name])
                     rows[name].append([delta(b, a, "swarmroute_node_pass_steps_sum") /
                                        max(1.0, delta(b, a, "swarmroute_node_pass_steps_count"))
@@ -128,7 +150,8 @@ def report(figures: dict[str, dict[str, list[float]]], rows: dict[str, list[list
           f"{'alone tok/s':>11}  steps per pass, head..tail")
     labels = {"route-1": "route-1 (1 node x 2 threads)", "route-2": "route-2 (2 nodes x 1 thread)",
               "route-2b": "route-2b (0:14, 14:18)",
-              "route-3": "route-3 (3 nodes x 1 thread)"}
+              "route-3": "route-3 (3 nodes x 1 thread)", "route-2-batch": "route-2, frame batches",
+              "route-3-batch": "route-3, frame batches"}
     for name, f in figures.items():
         together = statistics.median(f["together"])
         aggregate = statistics.median(f["aggregate"])
@@ -138,6 +161,10 @@ def report(figures: dict[str, dict[str, list[float]]], rows: dict[str, list[list
         print(f"{labels[name]:<30} {together:>14.1f} {r_together:>9.2f}x {aggregate:>10.1f} {r_aggregate:>9.2f}x "
               f"{statistics.median(f['alone']):>11.1f}  "
               f"{' '.join(f'{statistics.median(x):.2f}' for x in zip(*rows[name], strict=True))}{note}")
+    for name in [n for n in figures if n.endswith("-batch") and n.removesuffix("-batch") in figures]:
+        base = figures[name.removesuffix("-batch")]
+        ratio = statistics.median(a / b for a, b in zip(figures[name]["together"], base["together"], strict=True))
+        print(f"{name} / {name.removesuffix('-batch')} (together, per round): {ratio:.2f}x")
     print(load_line(load))
 
 
@@ -146,6 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (medians are printed)")
     parser.add_argument("--tokens", type=int, default=64, help="tokens generated per session")
     parser.add_argument("--sessions", type=int, default=4, help="concurrent sessions")
+    parser.add_argument("--hop-timeout", type=float, default=60.0,
+                        help="SWARMROUTE_HOP_TIMEOUT_S and _TOKEN_TIMEOUT_S (see ``patient``)")
+    parser.add_argument("--configs", type=lambda v: v.split(","), default=None,
+                        help="comma-separated configurations to run (route-1 always runs)")
     return asyncio.run(run(parser.parse_args(argv)))
 
 

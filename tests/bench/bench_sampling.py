@@ -12,7 +12,10 @@ shared with other jobs; ``--threads 2 --wall`` measures the usual setting.
 * ``logprobs top-5``   greedy + log-softmax over the vocabulary and the 5 best;
 * ``json schema``      greedy under a JSON Schema grammar (check the argmax, shortlists when rejected);
 * ``schema+top-5``     both;
-* ``hot``, ``hot json schema``  temperature 0.8, seeded: llama.cpp's chain, and the chain under the grammar.
+* ``hot``, ``hot json schema``  temperature 0.8, seeded: llama.cpp's chain, and the chain under the grammar;
+* ``think block``      greedy under the same schema after a think block the prompt opened (``reasoning: open``,
+  issue #27): this prompt opens none and the model never writes ``</think>``, so every token is the block's text
+  under its GBNF rules (the argmax checked and accepted), the cost a reasoning model pays while it thinks.
 
 Tokens are counted until the reply ends (end of generation) or ``--tokens``; the per-token cost is what is compared.
 """
@@ -42,6 +45,8 @@ CONFIGS: dict[str, SamplingParams] = {
     "schema+top-5": SamplingParams(temperature=0.0, logprobs=5, constraint=JsonSchemaConstraint(json_schema=SCHEMA)),
     "hot": SamplingParams(temperature=0.8, seed=1),
     "hot json schema": SamplingParams(temperature=0.8, seed=1, constraint=JsonSchemaConstraint(json_schema=SCHEMA)),
+    "think block": SamplingParams(temperature=0.0, constraint=JsonSchemaConstraint(json_schema=SCHEMA),
+                                  reasoning="open"),
 }
 
 

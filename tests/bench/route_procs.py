@@ -66,17 +66,23 @@ class ProcessRoute:
     ``gateways`` (name -> overrides; one gateway, ``default``, unless given). ``max_sessions``, ``ctx``,
     ``model_id`` and ``wire_dtype`` are the nodes' options of those names (None: left to the node's default).
     ``delay_ms``: every node behind a ``DelayProxyProcess`` of that one-way delay (0 included); ``advertise_url``:
-    behind a proxy of the caller's (only one of the two). Returns once every gateway routes over all the nodes."""
+    behind a proxy of the caller's (only one of the two). ``hosts``: node i runs on host ``hosts[i]`` (a network
+    namespace and its address, tests/support/netns.py) and NATS listens on ``nats_host`` (the hosts' bridge), so
+    every hop crosses a network between hosts; tracker and gateways stay in this namespace. Returns once every
+    gateway routes over all the nodes."""
 
     def __init__(self, model: Path, threads: Sequence[int], home: Path, *, max_sessions: int | None = 4,
                  ctx: int | None = 1024, layers: Sequence[Layers] | None = None, model_id: str | None = MODEL_ID,
                  wire_dtype: str | None = None, settings: Mapping[str, Any] | None = None,
                  node_settings: Mapping[str, Any] | None = None,
                  gateways: Mapping[str, Mapping[str, Any]] | None = None, delay_ms: float | None = None,
-                 advertise_url: AdvertiseUrl | None = None, name: str = "bench") -> None:
+                 advertise_url: AdvertiseUrl | None = None, name: str = "bench",
+                 hosts: Sequence[tuple[str, str]] | None = None, nats_host: str = "127.0.0.1") -> None:
         if delay_ms is not None and advertise_url is not None:
             raise ValueError("delay_ms and advertise_url both put a proxy in front of the nodes: give one")
-        self.nats = EmbeddedNats(NatsServerConfig(store_dir=home / "nats")).start()
+        if hosts is not None and (delay_ms is not None or advertise_url is not None or len(hosts) != len(threads)):
+            raise ValueError("hosts: one (namespace, address) per node, and no proxies (they listen on loopback)")
+        self.nats = EmbeddedNats(NatsServerConfig(store_dir=home / "nats", host=nats_host)).start()
         self.settings = Settings(nats_url=self.nats.url, home=home, **(settings or {}))
         self.layers: list[Layers] = list(layers) if layers is not None else list(split_layers(N_LAYERS, len(threads)))
         self.delay_proxies: list[DelayProxyProcess] = []
@@ -93,7 +99,7 @@ class ProcessRoute:
             node_config = _with(self.settings, node_settings)
             for i, (span, n_threads) in enumerate(zip(self.layers, threads, strict=True)):
                 self._node(node_config, f"{name}-{i}", span, n_threads, model, max_sessions, ctx, model_id,
-                           wire_dtype, delay_ms, advertise_url)
+                           wire_dtype, delay_ms, advertise_url, None if hosts is None else hosts[i])
             for gateway, overrides in (gateways or {"default": {}}).items():
                 self.gateways[gateway] = ActorProcess(
                     "gateway", _with(self.settings, overrides), ["--port", "0"], log_level="warning",
@@ -114,8 +120,12 @@ class ProcessRoute:
 
     def _node(self, settings: Settings, node_id: str, span: Layers, threads: int, model: Path,
               max_sessions: int | None, ctx: int | None, model_id: str | None, wire_dtype: str | None,
-              delay_ms: float | None, advertise_url: AdvertiseUrl | None) -> None:
+              delay_ms: float | None, advertise_url: AdvertiseUrl | None, host: tuple[str, str] | None) -> None:
         args = ["--backend", "llamacpp", "--model", str(model), "--threads", str(threads)]
+        prefix: list[str] = []
+        if host is not None:
+            prefix = ["ip", "netns", "exec", host[0]]
+            args += ["--host", host[1]]
         for flag, value in (("--layers", None if span is None else f"{span[0]}:{span[1]}"),
                             ("--model-id", model_id), ("--ctx", ctx), ("--max-sessions", max_sessions),
                             ("--wire-dtype", wire_dtype)):
@@ -132,7 +142,7 @@ class ProcessRoute:
                 advertised = advertise_url(port)
             args += ["--advertise-url", advertised]
         self._ports.append(port)
-        self.nodes.append(NodeProcess(settings, node_id, [*args, "--port", str(port)], wait=False))
+        self.nodes.append(NodeProcess(settings, node_id, [*args, "--port", str(port)], wait=False, prefix=prefix))
 
     def _actors(self) -> list[ActorProcess]:
         """The swarmroute processes, in the order they stop: gateways, nodes (tail first), tracker."""

@@ -7,12 +7,17 @@ import contextlib
 
 
 class CountingProxy:
-    """Forwards 127.0.0.1:<port> -> target, recording client->server bytes; ``delay_s`` is added one-way per chunk."""
+    """Forwards 127.0.0.1:<port> -> target, recording client->server bytes (and server->client ones with
+    ``record_downstream``); ``delay_s`` is added one-way per chunk; ``connections`` counts what it accepted."""
 
-    def __init__(self, target_port: int, target_host: str = "127.0.0.1", delay_s: float = 0.0) -> None:
+    def __init__(self, target_port: int, target_host: str = "127.0.0.1", delay_s: float = 0.0, *,
+                 record_downstream: bool = False) -> None:
         self.target = (target_host, target_port)
         self.delay_s = delay_s
         self.upstream = bytearray()
+        self.downstream = bytearray()
+        self.connections = 0
+        self._record_downstream = record_downstream
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -20,8 +25,11 @@ class CountingProxy:
     async def start(cls, target_port: int, target_host: str = "127.0.0.1", delay_s: float = 0.0,
                     listen_host: str = "127.0.0.1") -> CountingProxy:
         proxy = cls(target_port, target_host, delay_s)
-        proxy._server = await asyncio.start_server(proxy._handle, listen_host, 0)
+        await proxy.listen(listen_host)
         return proxy
+
+    async def listen(self, host: str = "127.0.0.1") -> None:
+        self._server = await asyncio.start_server(self._handle, host, 0)
 
     @property
     def port(self) -> int:
@@ -51,18 +59,20 @@ class CountingProxy:
             i = end + 4 + length
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
         up_reader, up_writer = await asyncio.open_connection(*self.target)
-        t1 = asyncio.create_task(self._pipe(reader, up_writer, record=True))
-        t2 = asyncio.create_task(self._pipe(up_reader, writer, record=False))
+        t1 = asyncio.create_task(self._pipe(reader, up_writer, self.upstream))
+        t2 = asyncio.create_task(self._pipe(up_reader, writer, self.downstream if self._record_downstream else None))
         self._tasks.update((t1, t2))
         await asyncio.gather(t1, t2, return_exceptions=True)
         self._tasks.difference_update((t1, t2))
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, record: bool) -> None:
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                    into: bytearray | None) -> None:
         try:
             while chunk := await reader.read(65536):
-                if record:
-                    self.upstream += chunk
+                if into is not None:
+                    into += chunk
                 if self.delay_s:
                     await asyncio.sleep(self.delay_s)
                 writer.write(chunk)

@@ -45,7 +45,7 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
-from actors.backend import Hidden, StepInput, StepOutput
+from actors.backend import Hidden, StepInput, StepOutput, TopLogits
 from actors.backends.llamacpp.batch import Batch, ubatch_order
 from actors.backends.llamacpp.chat_template import ChatTemplate
 from actors.backends.llamacpp.config import LlamaCppConfig
@@ -153,8 +153,9 @@ class LlamaCppBackend(HoldsSessions[_Session]):
     # --- loading ----------------------------------------------------------------------------------------------
 
     def _load(self) -> None:
-        self._cpu_buffers = buffer_types().allow_amx(self.config.allow_amx)
+        self._cpu_buffers = buffer_types().allow_amx(self.config.allow_amx) if self.config.extra_buffers else []
         params = llama_cpp.llama_model_default_params()
+        params.use_extra_bufts = self.config.extra_buffers
         self._model = llama_cpp.llama_model_load_from_file(str(self._path).encode(), params)
         if not self._model:
             raise ModelLoadError(f"llama.cpp could not load model file {self._path} (see its log with verbose=True)")
@@ -739,11 +740,14 @@ class LlamaCppBackend(HoldsSessions[_Session]):
             if item.rows:
                 outputs.append(StepOutput(rows=self._rows(lo, hi)))
                 continue
+            top = None
             if item.sample:
                 assert session.sampler is not None
+                if item.top_k:  # before sampling: the raw logits, whatever the sampler does with them
+                    top = TopLogits.of(self._rows(hi - 1, hi)[0], item.top_k)
                 token, logprobs = session.sampler.sample(self._ctx, hi - 1)
                 session.sampled_row, session.sampled_in = hi - 1, self._decodes
-            outputs.append(StepOutput(token=token, logprobs=logprobs))
+            outputs.append(StepOutput(token=token, logprobs=logprobs, top=top))
         return outputs
 
     def _rows(self, lo: int, hi: int) -> np.ndarray[Any, np.dtype[np.float32]]:
@@ -798,7 +802,8 @@ def _apart(item: StepInput, prompt_end: int) -> list[StepInput]:
     return [StepInput(item.session_id, item.start_position + lo,
                       tokens=None if item.tokens is None else item.tokens[lo:hi],
                       hidden=None if item.hidden is None else item.hidden[lo:hi],
-                      sample=item.sample and hi == n, rows=item.rows, forks=item.forks if hi == n else ())
+                      sample=item.sample and hi == n, rows=item.rows, top_k=item.top_k if hi == n else 0,
+                      forks=item.forks if hi == n else ())
             for lo, hi in spans]
 
 
@@ -810,7 +815,7 @@ def _joined(parts: list[StepOutput]) -> StepOutput:
     hidden = [p.hidden for p in parts if p.hidden is not None]
     rows = [p.rows for p in parts if p.rows is not None]
     return StepOutput(hidden=np.concatenate(hidden) if hidden else None, token=last.token, logprobs=last.logprobs,
-                      rows=np.concatenate(rows) if rows else None, forks=last.forks)
+                      rows=np.concatenate(rows) if rows else None, top=last.top, forks=last.forks)
 
 
 def load_llamacpp(**options: Any) -> LlamaCppBackend:

@@ -64,6 +64,11 @@ class LlamaCppConfig:
     """Let ggml put weights in its AMX buffer type. Off: on some AMX CPUs the first matrix multiply there crashes
     the process (``actors/backends/llamacpp/cpu_buffers.py``); the CPU_REPACK path stays on either way."""
 
+    extra_buffers: bool = True
+    """Let ggml use its extra CPU buffer types (CPU_REPACK: weights repacked for its tiled GEMM kernels). Off: the
+    plain kernels, which round differently; the node then advertises another build (``build_id``: its CPU buffers
+    are part of it). Issue #28's spot checks across builds test against such a node."""
+
     batch_invariant: str = "off"
     """Which sessions' tokens do not depend on what else the node computes at the same time (issue #31): ``off``
     (none: one unified KV cache, every step in one ubatch, results move with the batch's shape), ``request`` (the

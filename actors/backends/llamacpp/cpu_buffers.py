@@ -22,9 +22,8 @@ import ctypes
 import functools
 import threading
 from collections.abc import Callable
-from pathlib import Path
 
-import llama_cpp
+from actors.backends.llamacpp.library import library_dir
 
 __all__ = ["AMX", "BufferTypes", "buffer_types", "filter_buffer_types"]
 
@@ -50,7 +49,7 @@ class BufferTypes:
     """The CPU device's extra buffer types, as llama.cpp will see them at the next model load."""
 
     def __init__(self) -> None:
-        lib = Path(llama_cpp.__file__).parent / "lib"
+        lib = library_dir()
         ggml = ctypes.CDLL(str(lib / "libggml.so"))
         base = ctypes.CDLL(str(lib / "libggml-base.so"))
         ggml.ggml_backend_dev_by_type.argtypes, ggml.ggml_backend_dev_by_type.restype = [ctypes.c_int], ctypes.c_void_p

@@ -65,6 +65,7 @@ import llama_cpp
 import numpy as np
 
 from actors.backend import Hidden
+from actors.backends.llamacpp.library import library_dir
 from schemas.errors import BackendError
 from schemas.settings import Settings
 
@@ -161,7 +162,7 @@ class _Ggml:
 
 
 def _library_path() -> Path:
-    return Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"
+    return library_dir() / "libggml-base.so"
 
 
 @functools.cache

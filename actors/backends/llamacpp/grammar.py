@@ -13,6 +13,13 @@ Tool calls are grammars over the same converter, in the format the head rendered
   ``<tool_call>``, and from there the call is constrained.
 
 ``name`` is always written before ``arguments``, so the gateway can stream a call's name before its arguments.
+
+A reply that may start with a think block (issue #27: the head tells where it starts, ``SamplingParams.reasoning``)
+is constrained after the block, as llama-server's grammars for reasoning models are (its chat parser's grammar is
+an optional ``<think>...</think>`` then the response format): the block's text is free, and only ``</think>`` ends
+it. ``open`` (the prompt opened the block): the reply runs to ``</think>`` first; ``closed``: it may open one
+first, after nothing but whitespace, or go straight to what is enforced. A lazy grammar keeps its laziness: its
+triggers count only after the block (llama.cpp starts the grammar at the pattern's first group).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from schemas.constraint import (
     ToolCallConstraint,
 )
 from schemas.errors import BadRequestError
+from schemas.reasoning import THINK_CLOSE, THINK_OPEN, ReasoningStart
 from schemas.tools import (
     GENERIC_CALL_KEY,
     GENERIC_CALLS_KEY,
@@ -74,9 +82,46 @@ def param_of(constraint: OutputConstraint) -> str:
     return "response_format"
 
 
-def grammar_for(constraint: OutputConstraint) -> Grammar:
-    """The grammar enforcing ``constraint``. Raises ``BadRequestError`` (naming the request field) for a schema the
-    converter cannot turn into a grammar."""
+_THINK = "swarmroute-think"
+"""The prefix of the rules added for a think block (no converter rule name, unlikely in a caller's grammar)."""
+
+THINK_RULES = "\n".join([
+    # Text without the closing tag: a "<" starts either a run that breaks off the tag (ends in a character the tag
+    # does not continue with; "<" restarts it) or a prefix of the tag that only another "<" (or the tag) follows.
+    f"{_THINK}-body ::= ( [^<] | {_THINK}-prefix* {_THINK}-run )* {_THINK}-prefix*",
+    f"{_THINK}-prefix ::= " + " | ".join(f'"{THINK_CLOSE[:n]}"' for n in range(1, len(THINK_CLOSE))),
+    f'{_THINK}-run ::= "<" ( [^</] | "/" ( [^<t] | "t" ( [^<h] | "h" ( [^<i] | "i" ( [^<n] | "n" ( [^<k] | "k" '
+    f'[^<>] ) ) ) ) ) )',
+    f"{_THINK}-space ::= [ \\t\\r\\n]{{0,20}}",
+])
+"""GBNF for a think block's text (``-body``: anything up to, not including, the first ``</think>``) and the
+whitespace around it (which the gateway strips)."""
+
+
+def after_reasoning(grammar: Grammar, start: ReasoningStart) -> Grammar:
+    """``grammar`` applied after the think block a reply starting at ``start`` has (``open``) or may have
+    (``closed``)."""
+    block = f'{_THINK}-body "{THINK_CLOSE}" {_THINK}-space'
+    if grammar.triggers:
+        # Lazy: the text before a trigger is free anyway; a trigger inside the block must not start the grammar.
+        if start == "open":
+            triggers = tuple(f"{THINK_CLOSE}[\\s\\S]*?({t})" for t in grammar.triggers)
+        else:
+            triggers = tuple(p for t in grammar.triggers for p in (
+                f"^\\s*{THINK_OPEN}[\\s\\S]*?{THINK_CLOSE}[\\s\\S]*?({t})", f"^(?!\\s*{THINK_OPEN})[\\s\\S]*?({t})"))
+        return dataclasses.replace(grammar, triggers=triggers)
+    head = block if start == "open" else f'( {_THINK}-space "{THINK_OPEN}" {block} )?'
+    return Grammar(f"{grammar.text}\n{_THINK}-root ::= {head} {grammar.root}\n{THINK_RULES}\n", f"{_THINK}-root")
+
+
+def grammar_for(constraint: OutputConstraint, reasoning: ReasoningStart | None = None) -> Grammar:
+    """The grammar enforcing ``constraint`` (after the reply's think block, for a ``reasoning`` start). Raises
+    ``BadRequestError`` (naming the request field) for a schema the converter cannot turn into a grammar."""
+    grammar = _grammar_for(constraint)
+    return grammar if reasoning is None else after_reasoning(grammar, reasoning)
+
+
+def _grammar_for(constraint: OutputConstraint) -> Grammar:
     try:
         if isinstance(constraint, JsonObjectConstraint):
             return Grammar(_schema_grammar({"type": "object"}))

@@ -142,7 +142,8 @@ class Sampler:
             if vocab is None:
                 self.close()
                 raise BackendError("a grammar needs the model's vocabulary")
-            self._grammar = _grammar_sampler(vocab, grammar_for(params.constraint), param_of(params.constraint))
+            self._grammar = _grammar_sampler(vocab, grammar_for(params.constraint, params.reasoning),
+                                             param_of(params.constraint))
         if _has_penalties(params):
             window = prompt_tokens[-params.penalty_last_n:]
             for token in window:

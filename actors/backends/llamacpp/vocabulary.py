@@ -12,7 +12,7 @@ import llama_cpp
 
 from actors.backends.llamacpp.chat_template import ChatTemplate, select_template
 from schemas.errors import BackendError, BadRequestError
-from schemas.reasoning import PROMPT_TAIL_CHARS, ReasoningStart, marks_reasoning, reasoning_start
+from schemas.reasoning import ReasoningStart, prompt_reasoning_start
 from schemas.session import Prompt
 from schemas.tools import ToolCallFormat, ToolSet
 
@@ -65,10 +65,10 @@ class Vocabulary:
     def reasoning_start(self, prompt_tokens: list[int]) -> ReasoningStart | None:
         """Where a reply to this prompt starts relative to a think block (``schemas.reasoning``); ``None`` without
         a template that marks reasoning."""
-        if self.template is None or not marks_reasoning(self.template.source):
+        if self.template is None:
             return None
-        tail = b"".join(self.token_bytes(t) for t in prompt_tokens[-16:] if 0 <= t < self.n_vocab)
-        return reasoning_start(self.template.source, tail.decode("utf-8", errors="replace")[-PROMPT_TAIL_CHARS:])
+        return prompt_reasoning_start(self.template.source, prompt_tokens,
+                                      lambda t: self.token_bytes(t) if 0 <= t < self.n_vocab else b"")
 
     def _render(self, messages: Sequence[dict[str, object]], add_generation_prompt: bool,
                 tools: ToolSet | None = None) -> str:

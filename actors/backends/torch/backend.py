@@ -9,6 +9,9 @@ Issue #19: n > 1 forks deep-copy the session's cache (choice ``i`` samples with 
 log-softmax of the raw logits. Output constraints (grammars) are refused: llama.cpp's grammar sampler is the only
 one swarmroute has.
 
+Issue #27: the head reports where a reply starts relative to a think block (``reasoning_start``, from its chat
+template and the prompt's last tokens, as llama.cpp heads do), so the gateway splits reasoning from the answer.
+
 Issue #18: a session's KV leaves and re-enters as blobs of raw cache tensors (``actors.backend.KvBackend``, the
 cache handling in ``kv``); windowed layers keep ``kv_rollback`` positions beyond their window so that truncation
 can go back that far.
@@ -28,7 +31,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import DynamicCache
 
-from actors.backend import Hidden, StepInput, StepOutput
+from actors.backend import Hidden, StepInput, StepOutput, TopLogits
 from actors.backends.session_table import HoldsSessions, SessionTable, choice_seed
 from actors.backends.torch import kv
 from actors.backends.torch.models import TINY_MODELS, PreparedModel, prepare
@@ -45,6 +48,7 @@ from schemas.errors import (
     SwarmrouteError,
 )
 from schemas.node import BackendInfo, LayerRange
+from schemas.reasoning import ReasoningStart, prompt_reasoning_start
 from schemas.session import Prompt, SamplingParams
 
 _DTYPES = {"float32": torch.float32, "f32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -174,6 +178,14 @@ class TorchBackend(HoldsSessions[_Session]):
                                   param="tools")
         return self._codec().tokenize(prompt)
 
+    def reasoning_start(self, prompt_tokens: list[int]) -> ReasoningStart | None:
+        """Head: where a reply to this prompt starts relative to a think block, read from its chat template and
+        the prompt's last tokens as every head reads it (``schemas.reasoning``); ``None`` without a template that
+        marks reasoning (issue #27)."""
+        if not self.is_head or self.codec is None:
+            return None
+        return prompt_reasoning_start(self.codec.template_source, prompt_tokens, self.codec.token_bytes)
+
     def open_session(self, session_id: str, *, prompt_tokens: list[int], sampling: SamplingParams) -> None:
         if len(prompt_tokens) >= self._context:
             raise ContextLengthError(f"prompt has {len(prompt_tokens)} tokens; this node serves {self._context}")
@@ -246,7 +258,10 @@ class TorchBackend(HoldsSessions[_Session]):
         if not item.sample:
             return StepOutput()
         s.last_logits = self.shard.logits(hidden[0, -1])
-        return self._pick(s, s.last_logits)
+        picked = self._pick(s, s.last_logits)
+        if item.top_k:
+            picked.top = TopLogits.of(s.last_logits.to(torch.float32).numpy(), item.top_k)
+        return picked
 
     def _pick(self, s: _Session, logits: torch.Tensor) -> StepOutput:
         assert s.sampler is not None

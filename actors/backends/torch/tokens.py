@@ -124,12 +124,24 @@ class TokenCodec:
             raise BadRequestError("prompt tokenizes to nothing")
         return [int(i) for i in ids]
 
+    @property
+    def template_source(self) -> str | None:
+        """The chat template ``tokenize`` renders with (a tokenizer with named templates renders its default)."""
+        template: object = self.tokenizer.chat_template
+        if isinstance(template, dict):
+            template = template.get("default")
+        return template if isinstance(template, str) else None
+
     def _render_chat(self, messages: list[dict[str, object]], add_generation_prompt: bool) -> str:
         if self.tokenizer.chat_template is None:
             raise BadRequestError("this model has no chat template: send a completion prompt instead")
         # Templates know system/user/assistant; developer is OpenAI's newer name for system.
+        # An assistant turn's reasoning_content goes to the template too (it may render it as a think block, as
+        # Qwen 3's does), as on llama.cpp heads.
         normalized = [{"role": "system" if m.get("role") == "developer" else str(m.get("role")),
-                       "content": str(m.get("content") or "")} for m in messages]
+                       "content": str(m.get("content") or ""),
+                       **({"reasoning_content": str(m["reasoning_content"])} if m.get("reasoning_content") else {})}
+                      for m in messages]
         try:
             text = self.tokenizer.apply_chat_template(normalized, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt)

@@ -21,6 +21,7 @@ from actors.backend import KvBackend
 from actors.node.recovery.journal import Entry, Journal, SnapshotSchedule
 from actors.node.recovery.snapshots import SnapshotWriter
 from actors.node.runtime import NodeRuntime
+from schemas.frame import FrameKind
 from schemas.route import Hop
 from schemas.session import Resume, SessionOpen
 
@@ -41,9 +42,9 @@ class Recovery:
         self.journal = Journal(self.schedule) if request.repair and not is_tail and single else None
         backend = rt.engine.backend
         self.writer: SnapshotWriter | None = None
-        # The head too (issue #31: a replacement head takes the session over from them), when its standby is a spare
-        # serving its layers (elsewhere a replacement recomputes its KV from the tokens) and it is not its own tail.
-        head_spare = hop.standby is not None and hop.standby.layers == hop.layers and not is_tail
+        # The head too (issue #31: a replacement head takes the session over from them, a 1-node route's included),
+        # when its standby is a spare serving its layers (elsewhere a replacement recomputes its KV from the tokens).
+        head_spare = hop.standby is not None and hop.standby.layers == hop.layers
         if self.schedule.every and hop.standby is not None and (request.hop_index > 0 or head_spare) and \
                 isinstance(backend, KvBackend):
             self.writer = SnapshotWriter(rt, request.session_id, schedule=self.schedule, standby=hop.standby,
@@ -76,6 +77,20 @@ class Recovery:
     def record(self, entry: Entry) -> None:
         if self.journal is None:
             return
+        if entry.kind is FrameKind.VERIFY and entry.tokens is not None:
+            # A verify window (issue #20) goes in as the decode frames of its positions: a window cut back after
+            # a partial verdict keeps its accepted positions, and a replay needs no window order on the
+            # replacement. Every position past the prompt is computed one row per pass on a batch-invariant node,
+            # so these frames rebuild exactly what the window computed.
+            for i, token in enumerate(entry.tokens):
+                position = entry.start + i
+                self._record(Entry(FrameKind.DECODE, position, entry.hidden[i:i + 1], True,
+                                   position - self.prompt + 1, (token,)))
+            return
+        self._record(entry)
+
+    def _record(self, entry: Entry) -> None:
+        assert self.journal is not None
         if entry.start != self.journal.end:
             # A gap (a replacement rebuilt up to here from a snapshot): it can replay from here on only.
             self.journal = Journal(self.schedule)

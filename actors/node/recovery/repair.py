@@ -166,10 +166,20 @@ class RouteRepair:
         last: HopPosition | None = None
         for i in range(1, self.lost):
             hop = route.hops[i]
+            # Computed all the head sent before it goes on to the new route: a frame it computed after would go to
+            # the replacement before the replacement has the session (a 404 that fails the session; seen when the
+            # head's prefill ran ahead of it).
+            while await self._ask(hop.node_id, self.rt.client.session_position(
+                    hop.node_id, hop.endpoint, head.id, session_token=head.session_token)) < position:
+                if time.monotonic() > self.deadline:
+                    raise RepairFailed(f"node {hop.node_id} never got to position {position}")
+                await asyncio.sleep(0.05)
             while True:
+                # Cut back to the head's KV too: a speculative session's hops may hold positions of verify windows
+                # the head dropped (issue #31); on a plain session nothing lies beyond it.
                 last = await self._ask(hop.node_id, self.rt.client.update_route(
-                    hop.node_id, hop.endpoint, self._update(route, epoch, i), session_token=head.session_token,
-                    timeout=self.rt.settings.hop_timeout_s))
+                    hop.node_id, hop.endpoint, self._update(route, epoch, i, truncate_to=position),
+                    session_token=head.session_token, timeout=self.rt.settings.hop_timeout_s))
                 if last.position >= position:
                     break
                 if time.monotonic() > self.deadline:
@@ -190,7 +200,8 @@ class RouteRepair:
         positions) and where the upstream journal reaches back to; empty when the journal replays from 0."""
         standby = self.old.hops[self.lost].standby
         usable: list[SnapshotSegment] = []
-        if standby is not None and standby.node_id != self.view.lost_node:
+        # An evicted node's snapshots hold the KV it computed wrong: rebuild from the journal instead (issue #28).
+        if standby is not None and standby.node_id != self.view.lost_node and not self.reason.evicted:
             try:
                 listing = await self.rt.client.list_snapshots(standby.node_id, standby.endpoint, self.head.id,
                                                               self.view.layers, session_token=self.head.session_token)
@@ -234,6 +245,8 @@ class RouteRepair:
             stop=request.stop, ignore_eos=request.ignore_eos, prefill_chunk=request.prefill_chunk,
             capability=hop.capability, snapshot_every=request.snapshot_every, repair=True, epoch=epoch,
             resume=resume)
+        if request.speculate is not None:  # a speculative session's windows go on through the replacement
+            open_request.speculate = request.speculate
         try:
             await self.rt.client.open_session(hop.node_id, hop.endpoint, open_request)
         except HopError as exc:

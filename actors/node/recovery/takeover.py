@@ -17,6 +17,11 @@ port (``actors.node.head_port.HeadPort``):
 3. *resume*: the prefill goes on from there (``actors.node.prefill``, frames below ``cut`` stay home), or, in
    decode, the step that feeds the client's last token is computed and its frame sent: the tail samples the next
    token, and the stream goes on with no token duplicated or missing.
+
+On a 1-node route the replacement is its own tail: there is nothing to cut or re-bind, its opener started the stop
+rules and the sampler over from the client's tokens (``NodeSession.restart_generation``, the random state replayed
+with them), its prefill samples no token the client has, and it samples the client's next token itself from the
+step that feeds the last one.
 """
 
 from __future__ import annotations
@@ -76,6 +81,12 @@ class HeadTakeover:
         generated = self.resume.generated
         while choice.position < prompt + len(generated):
             j = choice.position - prompt
+            if head.is_tail:  # a 1-node route: this node samples the client's next token from the last feed
+                last = j == len(generated) - 1
+                out, timing = await head.compute(choice, choice.decode_step(generated[j], sample=last))
+                if last:
+                    head.put_events([head.sampled(choice, out, (head.stamp(timing),))])
+                continue
             event = TokenEvent(session_id=head.id, seq=j, token=generated[j], text="")
             result = await head.compute(choice, choice.decode_step(generated[j]))
             if choice.position - 1 >= cut:

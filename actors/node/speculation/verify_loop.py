@@ -45,6 +45,8 @@ class VerifyWindows:
 
     def __init__(self, speculation: Speculation) -> None:
         self.speculation = speculation
+        self._accepted: list[int] | None = None
+        """After a run failed (a hop lost, issue #31): the tokens it emitted, for the run after the repair."""
 
     def stop(self) -> None:
         """Nothing of its own runs: the windows' steps are awaited by its task."""
@@ -52,9 +54,15 @@ class VerifyWindows:
     async def run(self, port: HeadPort) -> None:
         spec = self.speculation
         decoder = SpeculativeDecode(port, port.rt.drafts(port.id, spec.source), max_k=spec.max_k,
-                                    windows=spec.windows)
+                                    windows=spec.windows, accepted=self._accepted)
         try:
             await decoder.run()
+        except SessionFailed:
+            # The route lost a hop: what the windows in flight put into the head's KV beyond the accepted tokens
+            # goes, so that a repair (``recovery.repair``) sees the head as plain decoding would leave it, and the
+            # run after it goes on from the tokens emitted (announced already) with a window of its own.
+            self._accepted = await decoder.settle_for_repair() or None
+            raise
         finally:
             await decoder.source.close()
 
@@ -80,7 +88,8 @@ class Window:
 class SpeculativeDecode:
     """One run of the verify windows on the head (``head``, the port), from the prefill's token to the end."""
 
-    def __init__(self, head: HeadPort, source: DraftSource, *, max_k: int, windows: int) -> None:
+    def __init__(self, head: HeadPort, source: DraftSource, *, max_k: int, windows: int,
+                 accepted: list[int] | None = None) -> None:
         self.head = head
         self.source = source
         self.max_windows = windows
@@ -91,8 +100,11 @@ class SpeculativeDecode:
         self._next_id = 1
         self._head_ms: float | None = None
         """The head's forward pass of a window (moving average): what a stale optimistic window wastes."""
-        self.accepted: list[int] = []
-        """Every token the route emitted so far, in order (the last one is the next input)."""
+        self.resumed = accepted is not None
+        """A run after a repair: its last accepted token is in, and the next window starts from it."""
+        self.accepted: list[int] = list(accepted) if accepted is not None else head.fed()
+        """Every token the route emitted so far, in order (the last one is the next input): a replacement head
+        (issue #31) starts with the tokens it recomputed, the first token it waits for comes after them."""
 
     # ---- the loop -----------------------------------------------------------------------------------------------
 
@@ -108,9 +120,12 @@ class SpeculativeDecode:
 
     async def _run(self) -> None:
         head = self.head
-        first = await head.next_event()  # the prefill's token comes as a plain token frame
-        if not await self._emitted([first], None):
-            return
+        if self.resumed:
+            await self._launch()
+        else:
+            first = await head.next_event()  # the prefill's token comes as a plain token frame
+            if not await self._emitted([first], None):
+                return
         while True:
             verdict = await self._verdict(self.in_flight[0].id)
             window = self.in_flight.popleft()
@@ -250,6 +265,27 @@ class SpeculativeDecode:
             head.rt.engine.call_soon(backend.truncate, head.id, keep)
             head.choices.first.position = keep
             head.recovery.truncate(keep)
+
+    async def settle_for_repair(self) -> list[int]:
+        """After a hop was lost: cut the head's KV back to the positions whose inputs the route accepted (the
+        windows in flight are void), and return the tokens emitted so far. A repair then rebuilds the lost hop up
+        to there; the last accepted token goes back into the head's queue as the one the repair must not have
+        sampled again (``RouteRepair._quiesce``), and the run after the repair drops it (it was announced)."""
+        head = self.head
+        self.in_flight.clear()
+        self._verdicts.clear()
+        if not self.accepted:
+            return []
+        keep = len(head.request.prompt_tokens) + len(self.accepted) - 1
+        if keep < head.position:
+            backend = head.rt.engine.backend
+            assert isinstance(backend, KvBackend)
+            await head.rt.engine.call(backend.truncate, head.id, keep)
+            head.choices.first.position = keep
+            head.recovery.truncate(keep)
+        head.put_events([TokenEvent(session_id=head.id, seq=len(self.accepted) - 1, token=self.accepted[-1],
+                                    text="")])
+        return list(self.accepted)
 
     def view(self) -> SpeculationView:
         s = self.sizer
