@@ -46,6 +46,10 @@ class SpotReceipt(WireModel):
     top_k: int = Field(default=0, ge=0, description="a tail's receipt: each sampling frame's output is the top_k "
                                                     "largest logits it sampled from (int32 ids, then float32 "
                                                     "values); 0: every frame's output is its hidden states")
+    clearance: int | None = Field(default=None, ge=0, description=(
+        "how many times the checked node's operator had cleared an eviction of it when this session opened, as "
+        "the node knew it (None: not known yet, e.g. before a restarted node's first checker reply). A dispute "
+        "of work from before the latest clear evicts nobody: the operator vouched for what runs since"))
 
     @property
     def positions(self) -> int:
@@ -112,12 +116,16 @@ class CheckerRequest(WireModel):
     """Preferred after ``build_id``: a checker of the same kernel family compares within the narrow band, which
     catches what the wide band across families lets through (another quantization such as Q8_0)."""
     role: SpotRole = "check"
+    node_id: str = ""
+    """Who asks (the checked node): the reply tells it its clearance generation."""
 
 
 class CheckerReply(WireModel):
     node_id: str = ""
     endpoint: str = ""
     build_id: str = ""
+    clearance: int | None = Field(default=None, ge=0, description="the asking node's clearance generation as the "
+                                                                   "trackers know it (Eviction.clearance)")
     error: str = ""
     status: int = 200
 
@@ -131,6 +139,7 @@ class Dispute(WireModel):
     checked: str
     checker: SpotVerdict
     referee: SpotVerdict
+    clearance: int | None = Field(default=None, ge=0, description="the receipt's SpotReceipt.clearance")
 
 
 class Eviction(WireModel):
@@ -146,6 +155,8 @@ class Eviction(WireModel):
     referee: SpotVerdict | None = None
     evicted_at: float = Field(default_factory=time.time)
     cleared: bool = Field(default=False, description="True on the note that an operator cleared it")
+    clearance: int = Field(default=0, ge=0, description="how many times an operator has cleared the node: before "
+                                                        "this eviction, or on a cleared note including this clear")
 
 
 class DisputeReply(WireModel):

@@ -7,7 +7,7 @@ from typing import Any
 
 import nats
 
-from actors.tracker.evictions import Evictions, decide, open_evictions, pick_checker
+from actors.tracker.evictions import Evictions, decide, open_evictions, pick_checker, stale
 from bus.subjects import Subjects
 from schemas.node import BackendInfo, Capacity, LayerRange, NodeAdvertisement
 from schemas.spot_check import CheckerRequest, Dispute, Eviction, SpotVerdict
@@ -60,6 +60,14 @@ def test_the_referee_decides_who_is_wrong() -> None:
     assert decide(stranger, adverts)[0] == ""
 
 
+def test_only_work_from_before_the_latest_clear_is_stale() -> None:
+    dispute = Dispute(session_id="s", model_id="m", layers=L, checked="a", checker=verdict("b", False),
+                      referee=verdict("c", False))
+    assert not stale(dispute, 1)  # a generation not known: judged
+    assert stale(dispute.model_copy(update={"clearance": 0}), 1)
+    assert not stale(dispute.model_copy(update={"clearance": 1}), 1)
+
+
 async def test_an_eviction_is_kept_announced_listed_and_cleared(nats_server: Any) -> None:
     subjects = Subjects("evt")
     nc = await nats.connect(nats_server.url)
@@ -82,6 +90,13 @@ async def test_an_eviction_is_kept_announced_listed_and_cleared(nats_server: Any
         assert await operator.clear("bad") is None
         await eventually(lambda: "bad" not in tracker.evicted, timeout=5, what="the tracker seeing the clear")
         await eventually(lambda: [e.cleared for e in seen] == [False, True], timeout=5, what="both notes")
+        assert await operator.listing() == [] and tracker.clearance("bad") == 1 and seen[1].clearance == 1
+        # Evicted again: the generation is kept through it, and the next clear counts on.
+        await operator.evict(Eviction(node_id="bad", model_id="m", layers=L, reason="wrong again"))
+        await eventually(lambda: "bad" in tracker.evicted, timeout=5, what="the second eviction")
+        assert tracker.evicted["bad"].clearance == 1
+        await operator.clear("bad")
+        await eventually(lambda: tracker.clearance("bad") == 2, timeout=5, what="the second clear")
         await tracker.stop()
     finally:
         await nc.close()

@@ -3,7 +3,8 @@ checks and eviction against. Never built unless ``Settings.test_misbehave`` is s
 and a node built with it says so in its log at start.
 
 * ``noise:SIGMA``: every hidden state it sends gets Gaussian noise of standard deviation ``SIGMA`` added (a tail
-  adds it to the hidden states it receives: its logits and tokens are then wrong);
+  adds it to the hidden states it receives: its logits and tokens are then wrong; a node that is head and tail adds
+  it to the largest logits it reports, as a receipt records them);
 * ``skip``: it sends its input on unchanged, as if it had no layers (it still runs them, for its KV);
 * ``quant:PATH``: it computes with another quantization of the same model (built by ``swarmroute.backends`` from
   ``PATH``) and advertises the original's file type and artifact hash (``honest_info``).
@@ -65,6 +66,10 @@ class MisbehavingBackend:
             batch = [dataclasses.replace(item, hidden=self._noisy(item.hidden)) for item in batch]
         outs = self._inner.step(batch)
         for item, out in zip(batch, outs, strict=True):
+            if self._how.kind == "noise" and item.tokens is not None and out.top is not None:
+                # Head and tail at once (a 1-node route): no hidden state in or out, so its logits are wrong.
+                values = out.top.values + self._rng.normal(0.0, self._how.sigma, out.top.values.shape)
+                out.top = dataclasses.replace(out.top, values=values.astype(np.float32))
             if out.hidden is None:
                 continue
             if self._how.kind == "noise":

@@ -140,7 +140,7 @@ class Node(NatsActor):
                                client=self._client)
         """Spot checks (issue #28): this node's sampled receipts, and the receipts it recomputes for others."""
         self.spot.manifest_id = config.manifest_id
-        self.eviction_watch = EvictionWatch(config.node_id, self.sessions, self.metrics)
+        self.eviction_watch = EvictionWatch(config.node_id, self.sessions, self.metrics, on_cleared=self.spot.cleared)
         self.opener = SessionOpener(node_id=config.node_id, model_id=config.model_id, backend=backend,
                                     engine=self.engine, client=self._client, admission=self.admission,
                                     reuse=self.reuse, metrics=self.metrics, sessions=self.sessions,

@@ -7,7 +7,7 @@ operator clears it (``swarmroute evictions clear``)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from nats.aio.msg import Msg
 
@@ -22,8 +22,11 @@ log = logging.getLogger(__name__)
 
 
 class EvictionWatch:
-    def __init__(self, node_id: str, sessions: Mapping[str, NodeSession], metrics: NodeMetrics) -> None:
+    def __init__(self, node_id: str, sessions: Mapping[str, NodeSession], metrics: NodeMetrics,
+                 on_cleared: Callable[[int], None] = lambda clearance: None) -> None:
         self.node_id = node_id
+        self._on_cleared = on_cleared
+        """Called with this node's clearance generation when its operator clears it."""
         self._sessions = sessions
         self._metrics = metrics
         self._labels: dict[str, tuple[str, ...]] = {}
@@ -45,6 +48,7 @@ class EvictionWatch:
                 self._metrics.evicted.remove(*labels)
             if node == self.node_id:
                 log.warning("this node's eviction was cleared by its operator: the trackers route to it again")
+                self._on_cleared(eviction.clearance)
             return 0
         evidence = eviction.checker
         layers = str(eviction.layers)

@@ -20,6 +20,7 @@ from actors.node.engine import StepTiming
 from actors.node.recovery.record import Recovery
 from actors.node.runtime import NodeRuntime
 from actors.node.session import SessionFailed, StepFuture
+from actors.node.spot_receipt import SpotRecorder
 from actors.node.telemetry import TelemetryPublisher
 from schemas.frame import FrameKind, HopStamp, SampledToken, SampledWindow
 from schemas.route import ReplayRequest, Route
@@ -46,6 +47,8 @@ class HeadPort(Protocol):
     """Prompt positions taken from kept KV at open."""
     choices: Choices
     recovery: Recovery
+    spot: SpotRecorder | None
+    """Its spot-check receipt on this hop, when sampled (issue #28); on a 1-node route its head is its tail."""
     telemetry: TelemetryPublisher
     phase: SessionPhase
 

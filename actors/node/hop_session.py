@@ -214,8 +214,7 @@ class HopSession(NodeSession):
         # sampling (no logits over the vocabulary, and the sampler's penalty window and draws stay as they are).
         sample = header.sample and self.is_tail and not window and self.recovery.forwards(header.start_position)
         # A tail recording a spot-check receipt keeps the largest logits of each row it samples from (issue #28).
-        top_k = self.spot.top_k if sample and choice.index == 0 and self.spot is not None and not self.spot.stopped \
-            else 0
+        top_k = self.spot.top_k_for(sample) if choice.index == 0 and self.spot is not None else 0
         return StepInput(choice.backend_id, header.start_position, hidden=hidden, sample=sample, rows=window,
                          top_k=top_k, forks=forks)
 

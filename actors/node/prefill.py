@@ -64,8 +64,9 @@ async def prefill(head: HeadPort) -> list[SampledToken] | None:
         last = start + len(part) >= len(tokens)
         first = head.choices.first
         # n > 1: the last chunk forks the prompt's KV into every choice (on the tail: their first tokens too).
-        item = StepInput(head.id, start, tokens=part, sample=last and head.is_tail and not known,
-                         forks=head.choices.fork_ids() if last else ())
+        sample = last and head.is_tail and not known
+        item = StepInput(head.id, start, tokens=part, sample=sample, forks=head.choices.fork_ids() if last else (),
+                         top_k=head.spot.top_k_for(sample) if head.spot is not None and head.is_tail else 0)
         queued = head.rt.engine.enqueue(item, handoff=True, prefill=True)
         if not announced:
             announced = True
@@ -80,6 +81,8 @@ async def prefill(head: HeadPort) -> list[SampledToken] | None:
         head.touch()
         head.rt.metrics.prefill_positions.inc(len(part))
         if head.is_tail:
+            if head.spot is not None:
+                head.spot.answered(start, item.sample, out.top)
             if last and item.sample:
                 stamps = (head.stamp(timing),)
                 sampled.append(head.sampled(first, out, stamps))

@@ -98,9 +98,9 @@ class NodeSession:
         """Polls the loop until this session's next decode frame or token (multi-node routes)."""
         self.recovery = Recovery(rt, request, self.route.hops[self.hop_index], is_tail=self.is_tail,
                                  session_token=lambda: self.session_token)
-        self.spot = None if self.is_tail and self.hop_index == 0 else rt.spot_recorder(request, start.reused)
-        """Its spot-check receipt, when this session is sampled on this hop (issue #28)."""
         """Tokens, journal, snapshots and epoch: what lets the session survive a lost node (issue #18)."""
+        self.spot = rt.spot_recorder(request, start.reused)
+        """Its spot-check receipt, when this session is sampled on this hop (issue #28)."""
         resume = request.resume
         if resume is not None:  # a replacement for a lost hop: the node imported the KV up to ``resume.start``
             self.choices.first.position = resume.start

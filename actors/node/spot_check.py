@@ -69,6 +69,14 @@ class SpotChecks:
         self._positions = settings.spot_check_positions
         self._rng = random.Random()
         self.manifest_id = ""
+        self.clearance: int | None = None
+        """How many times this node's operator cleared an eviction of it, as the trackers last said (a cleared note,
+        a checker reply); None until they say. Each receipt carries the value its session opened under."""
+
+    def cleared(self, clearance: int | None) -> None:
+        """The trackers told this node its clearance generation; it never goes back."""
+        if clearance is not None and (self.clearance is None or clearance > self.clearance):
+            self.clearance = clearance
 
     @property
     def busy(self) -> bool:
@@ -103,7 +111,8 @@ class SpotChecks:
         return SpotRecorder(session_id=request.session_id, model_id=self.model_id, manifest_id=self.manifest_id,
                             layers=hop.layers, node_id=self.node_id, build_id=self.build_id,
                             hidden_shape=tuple(self._backend.info.hidden_shape), limit=self._positions,
-                            ready=self.submit, top_k=self._band.top_k if tail else 0, kernels_id=self.kernels_id)
+                            ready=self.submit, top_k=self._band.top_k if tail else 0, kernels_id=self.kernels_id,
+                            clearance=self.clearance)
 
     def submit(self, sealed: Sealed) -> None:
         """A session's receipt is sealed: have another node of the range recompute it (in the background)."""
@@ -115,7 +124,8 @@ class SpotChecks:
         try:
             checker = await self._ask_checker(CheckerRequest(model_id=receipt.model_id, layers=receipt.layers,
                                                              exclude=[self.node_id], build_id=self.build_id,
-                                                             kernels_id=self.kernels_id))
+                                                             kernels_id=self.kernels_id, node_id=self.node_id))
+            self.cleared(checker.clearance)
             if not checker.node_id:
                 log.info("no checker for session %s's layers %s: %s", receipt.session_id[:8], receipt.layers,
                          checker.error)
@@ -197,7 +207,7 @@ class SpotChecks:
         theirs = SpotVerdict.model_validate(answer.json())
         reply = await self._report_dispute(Dispute(session_id=receipt.session_id, model_id=receipt.model_id,
                                                    layers=receipt.layers, checked=receipt.node_id, checker=mine,
-                                                   referee=theirs))
+                                                   referee=theirs, clearance=receipt.clearance))
         log.warning("dispute over session %s settled by %s: %s", receipt.session_id[:8], referee.node_id,
                     f"{reply.evicted} evicted" if reply.evicted else f"nobody evicted ({reply.reason})")
 

@@ -49,10 +49,10 @@ class _Frame:
 class SpotRecorder:
     def __init__(self, *, session_id: str, model_id: str, manifest_id: str, layers: LayerRange, node_id: str,
                  build_id: str, hidden_shape: tuple[int, ...], limit: int, ready: Callable[[Sealed], None],
-                 top_k: int = 0, kernels_id: str = "") -> None:
+                 top_k: int = 0, kernels_id: str = "", clearance: int | None = None) -> None:
         self._meta = dict(session_id=session_id, model_id=model_id, manifest_id=manifest_id, layers=layers,
                           node_id=node_id, build_id=build_id, kernels_id=kernels_id, hidden_shape=list(hidden_shape),
-                          top_k=top_k)
+                          top_k=top_k, clearance=clearance)
         self.top_k = top_k
         """On the tail: how many of each sampled row's largest logits to keep (its steps ask for them); else 0."""
         self._limit = limit
@@ -60,6 +60,10 @@ class SpotRecorder:
         self._frames: list[_Frame] = []
         self.stopped = False
         """Nothing more is recorded: sealed, or the session cannot be recomputed from position 0."""
+
+    def top_k_for(self, sample: bool) -> int:
+        """How many of a sampled row's largest logits a tail's step keeps for this receipt (0: none)."""
+        return self.top_k if sample and not self.stopped else 0
 
     @property
     def _end(self) -> int:

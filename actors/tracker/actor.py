@@ -18,7 +18,7 @@ from nats.aio.msg import Msg
 
 from actors.registry import RegistryView, open_registry
 from actors.services import tracker_service
-from actors.tracker.evictions import Evictions, decide, open_evictions, pick_checker
+from actors.tracker.evictions import Evictions, decide, open_evictions, pick_checker, stale
 from actors.tracker.pending import PendingRoutes
 from actors.tracker.routes import (
     has_full_chain,
@@ -181,7 +181,10 @@ class Tracker(NatsActor):
     async def _handle_checker(self, request: CheckerRequest) -> CheckerReply:
         assert self.registry is not None
         evicted = set(self.evictions.evicted) if self.evictions is not None else set()
-        return pick_checker(self.registry.live(), request, evicted=evicted)
+        reply = pick_checker(self.registry.live(), request, evicted=evicted)
+        if request.node_id and self.evictions is not None:
+            reply.clearance = self.evictions.clearance(request.node_id)
+        return reply
 
     async def _handle_dispute(self, dispute: Dispute) -> DisputeReply:
         assert self.registry is not None
@@ -193,6 +196,11 @@ class Tracker(NatsActor):
             return DisputeReply(reason=reason)
         if node in self.evictions.evicted:
             return DisputeReply(evicted=node, reason="evicted already")
+        if node == dispute.checked and stale(dispute, self.evictions.clearance(node)):
+            reason = (f"the disputed work of session {dispute.session_id} predates {node}'s clear by its operator "
+                      f"(generation {dispute.clearance} < {self.evictions.clearance(node)})")
+            log.warning("dispute: nobody evicted (%s)", reason)
+            return DisputeReply(reason=reason)
         layers = dispute.layers
         await self.evictions.evict(Eviction(node_id=node, model_id=dispute.model_id, layers=layers, reason=reason,
                                             session_id=dispute.session_id, checker=dispute.checker,

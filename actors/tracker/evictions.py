@@ -8,6 +8,10 @@ like the registry: a restart of every NATS server forgets evictions (the checks 
 
 Who is wrong is settled by a third node: a checker that disagreed with a receipt had a referee recompute it; the
 node the referee contradicts is evicted (``decide``). Pure decisions here, one class for the bucket.
+
+A clear stays in the bucket as a cleared note with the node's *clearance generation* (how many times it was
+cleared). Receipts carry the generation their session opened under, so a dispute of work from before the latest
+clear, settled after it, evicts nobody (``stale``): the operator vouched for what the node runs since.
 """
 
 from __future__ import annotations
@@ -66,6 +70,11 @@ def decide(dispute: Dispute, adverts: list[NodeAdvertisement]) -> tuple[str, str
                      f"recomputation was wrong")
 
 
+def stale(dispute: Dispute, clearance: int) -> bool:
+    """The disputed work was done before the checked node's latest clear (its generation is ``clearance``)."""
+    return dispute.clearance is not None and dispute.clearance < clearance
+
+
 async def open_evictions(nc: NATS, subjects: Subjects, *, replicas: int = 1) -> KeyValue:
     return await open_registry(nc, subjects, 0, replicas=replicas, bucket=subjects.eviction_bucket,
                                description="swarmroute evicted nodes (issue #28)")
@@ -79,6 +88,8 @@ class Evictions:
         self._subjects = subjects
         self.kv = kv
         self.evicted: dict[str, Eviction] = {}
+        self.clearances: dict[str, int] = {}
+        """Each node's clearance generation: how many times an operator cleared it (absent: never)."""
         self._watching: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -103,12 +114,24 @@ class Evictions:
                 self.evicted.pop(entry.key, None)
                 continue
             try:
-                self.evicted[entry.key] = codec.decode(entry.value, Eviction)
+                self._note(codec.decode(entry.value, Eviction))
             except codec.DecodeError as exc:
                 log.warning("ignoring a bad eviction under %s: %s", entry.key, exc)
 
+    def _note(self, eviction: Eviction) -> None:
+        node = eviction.node_id
+        if eviction.cleared:
+            self.evicted.pop(node, None)
+            self.clearances[node] = max(self.clearances.get(node, 0), eviction.clearance)
+        else:
+            self.evicted[node] = eviction
+
+    def clearance(self, node_id: str) -> int:
+        return self.clearances.get(node_id, 0)
+
     async def evict(self, eviction: Eviction) -> None:
         """Keep it in the bucket (every tracker stops routing to the node) and announce it."""
+        eviction = eviction.model_copy(update={"clearance": self.clearance(eviction.node_id)})
         self.evicted[eviction.node_id] = eviction
         await self.kv.put(eviction.node_id, codec.encode(eviction))
         await self._nc.publish(self._subjects.evictions(eviction.node_id), codec.encode(eviction))
@@ -123,14 +146,17 @@ class Evictions:
         if not entry.value:
             return None
         eviction = codec.decode(entry.value, Eviction)
-        await self.kv.delete(node_id)
-        self.evicted.pop(node_id, None)
-        cleared = eviction.model_copy(update={"cleared": True})
+        if eviction.cleared:
+            return None
+        # Kept, not deleted: the generation outlives the eviction (a dispute of older work must not evict again).
+        cleared = eviction.model_copy(update={"cleared": True, "clearance": eviction.clearance + 1})
+        await self.kv.put(node_id, codec.encode(cleared))
+        self._note(cleared)
         await self._nc.publish(self._subjects.evictions(node_id), codec.encode(cleared))
         return eviction
 
     async def listing(self) -> list[Eviction]:
-        """Every eviction in the bucket, read once (the CLI)."""
+        """Every node evicted now, read once from the bucket (the CLI)."""
         found: list[Eviction] = []
         try:
             keys = await self.kv.keys()
@@ -139,6 +165,6 @@ class Evictions:
         for key in keys:
             with contextlib.suppress(KeyNotFoundError, codec.DecodeError):
                 entry = await self.kv.get(key)
-                if entry.value:
-                    found.append(codec.decode(entry.value, Eviction))
+                if entry.value and not (eviction := codec.decode(entry.value, Eviction)).cleared:
+                    found.append(eviction)
         return found

@@ -21,6 +21,7 @@ from actors.node.generation import Generation
 from actors.node.head_port import RouteMessage, StepResult
 from actors.node.recovery.record import Recovery
 from actors.node.session import SessionFailed, StepFuture
+from actors.node.spot_receipt import SpotRecorder
 from actors.node.telemetry import TelemetryPublisher
 from bus import frame as frames
 from schemas.frame import FrameKind, HopStamp, SampledToken, SampledWindow
@@ -62,6 +63,7 @@ class FakePort:
         self.choices = Choices(self.id, n, self._generation())
         self.recovery = Recovery(self.rt, self.request, route.hops[0], is_tail=self.is_tail,
                                  session_token=lambda: None)
+        self.spot: SpotRecorder | None = None
         self.snapshots: list[GenerationTelemetry] = []
         self.telemetry = TelemetryPublisher(route, self._telemetry, interval_s=0.0)
         self.phase = SessionPhase.PREFILL

@@ -7,6 +7,7 @@ stop strings are the loop's to find (the stop rules stay ``Generation``'s).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 from actors.backend import StepInput, StepOutput
@@ -34,7 +35,7 @@ class LocalChain:
         while True:
             port.phase = SessionPhase.DECODE
             if event.finish_reason is None and self._chain is None:
-                self._chain = port.rt.engine.chain(first.decode_step(event.token, sample=True), self._follow)
+                self._chain = port.rt.engine.chain(self._step(port, event.token), self._follow)
             await port.announce(event, wall_ms)
             if event.finish_reason is not None:
                 if self._chain is not None:
@@ -60,13 +61,18 @@ class LocalChain:
         prompt = len(port.request.prompt_tokens)
         if generation.ends_for_certain(token, item.start_position + 2 - prompt, position=item.start_position + 2):
             return None
-        return StepInput(port.id, item.start_position + 1, tokens=[token], sample=True)
+        return StepInput(port.id, item.start_position + 1, tokens=[token], sample=True, top_k=_top_k(port))
+
+    @staticmethod
+    def _step(port: HeadPort, token: int) -> StepInput:
+        step = port.choices.first.decode_step(token, sample=True)
+        return dataclasses.replace(step, top_k=_top_k(port))
 
     async def _next(self, port: HeadPort, token: int) -> tuple[StepOutput, StepTiming]:
         first = port.choices.first
         while True:
             if self._chain is None:
-                self._chain = port.rt.engine.chain(first.decode_step(token, sample=True), self._follow)
+                self._chain = port.rt.engine.chain(self._step(port, token), self._follow)
             timeout = port.token_timeout()
             try:
                 async with asyncio.timeout(timeout):  # no task per token, unlike wait_for
@@ -79,7 +85,15 @@ class LocalChain:
                 raise port.backend_failed(exc) from exc
             if result is not None:
                 out, timing = result
-                port.advance(first, StepInput(port.id, first.position, tokens=[token]), timing)
+                start = first.position
+                port.advance(first, StepInput(port.id, start, tokens=[token]), timing)
+                if port.spot is not None:
+                    port.spot.answered(start, True, out.top)
                 return out, timing
             # The chain ended although the generation goes on (its rules differ from ``Generation``'s): restart it.
             self._chain = None
+
+
+def _top_k(port: HeadPort) -> int:
+    """A sampled session's receipt keeps each step's largest logits (issue #28)."""
+    return port.spot.top_k_for(True) if port.spot is not None else 0
