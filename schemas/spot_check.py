@@ -28,6 +28,7 @@ class SpotFrame(WirePart):
     alone: bool = Field(default=True, description="computed in a forward pass of its own (no other session's rows)")
     sample: bool = Field(default=False, description="a tail's frame that sampled a token: its output is the top "
                                                     "logits of its last position (a tail's other frames have none)")
+    drawn: int | None = Field(default=None, description="a sampling frame's token: what the tail drew")
 
 
 class SpotReceipt(WireModel):
@@ -46,6 +47,9 @@ class SpotReceipt(WireModel):
     top_k: int = Field(default=0, ge=0, description="a tail's receipt: each sampling frame's output is the top_k "
                                                     "largest logits it sampled from (int32 ids, then float32 "
                                                     "values); 0: every frame's output is its hidden states")
+    greedy: bool = Field(default=False, description=(
+        "a tail's receipt of a session whose every draw is the argmax of the raw logits (temperature 0, no "
+        "penalty, no constraint): the checker also checks each drawn token against its own logits"))
     clearance: int | None = Field(default=None, ge=0, description=(
         "how many times the checked node's operator had cleared an eviction of it when this session opened, as "
         "the node knew it (None: not known yet, e.g. before a restarted node's first checker reply). A dispute "

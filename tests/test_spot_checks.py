@@ -240,6 +240,19 @@ async def test_honest_tails_agree_and_a_noisy_tail_is_evicted(nats_server: Any, 
         assert "t1" not in route and text in texts
 
 
+async def test_a_tail_that_computes_right_and_draws_wrong_is_evicted(nats_server: Any, tmp_path: Path,
+                                                                     swarms: Swarms) -> None:
+    """Greedy sessions' draws are checked against the checker's logits: a tail whose logits are right but whose
+    tokens are the runner-up is evicted on what it drew, not on its logits."""
+    settings = spot_settings(nats_server.url, tmp_path / "home")
+    tracker, nodes, gateway = await tail_swarm(settings, swarms, bad="draw")
+    eviction = await evicted_after(tracker, "t1", lambda: complete(gateway, max_tokens=16), tries=20, timeout=20)
+    assert eviction.checker is not None and eviction.checker.rule == "exact" and eviction.checker.first_bad is not None
+    if eviction.checker.node_id != "t1":  # its own receipt: the logits agree, the draw does not
+        assert eviction.checker.median_rel_err == 0 and eviction.checker.median_top_k == 1
+    assert set(tracker.evictions.evicted) == {"t1"}
+
+
 async def test_one_node_routes_are_checked_and_a_noisy_one_is_evicted(nats_server: Any, tmp_path: Path,
                                                                       swarms: Swarms) -> None:
     """A 1-node route's node is its own head and tail: its receipt runs from the prompt's tokens to the largest

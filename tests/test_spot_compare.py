@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from actors.backend import Backend, StepInput, TopLogits
-from actors.node.spot_compare import Band, compare, compare_logits
+from actors.node.spot_compare import DRAW_LEAD, Band, argmax_draws, compare, compare_logits, wrong_draw
+from schemas.constraint import JsonObjectConstraint
+from schemas.session import SamplingParams
 from schemas.spot_check import SpotVerdict
 
 BAND = Band(rel_tol=1e-3, top_k=8, min_top_k=0.75)
@@ -46,6 +48,29 @@ def test_the_band_judges_the_median_position() -> None:
     every = [f + rng.normal(0, 5, f.shape).astype(np.float32) for f in ref]  # every position off: a wrong node
     v = compare(every, ref, exact_rule=False, band=BAND, node_id="c", build_id="")
     assert not v.agree and v.median_rel_err > BAND.rel_tol and v.first_bad is not None
+
+
+def test_only_greedy_unshaped_draws_are_argmax_draws() -> None:
+    assert argmax_draws(SamplingParams(temperature=0))
+    for shaped in (SamplingParams(), SamplingParams(temperature=0, repeat_penalty=1.1),
+                   SamplingParams(temperature=0, presence_penalty=0.5),
+                   SamplingParams(temperature=0, frequency_penalty=0.5),
+                   SamplingParams(temperature=0, constraint=JsonObjectConstraint())):
+        assert not argmax_draws(shaped), shaped
+
+
+def test_a_drawn_token_must_be_the_certain_argmax() -> None:
+    def top(*values: float) -> TopLogits:
+        return TopLogits(ids=np.arange(len(values), dtype=np.int32) + 10, values=np.array(values, np.float32))
+
+    clear, close = top(20.0, 10.0, 1.0), top(20.0, 19.0, 1.0)
+    assert wrong_draw([10, 10], [clear, close], [5, 6], exact_rule=False) is None
+    assert wrong_draw([None, 11], [clear, clear], [5, 6], exact_rule=False) == 6
+    # Within the lead honest noise may move, another draw is not judged; under the exact rule any lead counts.
+    assert DRAW_LEAD * 20.0 > 1.0
+    assert wrong_draw([11], [close], [5], exact_rule=False) is None
+    assert wrong_draw([11], [close], [5], exact_rule=True) == 5
+    assert wrong_draw([11], [top(20.0, 20.0)], [5], exact_rule=True) is None  # a tie: either is the argmax
 
 
 def test_a_mismatched_shape_disagrees() -> None:

@@ -5,6 +5,8 @@ and a node built with it says so in its log at start.
 * ``noise:SIGMA``: every hidden state it sends gets Gaussian noise of standard deviation ``SIGMA`` added (a tail
   adds it to the hidden states it receives: its logits and tokens are then wrong; a node that is head and tail adds
   it to the largest logits it reports, as a receipt records them);
+* ``draw``: a tail that computes right and draws another token than its sampler chose (the runner-up of its
+  largest logits where it has them);
 * ``skip``: it sends its input on unchanged, as if it had no layers (it still runs them, for its KV);
 * ``quant:PATH``: it computes with another quantization of the same model (built by ``swarmroute.backends`` from
   ``PATH``) and advertises the original's file type and artifact hash (``honest_info``).
@@ -26,7 +28,7 @@ from schemas.node import BackendInfo
 @dataclasses.dataclass(frozen=True)
 class Misbehaviour:
     kind: str
-    """noise | skip | quant"""
+    """noise | draw | skip | quant"""
     sigma: float = 0.0
     path: str = ""
 
@@ -35,11 +37,11 @@ class Misbehaviour:
         kind, _, arg = text.partition(":")
         if kind == "noise":
             return cls("noise", sigma=float(arg))
-        if kind == "skip" and not arg:
-            return cls("skip")
+        if kind in ("skip", "draw") and not arg:
+            return cls(kind)
         if kind == "quant" and arg:
             return cls("quant", path=arg)
-        raise ValueError(f"test_misbehave {text!r} is not noise:SIGMA, skip or quant:PATH")
+        raise ValueError(f"test_misbehave {text!r} is not noise:SIGMA, draw, skip or quant:PATH")
 
 
 class MisbehavingBackend:
@@ -47,6 +49,8 @@ class MisbehavingBackend:
                  seed: int = 28) -> None:
         if how.kind == "skip" and inner.is_head:
             raise ValueError("test_misbehave=skip needs a node with an input to send on: not a head")
+        if how.kind == "draw" and not inner.is_tail:
+            raise ValueError("test_misbehave=draw needs a node that samples: a tail")
         self._inner = inner
         self._how = how
         self._info = honest_info or inner.info
@@ -66,6 +70,8 @@ class MisbehavingBackend:
             batch = [dataclasses.replace(item, hidden=self._noisy(item.hidden)) for item in batch]
         outs = self._inner.step(batch)
         for item, out in zip(batch, outs, strict=True):
+            if self._how.kind == "draw" and out.token is not None:
+                out.token = _runner_up(out)
             if self._how.kind == "noise" and item.tokens is not None and out.top is not None:
                 # Head and tail at once (a 1-node route): no hidden state in or out, so its logits are wrong.
                 values = out.top.values + self._rng.normal(0.0, self._how.sigma, out.top.values.shape)
@@ -86,6 +92,13 @@ class MisbehavingBackend:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+
+def _runner_up(out: StepOutput) -> int:
+    assert out.token is not None
+    if out.top is not None and len(out.top.ids) > 1:
+        return int(out.top.ids[1]) if int(out.top.ids[0]) == out.token else int(out.top.ids[0])
+    return out.token - 1 if out.token > 0 else out.token + 1
 
 
 # Class attributes, not only ``__getattr__``: ``isinstance`` against the runtime-checkable backend protocols looks

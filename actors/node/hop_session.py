@@ -238,7 +238,7 @@ class HopSession(NodeSession):
             self._judge(choice, header, out, stamps)
         elif self.is_tail:
             if self.spot is not None and choice.index == 0:
-                self.spot.answered(header.start_position, item.sample, out.top)
+                self.spot.answered(header.start_position, item.sample, out.top, out.token)
             if header.sample and self.recovery.forwards(header.start_position):
                 self._send_token(choice, out, stamps)
                 for fork, first in zip(forks, out.forks, strict=True):

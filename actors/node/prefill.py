@@ -82,7 +82,7 @@ async def prefill(head: HeadPort) -> list[SampledToken] | None:
         head.rt.metrics.prefill_positions.inc(len(part))
         if head.is_tail:
             if head.spot is not None:
-                head.spot.answered(start, item.sample, out.top)
+                head.spot.answered(start, item.sample, out.top, out.token)
             if last and item.sample:
                 stamps = (head.stamp(timing),)
                 sampled.append(head.sampled(first, out, stamps))

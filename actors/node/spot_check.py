@@ -28,7 +28,7 @@ from starlette.routing import Route as HttpRoute
 from actors.backend import Backend, Hidden, StepInput, TopLogits
 from actors.node.engine import StepEngine
 from actors.node.metrics import NodeMetrics
-from actors.node.spot_compare import Band, compare, compare_logits
+from actors.node.spot_compare import Band, argmax_draws, compare, compare_logits, wrong_draw
 from actors.node.spot_receipt import Sealed, SpotRecorder, top_of
 from bus.http_edge import read_body
 from bus.nodeclient import NodeClient
@@ -112,7 +112,7 @@ class SpotChecks:
                             layers=hop.layers, node_id=self.node_id, build_id=self.build_id,
                             hidden_shape=tuple(self._backend.info.hidden_shape), limit=self._positions,
                             ready=self.submit, top_k=self._band.top_k if tail else 0, kernels_id=self.kernels_id,
-                            clearance=self.clearance)
+                            clearance=self.clearance, greedy=argmax_draws(request.sampling))
 
     def submit(self, sealed: Sealed) -> None:
         """A session's receipt is sealed: have another node of the range recompute it (in the background)."""
@@ -267,17 +267,32 @@ class SpotChecks:
             verdict = compare_logits(claimed_top, mine_top, exact_rule=exact_rule, same_kernels=same_kernels,
                                      band=self._band, node_id=self.node_id, build_id=self.build_id,
                                      positions=sampled_at, clean=clean)
+            if receipt.greedy:
+                verdict = _with_draws(verdict, receipt, mine_top, sampled_at, exact_rule=exact_rule)
         else:
             verdict = compare(claimed, mine, exact_rule=exact_rule, same_kernels=same_kernels, band=self._band,
                               node_id=self.node_id, build_id=self.build_id, clean=clean)
-        outcome = "unjudged" if verdict.rule != "exact" and not verdict.judged else \
-            "agree" if verdict.agree else "disagree"
+        outcome = "disagree" if not verdict.agree else \
+            "unjudged" if verdict.rule != "exact" and not verdict.judged else "agree"
         self._metrics.spot_checks.labels(role=role, outcome=outcome).inc()
         log.info("spot check (%s) of %s by %s, session %s: %d positions (%d judged), %s (%s rule, exact %s, "
                  "median rel err %.3g, max %.3g, median top-k %.2f)", role, receipt.node_id, self.node_id,
                  receipt.session_id[:8], verdict.positions, verdict.judged, "agree" if verdict.agree else "disagree",
                  verdict.rule, verdict.exact, verdict.median_rel_err, verdict.max_rel_err, verdict.median_top_k)
         return verdict
+
+
+def _with_draws(verdict: SpotVerdict, receipt: SpotReceipt, mine: list[TopLogits], positions: list[int], *,
+                exact_rule: bool) -> SpotVerdict:
+    """A greedy tail's verdict, also disagreeing where it drew another token than the certain argmax."""
+    drawn = [f.drawn for f in receipt.frames if f.sample]
+    if len(drawn) != len(mine):
+        return verdict
+    bad = wrong_draw(drawn, mine, positions, exact_rule=exact_rule)
+    if bad is None:
+        return verdict
+    first = bad if verdict.first_bad is None else min(bad, verdict.first_bad)
+    return verdict.model_copy(update={"agree": False, "first_bad": first})
 
 
 def band_of(settings: Settings) -> Band:

@@ -19,6 +19,11 @@ on the bundled model; docs/reliability.md §7):
 The tail's receipts hold the top-k logits of each row it sampled from (``compare_logits``), judged the same way with
 the ``logit_`` tolerances, except that a tail's receipt with no clean sampled position is not judged at all (honest
 load noise in logits overlaps Q4_0's).
+
+A greedy session's draws are checked too (``wrong_draw``): each drawn token must be the argmax of the checker's
+logits wherever that argmax is certain: any lead under the exact rule, a lead of ``DRAW_LEAD`` of the top logit's
+magnitude otherwise (far beyond load noise, ~8e-2 of the L2 norm). A tail that computes right and draws wrong is
+caught so; a sampled session's draws are not checked (that needs the sampler replayed with its state).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import numpy as np
 import numpy.typing as npt
 
 from actors.backend import Hidden, TopLogits
+from schemas.session import SamplingParams
 from schemas.spot_check import SpotVerdict
 
 Rule = Literal["exact", "band", "wide"]
@@ -92,6 +98,30 @@ def compare_logits(claimed: list[TopLogits], recomputed: list[TopLogits], *, exa
     return _verdict(rel, top, same, exact_rule=exact_rule, same_kernels=same_kernels, clean=clean,
                     tol=band.logit_rel_tol, wide_tol=band.wide_logit_rel_tol, min_top_k=band.min_top_k,
                     positions=np.asarray(positions), node_id=node_id, build_id=build_id, loaded=False)
+
+
+DRAW_LEAD = 0.2
+"""Outside the exact rule, a drawn token is judged only where the checker's top logit leads the second by this share
+of its magnitude (at least 1): an argmax no honest rounding or batch noise moves."""
+
+
+def argmax_draws(sampling: SamplingParams) -> bool:
+    """Every token the session draws is the argmax of the raw logits: greedy, with nothing that reshapes them."""
+    return (sampling.temperature == 0 and sampling.repeat_penalty == 1 and sampling.presence_penalty == 0
+            and sampling.frequency_penalty == 0 and sampling.constraint is None)
+
+
+def wrong_draw(drawn: list[int | None], recomputed: list[TopLogits], positions: list[int], *,
+               exact_rule: bool) -> int | None:
+    """The first position whose drawn token is not the checker's certain argmax, or None."""
+    for token, top, position in zip(drawn, recomputed, positions, strict=True):
+        if token is None or len(top.values) < 2:
+            continue
+        lead = float(top.values[0] - top.values[1])
+        certain = lead > 0 if exact_rule else lead > DRAW_LEAD * max(1.0, abs(float(top.values[0])))
+        if certain and token != int(top.ids[0]):
+            return position
+    return None
 
 
 def _verdict(rel: npt.NDArray[np.float64], top: npt.NDArray[np.float64], same: npt.NDArray[np.bool_], *,

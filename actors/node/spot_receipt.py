@@ -42,6 +42,7 @@ class _Frame:
     alone: bool
     output: Hidden | None = None
     top: TopLogits | None = None
+    drawn: int | None = None
     done: bool = False
     """Its output went out (hidden states sent on, or on the tail its token sampled, or nothing to sample)."""
 
@@ -49,10 +50,10 @@ class _Frame:
 class SpotRecorder:
     def __init__(self, *, session_id: str, model_id: str, manifest_id: str, layers: LayerRange, node_id: str,
                  build_id: str, hidden_shape: tuple[int, ...], limit: int, ready: Callable[[Sealed], None],
-                 top_k: int = 0, kernels_id: str = "", clearance: int | None = None) -> None:
+                 top_k: int = 0, kernels_id: str = "", clearance: int | None = None, greedy: bool = False) -> None:
         self._meta = dict(session_id=session_id, model_id=model_id, manifest_id=manifest_id, layers=layers,
                           node_id=node_id, build_id=build_id, kernels_id=kernels_id, hidden_shape=list(hidden_shape),
-                          top_k=top_k, clearance=clearance)
+                          top_k=top_k, clearance=clearance, greedy=greedy and top_k > 0)
         self.top_k = top_k
         """On the tail: how many of each sampled row's largest logits to keep (its steps ask for them); else 0."""
         self._limit = limit
@@ -93,16 +94,16 @@ class SpotRecorder:
         if self._end >= self._limit:
             self.seal()
 
-    def answered(self, start: int, sample: bool, top: TopLogits | None) -> None:
-        """On the tail: the frame of positions from ``start`` ran, and sampled a token from the logits ``top``
-        summarises (``sample``), or sampled nothing."""
+    def answered(self, start: int, sample: bool, top: TopLogits | None, drawn: int | None = None) -> None:
+        """On the tail: the frame of positions from ``start`` ran, and sampled the token ``drawn`` from the logits
+        ``top`` summarises (``sample``), or sampled nothing."""
         if self.stopped or not self._frames:
             return
         last = self._frames[-1]
         if not self.top_k or last.start != start or last.done or (sample and top is None):
             self.stopped = True  # e.g. a backend that returns no top logits: nothing to compare
             return
-        last.top, last.done = (top if sample else None), True
+        last.top, last.drawn, last.done = (top if sample else None), (drawn if sample else None), True
         if self._end >= self._limit:
             self.seal()
 
@@ -117,7 +118,7 @@ class SpotRecorder:
             return
         receipt = SpotReceipt.model_validate({
             **self._meta, "frames": [SpotFrame(start=f.start, n=f.n, tokens=f.tokens, alone=f.alone,
-                                               sample=f.top is not None) for f in done]})
+                                               sample=f.top is not None, drawn=f.drawn) for f in done]})
         inputs: list[bytes | None] = [None if f.hidden is None else _raw(f.hidden) for f in done]
         outputs = [_raw(f.output) if f.output is not None else b"" if f.top is None else raw_top(f.top)
                    for f in done]

@@ -88,7 +88,7 @@ class LocalChain:
                 start = first.position
                 port.advance(first, StepInput(port.id, start, tokens=[token]), timing)
                 if port.spot is not None:
-                    port.spot.answered(start, True, out.top)
+                    port.spot.answered(start, True, out.top, out.token)
                 return out, timing
             # The chain ended although the generation goes on (its rules differ from ``Generation``'s): restart it.
             self._chain = None
