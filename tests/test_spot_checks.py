@@ -300,6 +300,22 @@ def gemma_args(gemma_path: Path, layers: str) -> list[str]:
             "--threads", "1", "--ctx", "1024", "--max-sessions", "3"]
 
 
+def llama_spot_settings(nats_url: str, home: Path, **kw: Any) -> Settings:
+    return make_settings(nats_url, home, spot_check_rate=1.0, spot_check_positions=24, prefix_cache_mb=0,
+                         snapshot_every=0, token_timeout_s=30.0, first_token_timeout_s=60.0, **kw)
+
+
+async def llamacpp_swarm(settings: Settings, swarms: Swarms, gemma_path: Path,
+                         nodes: list[tuple[str, str]]) -> tuple[Tracker, Gateway]:
+    """llama.cpp node processes (name, layers), a tracker and a gateway, once every node is routable."""
+    for name, layers in nodes:
+        await swarms.node_process(settings, name, gemma_args(gemma_path, layers))
+    tracker = await swarms.actor(Tracker(settings))
+    gateway = await swarms.actor(Gateway(settings, port=0))
+    await wait_model(tracker, GEMMA, timeout=180, n_nodes=len(nodes))
+    return tracker, gateway
+
+
 async def stream(gateway: Gateway, *, max_tokens: int) -> tuple[str, list[dict[str, Any]]]:
     """A greedy completion's text and its telemetry snapshots."""
     client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=300)
@@ -325,14 +341,9 @@ async def test_one_node_llamacpp_routes_are_checked_and_a_requantized_node_is_ev
     pytest.importorskip("llama_cpp")
     from tests.support.requantize import requantize
 
-    settings = make_settings(nats_server.url, tmp_path / "home", spot_check_rate=1.0, spot_check_positions=24,
-                             prefix_cache_mb=0, snapshot_every=0, token_timeout_s=30.0, first_token_timeout_s=60.0)
+    settings = llama_spot_settings(nats_server.url, tmp_path / "home")
     other = requantize(gemma_path, tmp_path / "quant", "q4_0")
-    for name in ("w1", "w2"):
-        await swarms.node_process(settings, name, gemma_args(gemma_path, "0:18"))
-    tracker = await swarms.actor(Tracker(settings))
-    gateway = await swarms.actor(Gateway(settings, port=0))
-    await wait_model(tracker, GEMMA, timeout=180, n_nodes=2)
+    tracker, gateway = await llamacpp_swarm(settings, swarms, gemma_path, [("w1", "0:18"), ("w2", "0:18")])
     assert tracker.evictions is not None
     honest = [await stream(gateway, max_tokens=32) for _ in range(HONEST_LLAMA_SESSIONS)]
     expected = honest[0][0]
@@ -365,15 +376,10 @@ async def test_three_bad_llamacpp_nodes_are_caught_evicted_and_routed_around(
     pytest.importorskip("llama_cpp")
     from tests.support.requantize import requantize
 
-    settings = make_settings(nats_server.url, tmp_path / "home", spot_check_rate=1.0, spot_check_positions=24,
-                             prefix_cache_mb=0, snapshot_every=0, token_timeout_s=30.0, first_token_timeout_s=60.0,
-                             hop_timeout_s=30.0, repair_timeout_s=30.0)
+    settings = llama_spot_settings(nats_server.url, tmp_path / "home", hop_timeout_s=30.0, repair_timeout_s=30.0)
     other = requantize(gemma_path, tmp_path / "quant", "q4_0")
-    for name, layers in [("head", "0:6"), ("m2", "6:12"), ("m3", "6:12"), ("tail", "12:18")]:
-        await swarms.node_process(settings, name, gemma_args(gemma_path, layers))
-    tracker = await swarms.actor(Tracker(settings))
-    gateway = await swarms.actor(Gateway(settings, port=0))
-    await wait_model(tracker, GEMMA, timeout=180, n_nodes=4)
+    tracker, gateway = await llamacpp_swarm(settings, swarms, gemma_path,
+                                            [("head", "0:6"), ("m2", "6:12"), ("m3", "6:12"), ("tail", "12:18")])
     assert tracker.evictions is not None
     honest = [await stream(gateway, max_tokens=48) for _ in range(HONEST_LLAMA_SESSIONS)]
     expected = honest[0][0]
