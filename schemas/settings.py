@@ -385,9 +385,9 @@ class Settings(BaseSettings):
     1.5e-1). A tail's receipt with no clean sampled position is not judged: honest load noise reaches 8e-2 at single
     positions."""
 
-    test_misbehave: str = Field(default="", pattern=r"^(|noise:[0-9.eE+-]+|skip|quant:.+)$")
+    test_misbehave: str = Field(default="", pattern=r"^(|noise:[0-9.eE+-]+|skip|draw|quant:.+)$")
     """TEST ONLY (issue #28): make this node compute wrong while advertising honest work, to test spot checks
     against: ``noise:SIGMA`` adds Gaussian noise of that standard deviation to every hidden state it sends,
-    ``skip`` sends its input on unchanged (skips its layers; not on a head), ``quant:PATH`` computes with the
-    weights of another quantization of the same model while advertising the original. A node started with it logs
-    an error at start; never set it in production."""
+    ``skip`` sends its input on unchanged (skips its layers; not on a head), ``draw`` (a tail) computes right and
+    draws the runner-up token, ``quant:PATH`` computes with the weights of another quantization of the same model
+    while advertising the original. A node started with it logs an error at start; never set it in production."""
