@@ -25,7 +25,7 @@ def advert(node: str, layers: LayerRange = L, build: str = "b1") -> NodeAdvertis
 
 
 def verdict(node: str, agree: bool) -> SpotVerdict:
-    return SpotVerdict(node_id=node, agree=agree, exact=agree, rule="band", positions=8, max_rel_err=0.0,
+    return SpotVerdict(node_id=node, agree=agree, exact=agree, rule="band", positions=8, judged=8, max_rel_err=0.0,
                        min_top_k=1.0)
 
 
@@ -58,6 +58,10 @@ def test_the_referee_decides_who_is_wrong() -> None:
     assert decide(both.model_copy(update={"checker": verdict("b", True)}), adverts)[0] == ""
     stranger = both.model_copy(update={"referee": verdict("z", False)})
     assert decide(stranger, adverts)[0] == ""
+    # A referee that could compare nothing (every pass shared its batch) "agrees" by default: nobody is evicted.
+    unjudged = verdict("c", True).model_copy(update={"rule": "wide", "judged": 0})
+    assert decide(both.model_copy(update={"referee": unjudged}), adverts) == \
+        ("", "the referee could not judge the receipt (no position it could compare)")
 
 
 def test_only_work_from_before_the_latest_clear_is_stale() -> None:

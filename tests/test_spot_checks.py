@@ -181,7 +181,7 @@ async def test_a_dispute_of_work_from_before_a_clear_evicts_nobody(nats_server: 
     tracker, nodes, _ = await stub_swarm(settings, swarms)
     assert tracker.evictions is not None
     subjects = Subjects(settings.namespace)
-    wrong = SpotVerdict(node_id="h2", agree=False, exact=False, rule="band", positions=8, max_rel_err=0.5,
+    wrong = SpotVerdict(node_id="h2", agree=False, exact=False, rule="band", positions=8, judged=8, max_rel_err=0.5,
                         min_top_k=0.2)
 
     async def dispute(clearance: int | None) -> DisputeReply:

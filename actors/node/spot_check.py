@@ -292,7 +292,7 @@ def _with_draws(verdict: SpotVerdict, receipt: SpotReceipt, mine: list[TopLogits
     if bad is None:
         return verdict
     first = bad if verdict.first_bad is None else min(bad, verdict.first_bad)
-    return verdict.model_copy(update={"agree": False, "first_bad": first})
+    return verdict.model_copy(update={"agree": False, "first_bad": first, "judged": max(verdict.judged, 1)})
 
 
 def band_of(settings: Settings) -> Band:

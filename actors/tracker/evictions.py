@@ -29,7 +29,7 @@ from actors.registry import open_registry
 from bus import codec
 from bus.subjects import Subjects
 from schemas.node import NODE_SERVING, NodeAdvertisement
-from schemas.spot_check import CheckerReply, CheckerRequest, Dispute, Eviction
+from schemas.spot_check import CheckerReply, CheckerRequest, Dispute, Eviction, SpotVerdict
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,10 @@ def decide(dispute: Dispute, adverts: list[NodeAdvertisement]) -> tuple[str, str
     checker, referee = dispute.checker.node_id, dispute.referee.node_id
     if dispute.checker.agree:
         return "", "the checker agreed: nothing to settle"
+    if not judged(dispute.referee):
+        # An unjudged verdict says "agree" only because nothing could be compared (every pass shared its batch):
+        # taking it as the referee's word would evict an honest checker.
+        return "", "the referee could not judge the receipt (no position it could compare)"
     if len({dispute.checked, checker, referee}) < 3:
         return "", "the referee must be a third node"
     for node in (checker, referee):
@@ -68,6 +72,11 @@ def decide(dispute: Dispute, adverts: list[NodeAdvertisement]) -> tuple[str, str
                                  f"{dispute.session_id} and disagree with {dispute.checked}")
     return checker, (f"{referee} agrees with {dispute.checked} on session {dispute.session_id}; {checker}'s "
                      f"recomputation was wrong")
+
+
+def judged(verdict: SpotVerdict) -> bool:
+    """The verdict compared something: the exact rule, or at least one position within a band."""
+    return verdict.rule == "exact" or verdict.judged > 0
 
 
 def stale(dispute: Dispute, clearance: int) -> bool:
