@@ -324,6 +324,17 @@ def counted(nodes: list[Node], role: str, outcome: str) -> int:
                                                        {"role": role, "outcome": outcome}) or 0 for n in nodes))
 
 
+async def in_process_swarm(swarms: Swarms, settings: Settings,
+                           backends: dict[str, Backend]) -> tuple[Tracker, list[Node], Gateway]:
+    """A tracker, one node per backend (named by its key) and a gateway, once every node is routable."""
+    tracker = await swarms.actor(Tracker(settings))
+    nodes = [await swarms.actor(Node(NodeConfig(node_id=name, model_id=MODEL), b, settings))
+             for name, b in backends.items()]
+    gateway = await swarms.actor(Gateway(settings, port=0))
+    await wait_model(tracker, MODEL, timeout=60, n_nodes=len(nodes))
+    return tracker, nodes, gateway
+
+
 async def detect(work: Path, nats_url: str, rates: list[float], max_sessions: int, where: str) -> None:
     model = gemma()
     quant = requantize(model, work / "quant", "q4_0")
@@ -361,11 +372,7 @@ async def detect_one(work: Path, settings: Settings, model: Path, misbehave: str
                     "tail": shard(model, 12, 18, work, "a")}
     try:
         async with Swarms() as swarms:
-            tracker = await swarms.actor(Tracker(settings))
-            nodes = [await swarms.actor(Node(NodeConfig(node_id=name, model_id=MODEL), b, settings))
-                     for name, b in backends.items()]
-            gateway = await swarms.actor(Gateway(settings, port=0))
-            await wait_model(tracker, MODEL, timeout=60, n_nodes=len(nodes))
+            tracker, nodes, gateway = await in_process_swarm(swarms, settings, backends)
             assert tracker.evictions is not None
             sessions, via_bad, first_at = 0, 0, time.time()
             while "bad" not in tracker.evictions.evicted and sessions < max_sessions:
@@ -405,11 +412,7 @@ async def cost(work: Path, nats_url: str, rounds: int, tokens: int) -> None:
     results: dict[float, list[float]] = {r: [] for r in rates}
     try:
         async with Swarms() as swarms:
-            tracker = await swarms.actor(Tracker(settings))
-            nodes = [await swarms.actor(Node(NodeConfig(node_id=name, model_id=MODEL), b, settings))
-                     for name, b in backends.items()]
-            gateway = await swarms.actor(Gateway(settings, port=0))
-            await wait_model(tracker, MODEL, timeout=60, n_nodes=len(nodes))
+            tracker, nodes, gateway = await in_process_swarm(swarms, settings, backends)
             await stream(gateway, 8)  # warm-up
             for i in range(rounds):
                 for rate in rates if i % 2 == 0 else list(reversed(rates)):
