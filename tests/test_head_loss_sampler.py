@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 llama_cpp = pytest.importorskip("llama_cpp")
@@ -28,6 +29,7 @@ PROMPT = "Write a short poem about the sea. The sea"
 CONFIGS = {
     "plain": SamplingParams(temperature=1.2, seed=5),
     "top-k-1-then-hot": SamplingParams(temperature=1.0, top_k=2, top_p=0.5, seed=9),
+    "top-p-chaos": SamplingParams(temperature=0.9, top_p=0.95, seed=7),
     "penalties": SamplingParams(temperature=1.0, frequency_penalty=1.0, top_k=40, seed=2),
     "grammar-chain": SamplingParams(temperature=1.0, top_k=40, seed=4, constraint=JsonObjectConstraint()),
     "grammar-keyed": SamplingParams(temperature=1.0, seed=6, constraint=JsonObjectConstraint()),
@@ -106,3 +108,29 @@ def test_a_rebuilt_sampler_without_the_draws_would_have_diverged(backend: LlamaC
         assert picks[:CUT] + generate(backend, "a", prompt, again, N - CUT, CUT) != picks
     finally:
         backend.close_session("a")
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.9, top_p=0.95, seed=3),
+                                    SamplingParams(temperature=1.0, top_k=40, top_p=0.5, seed=8),
+                                    SamplingParams(temperature=1.0, min_p=0.5, top_k=40, seed=5)],
+                         ids=["top-p", "top-k-top-p", "min-p"])
+def test_a_token_truncated_to_one_candidate_costs_what_its_replay_costs(params: SamplingParams) -> None:
+    """The chaos matrix's seeded session that lost its middle node mid-decode (issue #31): a peaked row that the
+    truncation leaves one candidate of draws as often as replaying its token does, whatever the loaded llama.cpp's
+    ``dist`` sampler does with one candidate; otherwise a rebuilt sampler drifts from the original on the first
+    flat row after it."""
+    from actors.backends.llamacpp.sampling import Sampler
+    vocab = 1024
+    peaked = np.zeros(vocab, dtype=np.float32)
+    peaked[17] = 60.0
+    flat = np.zeros(vocab, dtype=np.float32)
+    original = Sampler(params, n_vocab=vocab)
+    rebuilt = Sampler(params, n_vocab=vocab)
+    try:
+        first, _ = original.pick(peaked)
+        assert first == 17
+        rebuilt.accept(first)
+        assert [original.pick(flat)[0] for _ in range(8)] == [rebuilt.pick(flat)[0] for _ in range(8)]
+    finally:
+        original.close()
+        rebuilt.close()

@@ -47,6 +47,32 @@ real distribution), and fall back to partitioning the whole row when fewer than 
 assert _TOKEN_DATA.itemsize == ctypes.sizeof(llama_cpp.llama_token_data)
 
 
+def _equal_candidates(smpl: Any, n: int) -> int:
+    """Apply ``smpl`` to ``n`` equally likely candidates; the index it selected."""
+    data = (llama_cpp.llama_token_data * n)(*(llama_cpp.llama_token_data(i, 0.0, 0.0) for i in range(n)))
+    arr = llama_cpp.llama_token_data_array(data, n, -1, False)
+    llama_cpp.llama_sampler_apply(smpl, ctypes.byref(arr))
+    return int(arr.selected)
+
+
+def _dist_draws_on_one() -> bool:
+    """Whether llama.cpp's ``dist`` sampler draws a random number when one candidate is left. It did not in older
+    releases; since backend sampling it does, to keep its state aligned. Asked of the library loaded rather than
+    assumed: a sampler rebuilt by replaying tokens must draw exactly as often as the one it replaces (issue #31: a
+    seeded session lost sync after a repair, a few tokens in, wherever top-p had left one candidate)."""
+    probed, fresh = llama_cpp.llama_sampler_init_dist(1), llama_cpp.llama_sampler_init_dist(1)
+    try:
+        _equal_candidates(probed, 1)
+        after = [_equal_candidates(probed, 1024) for _ in range(4)]
+        return after != [_equal_candidates(fresh, 1024) for _ in range(4)]
+    finally:
+        llama_cpp.llama_sampler_free(probed)
+        llama_cpp.llama_sampler_free(fresh)
+
+
+_DIST_DRAWS_ON_ONE = _dist_draws_on_one()
+
+
 def _has_penalties(p: SamplingParams) -> bool:
     return p.penalty_last_n != 0 and (p.repeat_penalty != 1.0 or p.frequency_penalty != 0.0
                                       or p.presence_penalty != 0.0)
@@ -161,13 +187,19 @@ class Sampler:
         ptr = llama_cpp.llama_get_logits_ith(ctx, row)
         if not ptr:
             raise BackendError(f"no logits for batch row {row}")
-        logits = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+        return self.pick(np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)))
+
+    def pick(self, logits: npt.NDArray[np.float32]) -> tuple[int, TokenLogprobs | None]:
+        """``sample`` from a logits row already in hand."""
+        if self._chain is None:
+            raise BackendError("sampler used after close()")
         if self._grammar is not None:
             token = self._sample_constrained(logits)
         elif self._argmax:
             token = int(logits.argmax())
         elif self._dist is None:
-            token = int(llama_cpp.llama_sampler_sample(self._chain, ctx, row))
+            token = self._apply(self._chain, logits)
+            llama_cpp.llama_sampler_accept(self._chain, token)
         else:
             # As llama_sampler_sample (build the candidates, apply the chain, accept), with the draws counted.
             token = self._apply(self._chain, logits)
@@ -196,11 +228,8 @@ class Sampler:
         self.tokens += 1
 
     def _advance(self) -> None:
-        """One draw of the chain's random pick, on two equal candidates (with one it would not draw)."""
-        pair = (llama_cpp.llama_token_data * 2)(llama_cpp.llama_token_data(0, 0.0, 0.0),
-                                                llama_cpp.llama_token_data(1, 0.0, 0.0))
-        arr = llama_cpp.llama_token_data_array(pair, 2, -1, False)
-        llama_cpp.llama_sampler_apply(self._dist, ctypes.byref(arr))
+        """One draw of the chain's random pick, on two equal candidates (with one, some releases do not draw)."""
+        _equal_candidates(self._dist, 2)
 
     def _keyed_rng(self) -> np.random.Generator:
         """The generator of the token being sampled: keyed by (seed, token number), so its state is the count."""
@@ -300,8 +329,8 @@ class Sampler:
         llama_cpp.llama_sampler_apply(smpl, ctypes.byref(arr))
         if not select:
             return -1
-        if smpl is self._chain and self._dist is not None and arr.size >= 2:
-            self._drawn += 1  # the random pick drew (with one candidate left it does not)
+        if smpl is self._chain and self._dist is not None and (arr.size >= 2 or _DIST_DRAWS_ON_ONE):
+            self._drawn += 1
         if not 0 <= arr.selected < arr.size:
             raise BackendError("the sampler chain selected no token")
         # Samplers sort and truncate in place: the array's data pointer is still the scratch buffer.
