@@ -246,12 +246,15 @@ class Settings(BaseSettings):
     prefix_cache_sessions: int = Field(default=4, ge=0)
     """Most finished sessions a node keeps for reuse (llama.cpp: sequences beyond ``max_sessions``)."""
 
-    prefix_reuse: str = Field(default="chunk", pattern=r"^(token|chunk)$")
-    """``token`` (issue #26): a new session reuses the longest common token prefix, down to the token, and llama.cpp
-    keeps finished sessions' KV resident in its context; ``chunk`` (issue #18): whole prefill chunks only, from host
-    memory, so the rest computes in the very chunks, and cells, a cold run's does: bit for bit on llama.cpp's unified
-    cache, where a parked prefix's cells (or a prompt's last tokens computed as a short batch) move a session's
-    logits by up to ~1 (docs/architecture.md, "Prefix reuse")."""
+    prefix_reuse: str = Field(default="token", pattern=r"^(token|chunk)$")
+    """``token`` (issue #26, the default): a new session reuses the longest common token prefix, down to the token,
+    and llama.cpp keeps finished sessions' KV resident in its context, as llama-server's ``cache_prompt`` does;
+    ``chunk`` (issue #18): whole prefill chunks only, from host memory, so the rest computes in the very chunks,
+    and cells, a cold run's does. On llama.cpp's unified cache a parked prefix's cells, and a prompt's last tokens
+    computed as a short batch, round differently from a cold run (logits move by up to ~1, docs/architecture.md,
+    "Prefix reuse"): like llama-server with ``cache_prompt``, greedy text can then differ from a cold run's at a
+    near-tie. A batch-invariant session (issue #31: ``llama_batch_invariant = all``, or a request that asks with
+    ``batch_invariant: true``) always reuses as ``chunk`` does, so its tokens are a cold run's, bit for bit."""
 
     prefill_subchunks: int = Field(default=1, ge=1, le=16)
     """A route's prompt that is one prefill chunk (a short prompt) is computed in up to this many sub-chunks, one

@@ -188,3 +188,39 @@ async def test_the_second_turn_prefills_only_what_is_new_and_answers_as_a_cold_r
             text += entry.token
         best = sorted((c.logprob for c in content[at].top_logprobs), reverse=True)
         assert best[0] - best[1] < BATCH_NOISE, (at, best, got, expected)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def invariant_route(module_nats: EmbeddedNats, gemma_path: Path,
+                          tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Swarm]:
+    """Nodes that compute the sessions that ask batch-invariantly (``llama_batch_invariant=request``), with the
+    default prefix reuse (``token``)."""
+    async with gemma_route(module_nats.url, gemma_path, tmp_path_factory.mktemp("reuse-invariant") / "w",
+                           namespace="reuse-invariant", max_sessions=2, threads=1, cuts=(0, 9, 18), n_ctx=2048,
+                           prefill_chunk=64, batch_invariant="request") as swarm:
+        yield swarm
+
+
+def logprobs_of(reply: Any) -> list[tuple[str, float, list[float]]]:
+    return [(e.token, e.logprob, [c.logprob for c in e.top_logprobs]) for e in reply.choices[0].logprobs.content]
+
+
+async def test_a_batch_invariant_request_reuses_whole_chunks_and_answers_bit_for_bit(invariant_route: Swarm) -> None:
+    """Token reuse rounds differently from a cold run (a parked prefix's cells, a short last batch); a session that
+    asks for batch invariance reuses whole chunks of host pieces only, and its logprobs are the cold run's exactly.
+    The same node still reuses down to the token for the requests that do not ask."""
+    swarm = invariant_route
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Is the crane free on Monday?"}]
+    ask = {"logprobs": True, "top_logprobs": 3, "extra_body": {"batch_invariant": True}}
+    cold = await chat(swarm, messages, **ask)
+    prompt = cold.usage.prompt_tokens
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert prompt > 2 * 64
+    before = computed_by_each_hop(swarm)
+    warm = await chat(swarm, messages, **ask)
+    whole = (prompt - 1) // 64 * 64
+    assert warm.usage.prompt_tokens_details.cached_tokens == whole
+    assert [a - b for a, b in zip(computed_by_each_hop(swarm), before, strict=True)] == [prompt - whole] * 2
+    assert logprobs_of(warm) == logprobs_of(cold)  # bit for bit, not within a tolerance
+    plain = await chat(swarm, messages)
+    assert plain.usage.prompt_tokens_details.cached_tokens == prompt - 1  # down to the token

@@ -162,17 +162,21 @@ class SessionOpener:
         if request.resume is not None:
             await self._rebuild(request, request.resume, session_token)
         else:  # n > 1 too: choice 0 starts from the prefix, and the forks copy it with the prompt (issue #26)
+            # A batch-invariant session computes what it does not reuse in a cold run's chunks and cells, bit for
+            # bit: whole chunks from host pieces, never a parked sequence or pulled pieces (issue #26 against #31).
+            exact = not request.sampling.batch_invariant
             source = request.route.hops[request.hop_index].prefix_source if self.pull is not None else None
-            if source is not None:
+            if source is not None and exact:
                 reused = await self._pulled(request, source, opening)
             else:
                 limit = request.reuse_limit
-                if opening is not None and self.reuse.reusable(request.prompt_tokens, request.prefill_chunk):
+                if opening is not None and self.reuse.reusable(request.prompt_tokens, request.prefill_chunk,
+                                                               exact=exact):
                     # Prefix reuse: the head reuses no more than every hop after it holds (issue #18).
                     limit = min(o.reused for o in await opening.result())
                 rejected = self.reuse.rejected
                 reused = await self.reuse.start(request.session_id, request.prompt_tokens, request.prefill_chunk,
-                                                limit)
+                                                limit, exact=exact)
                 self.metrics.prefix_rejected.inc(self.reuse.rejected - rejected)
         start = SessionStart(session_token=session_token, reused=reused, opening=opening)
         session: NodeSession

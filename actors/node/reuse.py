@@ -90,15 +90,17 @@ class Reuse:
             return backend
         return None
 
-    async def keep(self, session_id: str, tokens: list[int], position: int, chunk: int, token: str | None) -> None:
+    async def keep(self, session_id: str, tokens: list[int], position: int, chunk: int, token: str | None, *,
+                   exact: bool = True) -> None:
         """Keep a completed session's KV (positions ``[0, position)``) before it is freed: parked in the backend
-        where it can, else exported into host pieces."""
+        where it can, else (and for a batch-invariant session, ``exact`` False, which later ones of its kind reuse)
+        exported into host pieces."""
         kv = self._kv
         if kv is None or not self.cache.enabled or position <= 0 or len(tokens) < position:
             return
         entry = Kept(tokens=tokens[:position], pieces=[], chunk=chunk, token=token)
         resident = self._resident
-        if resident is not None:
+        if resident is not None and exact:
             await self._make_room(resident)
             entry.resident = await self._engine.call(resident.park_session, session_id, session_id)
         if not entry.resident:
@@ -143,33 +145,45 @@ class Reuse:
             if entry.resident and resident is not None:
                 await self._engine.call(resident.drop_parked, name)
 
-    def _whole(self, n: int, chunk: int) -> int:
-        """``n`` reusable positions as this node reuses them: all (``exact``), or whole chunks."""
-        return n if self.exact or chunk <= 0 else n // chunk * chunk
+    def _whole(self, n: int, chunk: int, exact: bool = True) -> int:
+        """``n`` reusable positions as this node reuses them for a session: all (``exact`` here and for the
+        session), or whole chunks."""
+        return n if (exact and self.exact) or chunk <= 0 else n // chunk * chunk
 
-    def reusable(self, prompt: list[int], chunk: int) -> int:
-        """How many positions of ``prompt`` this node could give a new session (nothing is imported)."""
+    def _match(self, prompt: list[int], exact: bool) -> tuple[str, Kept, int] | None:
+        """The kept entry to start ``prompt`` from. A session that must compute as a cold run does (not ``exact``:
+        batch invariant) takes no parked sequence: its cells lie elsewhere than a cold run's would."""
+        kept = self.cache.match(prompt)
+        if kept is not None and kept[1].resident and not (exact and self.exact):
+            return None
+        return kept
+
+    def reusable(self, prompt: list[int], chunk: int, *, exact: bool = True) -> int:
+        """How many positions of ``prompt`` this node could give a new session (nothing is imported); ``exact``
+        False: a session that takes whole chunks of host pieces only (a batch-invariant one)."""
         if self._kv is None or not self.cache.enabled:
             return 0
-        kept = self.cache.match(prompt)
+        kept = self._match(prompt, exact)
         seeded = self._seed(prompt)
-        return self._whole(max(kept[2] if kept is not None else 0, seeded[1] if seeded is not None else 0), chunk)
+        return self._whole(max(kept[2] if kept is not None else 0, seeded[1] if seeded is not None else 0), chunk,
+                           exact)
 
-    async def start(self, session_id: str, prompt: list[int], chunk: int, limit: int | None) -> int:
+    async def start(self, session_id: str, prompt: list[int], chunk: int, limit: int | None, *,
+                    exact: bool = True) -> int:
         """Give a just-opened session (at position 0) the longest prefix of ``prompt`` this node can rebuild, at
         most ``limit`` positions; returns how many (0: it prefills from the start). A kept entry that fails its
-        hashes is dropped, never used."""
+        hashes is dropped, never used. ``exact`` as for ``reusable``."""
         kv = self._kv
         if kv is None or not self.cache.enabled:
             return 0
-        kept = self.cache.match(prompt)
+        kept = self._match(prompt, exact)
         seeded = self._seed(prompt)
         n_kept = kept[2] if kept is not None else 0
         n_seed = seeded[1] if seeded is not None else 0
         want = max(n_kept, n_seed)
         if limit is not None:
             want = min(want, limit)
-        want = self._whole(want, chunk)
+        want = self._whole(want, chunk, exact)
         if want <= 0:
             return 0
         took = 0
