@@ -194,10 +194,10 @@ async def test_the_second_turn_prefills_only_what_is_new_and_answers_as_a_cold_r
 async def invariant_route(module_nats: EmbeddedNats, gemma_path: Path,
                           tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Swarm]:
     """Nodes that compute the sessions that ask batch-invariantly (``llama_batch_invariant=request``), with the
-    default prefix reuse (``token``)."""
+    product's default prefix reuse (``token``)."""
     async with gemma_route(module_nats.url, gemma_path, tmp_path_factory.mktemp("reuse-invariant") / "w",
                            namespace="reuse-invariant", max_sessions=2, threads=1, cuts=(0, 9, 18), n_ctx=2048,
-                           prefill_chunk=64, batch_invariant="request") as swarm:
+                           prefill_chunk=64, batch_invariant="request", prefix_reuse="token") as swarm:
         yield swarm
 
 

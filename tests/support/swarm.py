@@ -215,9 +215,14 @@ class Swarms:
 
 
 def make_settings(nats_url: str, home: Path, **overrides: object) -> Settings:
+    """A test swarm's settings. Prefix reuse is ``chunk`` unless a test asks for the product's default, ``token``
+    (the reuse suites do: test_llamacpp_reuse, test_reuse, test_prefix_pull, test_shared_prefill, ...): most suites
+    compare a request with an earlier one of the same prompt, token for token or at 1e-4, which token reuse keeps
+    only within llama.cpp's batch-shape rounding (docs/architecture.md, "Prefix reuse")."""
     base: dict[str, object] = dict(nats_url=nats_url, home=home, gateway_port=0, heartbeat_s=0.5, registry_ttl_s=2.0,
                                    hop_timeout_s=5.0, token_timeout_s=5.0, first_token_timeout_s=20.0,
                                    session_idle_ttl_s=60.0, telemetry_interval_s=0.05,
-                                   client_probe_s=0.5)  # every test's sessions are probed, and must survive it
+                                   client_probe_s=0.5,  # every test's sessions are probed, and must survive it
+                                   prefix_reuse="chunk")
     base.update(overrides)
     return Settings(**base)  # type: ignore[arg-type]
