@@ -137,6 +137,16 @@ def measured_share(args: argparse.Namespace, settings: Settings, n_local: int) -
         return None
 
 
+def apply_measured_share(args: argparse.Namespace, settings: Settings, n_local: int) -> None:
+    """Unless ``--threads`` was given, set it to the measured share (``measured_share``), saying why on stderr."""
+    if args.threads:
+        return
+    share = measured_share(args, settings, n_local)
+    if share is not None:
+        args.threads = share.threads
+        print(f"swarmroute up: {share.why}", file=sys.stderr, flush=True)
+
+
 @dataclasses.dataclass(frozen=True)
 class UpSessions:
     """The session count of each of ``up``'s nodes, in route order, and why (``up`` prints it)."""
@@ -245,11 +255,7 @@ def run_up(args: argparse.Namespace, settings: Settings) -> int:
     if args.port is None:
         args.port = settings.gateway_port
     chosen: list[UpSessions] = []
-    if not args.threads:
-        share = measured_share(args, settings, n_nodes)
-        if share is not None:
-            args.threads = share.threads
-            print(f"swarmroute up: {share.why}", file=sys.stderr, flush=True)
+    apply_measured_share(args, settings, n_nodes)
 
     def fleet() -> LocalFleet:
         path = Path(args.model) if args.backend != "stub" and args.model else None

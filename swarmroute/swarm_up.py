@@ -25,6 +25,7 @@ from schemas.settings import Settings
 from swarmroute.backends import DEFAULT_SESSIONS
 from swarmroute.fleet_members import LocalFleet
 from swarmroute.launcher import (
+    apply_measured_share,
     first_key,
     listen,
     local_fleet,
@@ -116,6 +117,10 @@ def run_up_from_swarm(args: argparse.Namespace, settings: Settings) -> int:
     host = args.host or settings.bind_host
     if args.port is None:
         args.port = settings.gateway_port
+    # The nodes start without the model, but this machine has it (the seeder's): measured on it, as plain up does.
+    measuring = argparse.Namespace(**{**vars(args), "model": str(path)})
+    apply_measured_share(measuring, settings, n_nodes)
+    args.threads = measuring.threads
     # The nodes start empty with the model's id; the seeder seeds what the import above put in its store.
     model = ModelSpec(backend="llamacpp", id=alias, sha256=manifest.model_id,
                       allow_unproven_architecture=args.allow_unproven_architecture)

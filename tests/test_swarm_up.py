@@ -36,12 +36,22 @@ def test_the_node_memory_makes_the_tracker_split_over_exactly_n_nodes(gemma_path
 def test_up_from_swarm_serves_from_nodes_that_fetched_only_their_layers(tmp_path: Path, gemma_path: Path,
                                                                         children: Children) -> None:
     home = tmp_path / "home"
-    up = children.add(Up("--nodes", "2", "--from-swarm", "--model", str(gemma_path), "--threads", "1",
-                         "--log-level", "info",
-                         env={"SWARMROUTE_HOME": str(home), "SWARMROUTE_GATEWAY_PORT": str(free_port())}))
+    up = children.add(Up("--nodes", "2", "--from-swarm", "--model", str(gemma_path), "--log-level", "info",
+                         env={"SWARMROUTE_HOME": str(home), "SWARMROUTE_GATEWAY_PORT": str(free_port()),
+                              "SWARMROUTE_CORE_SHARE_CACHE": str(tmp_path / "core-share.json")}))
     assert up.banner.wait(300), up.output
     assert up.proc.poll() is None, up.output
     assert "2 nodes that started empty" in up.output
+    # Their threads were measured on this CPU with the seeder's copy of the model (issue #26), as plain up does.
+    share = re.search(r"swarmroute up: (\d+) threads? per node(, passive wait)? \(.*measured now on this CPU",
+                      up.output)
+    assert share is not None and (tmp_path / "core-share.json").is_file(), up.output
+    for name in ("node-1", "node-2"):
+        pid = up.child("node", name)
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        environ = Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
+        assert argv[argv.index("--threads") + 1] == share.group(1), argv
+        assert ("OMP_WAIT_POLICY=passive" in environ) == bool(share.group(2)), environ
     fetched = re.findall(r"\[(node-\d)\].*layers \[(\d+), (\d+)\) of \w+ verified: (\d+) bytes downloaded for "
                          r"(\d+) needed", up.output)
     assert sorted(f[0] for f in fetched) == ["node-1", "node-2"], up.output
