@@ -80,3 +80,26 @@ async def test_a_kept_piece_that_fails_its_hash_is_recomputed_never_used(nats_se
         assert list(positions.values()) == [prompt + 24 - 1], (positions, prompt)
     assert again == reply
     assert tail.reuse.rejected == 1 and tail.metrics.prefix_rejected._value.get() == 1  # noqa: SLF001
+
+
+async def test_a_prompt_sharing_only_its_first_few_tokens_computes_cold(nats_server: Any, tmp_path: Any,
+                                                                        swarms: Swarms) -> None:
+    """Issue #26: below ``MIN_TOKEN_REUSE`` shared positions (the chat template's opening) nothing is reused: the
+    saving is nil, and on llama.cpp the rest would round otherwise than a cold run (tests/test_swarm_up_join.py's
+    second prompt parted from llama.cpp's after a BOS-only reuse)."""
+    from actors.node.reuse import MIN_TOKEN_REUSE
+    from schemas.session import Prompt
+
+    swarm = await swarms.start(settings_for(nats_server.url, tmp_path / "home"), [stub(0, 4), stub(4, 8)],
+                               model_id=MODEL)
+    await chat(swarm, [{"role": "user", "content": "Tell me about the tides."}])
+    other = [{"role": "user", "content": "Which boats sail tonight?"}]
+    tokens = swarm.nodes[0].backend.tokenize(Prompt(messages=other))  # type: ignore[attr-defined]
+    held = swarm.nodes[0].reuse.cache.match(tokens)  # type: ignore[attr-defined]
+    assert held is not None and 0 < held[2] < MIN_TOKEN_REUSE, held  # the template's opening is shared, no more
+    before = computed(swarm)
+    _, telemetry = await chat(swarm, other)
+    new = [{k: v for k, v in a.items() if k not in b} for a, b in zip(computed(swarm), before, strict=True)]
+    assert "reused" not in telemetry["prefill"]
+    for positions in new:
+        assert list(positions.values()) == [len(tokens) + 24 - 1], (positions, len(tokens))

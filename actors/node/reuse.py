@@ -46,6 +46,11 @@ class ResidentKv(Protocol):
 
 log = logging.getLogger(__name__)
 
+MIN_TOKEN_REUSE = 16
+"""Fewest positions reused down to the token: a prompt that shares only its first few tokens with a kept one (the
+BOS, a chat template's opening) saves nothing worth its rounding (its rest then computes after adopted cells, in
+another batch shape than a cold run's) and computes cold instead."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Shared:
@@ -148,7 +153,9 @@ class Reuse:
     def _whole(self, n: int, chunk: int, exact: bool = True) -> int:
         """``n`` reusable positions as this node reuses them for a session: all (``exact`` here and for the
         session), or whole chunks."""
-        return n if (exact and self.exact) or chunk <= 0 else n // chunk * chunk
+        if exact and self.exact:
+            return n if n >= MIN_TOKEN_REUSE else 0
+        return n if chunk <= 0 else n // chunk * chunk
 
     def _match(self, prompt: list[int], exact: bool) -> tuple[str, Kept, int] | None:
         """The kept entry to start ``prompt`` from. A session that must compute as a cold run does (not ``exact``:
