@@ -153,7 +153,7 @@ class Reuse:
     def _whole(self, n: int, chunk: int, exact: bool = True) -> int:
         """``n`` reusable positions as this node reuses them for a session: all (``exact`` here and for the
         session), or whole chunks."""
-        if exact and self.exact:
+        if self._by_token(exact):
             return n if n >= MIN_TOKEN_REUSE else 0
         return n if chunk <= 0 else n // chunk * chunk
 
@@ -161,9 +161,13 @@ class Reuse:
         """The kept entry to start ``prompt`` from. A session that must compute as a cold run does (not ``exact``:
         batch invariant) takes no parked sequence: its cells lie elsewhere than a cold run's would."""
         kept = self.cache.match(prompt)
-        if kept is not None and kept[1].resident and not (exact and self.exact):
+        if kept is not None and kept[1].resident and not self._by_token(exact):
             return None
         return kept
+
+    def _by_token(self, exact: bool) -> bool:
+        """Reuse down to the token: this node does (``prefix_reuse = token``) and the session may (``exact``)."""
+        return exact and self.exact
 
     def reusable(self, prompt: list[int], chunk: int, *, exact: bool = True) -> int:
         """How many positions of ``prompt`` this node could give a new session (nothing is imported); ``exact``
