@@ -120,7 +120,7 @@ class Node(NatsActor):
         self.reuse = Reuse(self.engine, PrefixCache(max_entries=settings.prefix_cache_sessions,
                                                     max_bytes=int(settings.prefix_cache_mb * 2**20)),
                            self.snapshots, model_id=config.model_id, layers=backend.layers,
-                           exact=settings.prefix_reuse == "token" and settings.llama_batch_invariant != "all")
+                           by_token=settings.prefix_reuse == "token" and settings.llama_batch_invariant != "all")
         """Completed sessions' KV kept for requests that start the same way (issue #18)."""
         self.metrics.prefix_cache_sessions.set_function(lambda: float(len(self.reuse.cache)))
         self.draft_engine = StepEngine(draft) if draft is not None else None
@@ -389,7 +389,7 @@ class Node(NatsActor):
             try:
                 await self.reuse.keep(session.id, session.recovery.tokens, min(session.keep, session.position),
                                       session.request.prefill_chunk, session.session_token,
-                                      exact=not session.request.sampling.batch_invariant)
+                                      invariant=session.request.sampling.batch_invariant)
             except Exception as exc:  # noqa: BLE001 - a prefix not kept costs a later prefill, nothing else
                 log.warning("session %s: KV not kept for reuse: %r", session.id[:8], exc)
         for backend_id in session.choices.backend_ids():  # n > 1: every choice's forked backend session too

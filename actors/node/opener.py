@@ -164,19 +164,19 @@ class SessionOpener:
         else:  # n > 1 too: choice 0 starts from the prefix, and the forks copy it with the prompt (issue #26)
             # A batch-invariant session computes what it does not reuse in a cold run's chunks and cells, bit for
             # bit: whole chunks from host pieces, never a parked sequence or pulled pieces (issue #26 against #31).
-            exact = not request.sampling.batch_invariant
+            invariant = request.sampling.batch_invariant
             source = request.route.hops[request.hop_index].prefix_source if self.pull is not None else None
-            if source is not None and exact:
+            if source is not None and not invariant:
                 reused = await self._pulled(request, source, opening)
             else:
                 limit = request.reuse_limit
                 if opening is not None and self.reuse.reusable(request.prompt_tokens, request.prefill_chunk,
-                                                               exact=exact):
+                                                               invariant=invariant):
                     # Prefix reuse: the head reuses no more than every hop after it holds (issue #18).
                     limit = min(o.reused for o in await opening.result())
                 rejected = self.reuse.rejected
                 reused = await self.reuse.start(request.session_id, request.prompt_tokens, request.prefill_chunk,
-                                                limit, exact=exact)
+                                                limit, invariant=invariant)
                 self.metrics.prefix_rejected.inc(self.reuse.rejected - rejected)
         start = SessionStart(session_token=session_token, reused=reused, opening=opening)
         session: NodeSession

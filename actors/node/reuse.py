@@ -67,8 +67,8 @@ class Shared:
 
 class Reuse:
     def __init__(self, engine: StepEngine, cache: PrefixCache, held: SnapshotStore, *, model_id: str,
-                 layers: LayerRange, exact: bool = True) -> None:
-        self.exact = exact
+                 layers: LayerRange, by_token: bool = True) -> None:
+        self.by_token = by_token
         """Down to the token, resident where the backend can park (``prefix_reuse = token``); else whole chunks of
         host pieces (``chunk``)."""
         self._engine = engine
@@ -91,21 +91,21 @@ class Reuse:
     @property
     def _resident(self) -> ResidentKv | None:
         backend = self._engine.backend
-        if self.exact and isinstance(backend, ResidentKv) and backend.resident_slots > 0:
+        if self.by_token and isinstance(backend, ResidentKv) and backend.resident_slots > 0:
             return backend
         return None
 
     async def keep(self, session_id: str, tokens: list[int], position: int, chunk: int, token: str | None, *,
-                   exact: bool = True) -> None:
+                   invariant: bool = False) -> None:
         """Keep a completed session's KV (positions ``[0, position)``) before it is freed: parked in the backend
-        where it can, else (and for a batch-invariant session, ``exact`` False, which later ones of its kind reuse)
+        where it can, else (and for a batch-invariant session, ``invariant``, which later ones of its kind reuse)
         exported into host pieces."""
         kv = self._kv
         if kv is None or not self.cache.enabled or position <= 0 or len(tokens) < position:
             return
         entry = Kept(tokens=tokens[:position], pieces=[], chunk=chunk, token=token)
         resident = self._resident
-        if resident is not None and exact:
+        if resident is not None and not invariant:
             await self._make_room(resident)
             entry.resident = await self._engine.call(resident.park_session, session_id, session_id)
         if not entry.resident:
@@ -150,51 +150,51 @@ class Reuse:
             if entry.resident and resident is not None:
                 await self._engine.call(resident.drop_parked, name)
 
-    def _whole(self, n: int, chunk: int, exact: bool = True) -> int:
-        """``n`` reusable positions as this node reuses them for a session: all (``exact`` here and for the
-        session), or whole chunks."""
-        if self._by_token(exact):
+    def _whole(self, n: int, chunk: int, invariant: bool = False) -> int:
+        """``n`` reusable positions as this node reuses them for a session: all (``_by_token``), or whole chunks."""
+        if self._by_token(invariant):
             return n if n >= MIN_TOKEN_REUSE else 0
         return n if chunk <= 0 else n // chunk * chunk
 
-    def _match(self, prompt: list[int], exact: bool) -> tuple[str, Kept, int] | None:
-        """The kept entry to start ``prompt`` from. A session that must compute as a cold run does (not ``exact``:
+    def _match(self, prompt: list[int], invariant: bool) -> tuple[str, Kept, int] | None:
+        """The kept entry to start ``prompt`` from. A session that must compute as a cold run does (``invariant``:
         batch invariant) takes no parked sequence: its cells lie elsewhere than a cold run's would."""
         kept = self.cache.match(prompt)
-        if kept is not None and kept[1].resident and not self._by_token(exact):
+        if kept is not None and kept[1].resident and not self._by_token(invariant):
             return None
         return kept
 
-    def _by_token(self, exact: bool) -> bool:
-        """Reuse down to the token: this node does (``prefix_reuse = token``) and the session may (``exact``)."""
-        return exact and self.exact
+    def _by_token(self, invariant: bool) -> bool:
+        """Reuse down to the token: this node does (``prefix_reuse = token``) and the session may (it is not
+        batch ``invariant``)."""
+        return self.by_token and not invariant
 
-    def reusable(self, prompt: list[int], chunk: int, *, exact: bool = True) -> int:
-        """How many positions of ``prompt`` this node could give a new session (nothing is imported); ``exact``
-        False: a session that takes whole chunks of host pieces only (a batch-invariant one)."""
+    def reusable(self, prompt: list[int], chunk: int, *, invariant: bool = False) -> int:
+        """How many positions of ``prompt`` this node could give a new session (nothing is imported);
+        ``invariant``: a batch-invariant session, which takes whole chunks of host pieces only."""
         if self._kv is None or not self.cache.enabled:
             return 0
-        kept = self._match(prompt, exact)
+        kept = self._match(prompt, invariant)
         seeded = self._seed(prompt)
         return self._whole(max(kept[2] if kept is not None else 0, seeded[1] if seeded is not None else 0), chunk,
-                           exact)
+                           invariant)
 
     async def start(self, session_id: str, prompt: list[int], chunk: int, limit: int | None, *,
-                    exact: bool = True) -> int:
+                    invariant: bool = False) -> int:
         """Give a just-opened session (at position 0) the longest prefix of ``prompt`` this node can rebuild, at
         most ``limit`` positions; returns how many (0: it prefills from the start). A kept entry that fails its
-        hashes is dropped, never used. ``exact`` as for ``reusable``."""
+        hashes is dropped, never used. ``invariant`` as for ``reusable``."""
         kv = self._kv
         if kv is None or not self.cache.enabled:
             return 0
-        kept = self._match(prompt, exact)
+        kept = self._match(prompt, invariant)
         seeded = self._seed(prompt)
         n_kept = kept[2] if kept is not None else 0
         n_seed = seeded[1] if seeded is not None else 0
         want = max(n_kept, n_seed)
         if limit is not None:
             want = min(want, limit)
-        want = self._whole(want, chunk, exact)
+        want = self._whole(want, chunk, invariant)
         if want <= 0:
             return 0
         took = 0
