@@ -58,6 +58,15 @@ class NodeClient:
         self._links: dict[str, HttpLink] = {}
         self.batcher = FrameBatcher(self._link, _refused) if batch_frames else None
         """Issue #26: decode and token frames to one peer in one loop turn go as one request (``bus.frame_batch``)."""
+        self._lone_requests = 0
+        """Per-token-path requests written alone (not in a batch): each carries one frame."""
+
+    @property
+    def data_plane(self) -> tuple[int, int]:
+        """(requests written, frames they carried) on the per-token path (frames, tokens, verdicts; a batch is one
+        request): issue #26's calls per token, what frame batches save."""
+        batched = (self.batcher.requests, self.batcher.frames) if self.batcher is not None else (0, 0)
+        return self._lone_requests + batched[0], self._lone_requests + batched[1]
 
     def _link(self, endpoint: str) -> HttpLink:
         link = self._links.get(endpoint)
@@ -86,6 +95,7 @@ class NodeClient:
         if self.batcher is not None and batchable(body):
             return self.batcher.send(node, endpoint, path, body, content_type, wait, session_token)
         link = self._link(endpoint)
+        self._lone_requests += 1
         return self._hot_answer(node, endpoint, path, wait,
                                 link.post_now(path, body, content_type, wait, _auth(session_token)))
 

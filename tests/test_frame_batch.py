@@ -10,6 +10,7 @@ sessions decode in batch requests and every session's text is what the same rout
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -173,4 +174,17 @@ async def test_concurrent_sessions_decode_in_batches_with_the_same_tokens(nats_s
     assert all(c is not None for c in counts)
     assert all(c.frames > c.requests for c in counts if c is not None)  # every hop sent batches, tail included
     assert all(n.runtime.client.batcher is None for n in plain.nodes)  # type: ignore[union-attr]
+    # What a node's /metrics says it sent: one frame per request without batches, more with them.
+    for node in plain.nodes:
+        requests, frames = data_plane(node.metrics.render())
+        assert requests == frames > 0
+    for node in batched.nodes:
+        requests, frames = data_plane(node.metrics.render())
+        assert frames > requests > 0
     await batched.freed()
+
+
+def data_plane(metrics: bytes) -> tuple[float, float]:
+    """(requests, frames) from a node's Prometheus text."""
+    found = dict(re.findall(r"^swarmroute_node_data_(requests|frames)_total (\S+)$", metrics.decode(), re.M))
+    return float(found["requests"]), float(found["frames"])

@@ -115,6 +115,7 @@ class Node(NatsActor):
         """Set by ``drain()``: no more heartbeats, so the registry forgets this node while its sessions finish."""
         self.metrics.bind(live_sessions=lambda: len(self.sessions), max_sessions=lambda: self.backend.max_sessions,
                           kv_bytes=self.backend.kv_bytes_in_use)
+        self.metrics.bind_data_plane(lambda: self._client.data_plane)
         self._beat_soon = asyncio.Event()
         self.metrics.snapshots_held.set_function(lambda: float(self.snapshots.bytes_used))
         self.reuse = Reuse(self.engine, PrefixCache(max_entries=settings.prefix_cache_sessions,

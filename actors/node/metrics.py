@@ -20,6 +20,10 @@ Series (all names prefixed ``swarmroute_``)::
     node_ttft_seconds                         head: session start to first sampled token
     node_time_per_output_token_seconds        head: one decode step around the ring
     node_frame_bytes_received_total           activation bytes received from the previous hop
+    node_data_requests_total                  per-token-path requests this node wrote (frames, tokens, verdicts;
+                                              a frame batch counts once, issue #26)
+    node_data_frames_total                    frames and tokens those requests carried (frames per request: the
+                                              ratio of the two)
     node_hop_spin_seconds_total               event-loop polling around expected decode messages (actors/node/spin.py)
     node_snapshot_bytes_total                 KV bytes of snapshot segments sent to standby holders (issue #18)
     node_snapshot_failures_total              snapshot segments a standby did not take (the chain restarts)
@@ -48,10 +52,11 @@ Series (all names prefixed ``swarmroute_``)::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from schemas.session import HopTiming
 
@@ -86,6 +91,21 @@ def count_artifact_served(nbytes: int, model_id: str = "") -> None:
     """The artifact plane calls this with each chunk of payload bytes it uploads to a peer (deltas, not totals)."""
     if nbytes > 0:
         _SERVED.labels(model=model_id).inc(nbytes)
+
+
+class _DataPlane:
+    """The per-token path's request and frame counts, read from the node's client at scrape time (``bus`` keeps
+    the counts; it knows nothing of Prometheus)."""
+
+    def __init__(self, read: Callable[[], tuple[int, int]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        requests, frames = self._read()
+        yield CounterMetricFamily("swarmroute_node_data_requests", "Per-token-path requests written (frames, tokens, "
+                                  "verdicts; a frame batch counts once)", value=requests)
+        yield CounterMetricFamily("swarmroute_node_data_frames", "Frames and tokens the per-token-path requests "
+                                  "carried", value=frames)
 
 
 class NodeMetrics:
@@ -153,6 +173,10 @@ class NodeMetrics:
         self.live_sessions.set_function(lambda: float(live_sessions()))
         self.max_sessions.set_function(lambda: float(max_sessions()))
         self.kv_bytes.set_function(lambda: float(kv_bytes()))
+
+    def bind_data_plane(self, read: Callable[[], tuple[int, int]]) -> None:
+        """Expose the client's (requests, frames) counts (``bus.nodeclient.NodeClient.data_plane``)."""
+        self.registry.register(_DataPlane(read))
 
     def speculating(self, decoder: InFlight, live: bool) -> None:
         """A session's speculative decode started (``live``) or ended: its windows count towards the gauge."""

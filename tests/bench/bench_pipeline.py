@@ -18,7 +18,10 @@ and interleaved round by round:
                thread has no core of its own;
 * ``route-2-batch``, ``route-3-batch``  the same routes with ``SWARMROUTE_FRAME_BATCH=1`` (issue #26, item 6): the
                frames and tokens a node has for one peer in one loop turn go as one request (``bus/frame_batch.py``),
-               against the same route without it in the same round (before and after, in one run).
+               against the same route without it in the same round (before and after, in one run);
+* ``route-2-link``, ``route-2-link-batch``  route-2 without and with batches, every node behind a proxy process that
+               holds each request and answer ``--link-delay-ms`` (tests/support/delay_proxy.py): a link with a
+               latency and a per-request cost of its own, as between machines (the proxies share the same cores).
 
 ``--configs route-1,route-2,route-2-batch`` runs only those (route-1 is always run: the ratios are to it).
 
@@ -27,8 +30,11 @@ from the moment the last session got its first token to the moment the first one
 the aggregate over the whole run (all tokens / wall time from the first request to the last token, prefill
 included), one session alone, the ratios to route-1 measured in the same round, and how many steps each node's
 forward passes carried on average while the sessions ran together (``swarmroute_node_pass_steps``: 4 is one pass
-for all four sessions, 2 two groups of two; prefill chunks count as steps). The machine is shared: compare
-ratios within one run (the load average is printed). Nothing here asserts a timing.
+for all four sessions, 2 two groups of two; prefill chunks count as steps). A second table has what the data plane
+carried per generated token while they ran together, summed over the nodes (``swarmroute_node_data_requests_total``,
+``..._data_frames_total``, ``..._frame_bytes_received_total``): requests and frames per token, frames per request,
+activation bytes per token. The machine is shared: compare ratios within one run (the load average is printed).
+Nothing here asserts a timing.
 """
 
 from __future__ import annotations
@@ -47,10 +53,16 @@ import openai
 from tests.bench.route_procs import MODEL_ID, ProcessRoute, delta, load_line, scrape
 
 CONFIGS = {"route-1": [2], "route-2": [1, 1], "route-2b": [1, 1], "route-3": [1, 1, 1], "route-2-batch": [1, 1],
-           "route-3-batch": [1, 1, 1]}
+           "route-3-batch": [1, 1, 1], "route-2-link": [1, 1], "route-2-link-batch": [1, 1]}
 LAYERS = {"route-2b": [(0, 14), (14, 18)]}
 """Splits other than near-even: route-2b gives the tail fewer layers, for the output layer it also computes."""
-NODE_SETTINGS = {"route-2-batch": {"frame_batch": True}, "route-3-batch": {"frame_batch": True}}
+NODE_SETTINGS = {"route-2-batch": {"frame_batch": True}, "route-3-batch": {"frame_batch": True},
+                 "route-2-link-batch": {"frame_batch": True}}
+LINKED = ("route-2-link", "route-2-link-batch")
+"""Configurations whose nodes sit behind a delay proxy each (``--link-delay-ms``)."""
+DATA = ("swarmroute_node_data_requests_total", "swarmroute_node_data_frames_total",
+        "swarmroute_node_frame_bytes_received_total")
+"""What the data plane carried, per node (requests written, frames they carried, activation bytes received)."""
 """Node settings other than the defaults, by configuration."""
 TARGET = 1.0
 """Issue #20: route-2's concurrent aggregate at least this times route-1's."""
@@ -100,6 +112,8 @@ async def run(args: argparse.Namespace) -> int:
     configs = {n: t for n, t in CONFIGS.items() if n == "route-1" or not args.configs or n in args.configs}
     figures: dict[str, dict[str, list[float]]] = {n: {"together": [], "aggregate": [], "alone": []} for n in configs}
     rows: dict[str, list[list[float]]] = {n: [] for n in configs}
+    data: dict[str, list[list[float]]] = {n: [] for n in configs}
+    """Per round: requests, frames and bytes per token, summed over the nodes."""
     routes: dict[str, ProcessRoute] = {}
     with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp:
         try:
@@ -107,7 +121,8 @@ async def run(args: argparse.Namespace) -> int:
                 routes[name] = await asyncio.to_thread(ProcessRoute, model, threads, Path(tmp) / name,
                                                        max_sessions=args.sessions, layers=LAYERS.get(name),
                                                        node_settings=NODE_SETTINGS.get(name),
-                                                       settings=patient(args.hop_timeout))
+                                                       settings=patient(args.hop_timeout),
+                                                       delay_ms=args.link_delay_ms if name in LINKED else None)
             clients = {n: openai.AsyncOpenAI(base_url=r.url, api_key="unused", max_retries=0, timeout=300)
                        for n, r in routes.items()}
             for client in clients.values():  # warm-up: first requests pay one-off costs
@@ -124,6 +139,9 @@ async def run(args: argparse.Namespace) -> int:
                     rows[name].append([delta(b, a, "swarmroute_node_pass_steps_sum") /
                                        max(1.0, delta(b, a, "swarmroute_node_pass_steps_count"))
                                        for b, a in zip(before, after, strict=True)])
+                    tokens = args.sessions * args.tokens
+                    data[name].append([sum(delta(b, a, series) for b, a in zip(before, after, strict=True)) / tokens
+                                       for series in DATA])
                     alone = await stream(client, f"Alone {r}. Once upon a time, in a town by the sea,", args.tokens)
                     figures[name]["together"].append(together)
                     figures[name]["aggregate"].append(aggregate)
@@ -137,11 +155,13 @@ async def run(args: argparse.Namespace) -> int:
         finally:
             for route in routes.values():
                 await asyncio.to_thread(route.close)
-    report(figures, rows, load, args)
+    report(figures, rows, args)
+    report_data(data, args)
+    print(load_line(load))
     return 0
 
 
-def report(figures: dict[str, dict[str, list[float]]], rows: dict[str, list[list[float]]], load: list[float],
+def report(figures: dict[str, dict[str, list[float]]], rows: dict[str, list[list[float]]],
            args: argparse.Namespace) -> None:
     ref = figures["route-1"]
     print(f"\n{args.sessions} concurrent greedy sessions x {args.tokens} tokens, Gemma 3 270M Q4_K_M, {args.rounds} "
@@ -151,7 +171,8 @@ def report(figures: dict[str, dict[str, list[float]]], rows: dict[str, list[list
     labels = {"route-1": "route-1 (1 node x 2 threads)", "route-2": "route-2 (2 nodes x 1 thread)",
               "route-2b": "route-2b (0:14, 14:18)",
               "route-3": "route-3 (3 nodes x 1 thread)", "route-2-batch": "route-2, frame batches",
-              "route-3-batch": "route-3, frame batches"}
+              "route-3-batch": "route-3, frame batches", "route-2-link": f"route-2, {args.link_delay_ms:g} ms links",
+              "route-2-link-batch": f"route-2, {args.link_delay_ms:g} ms links, batches"}
     for name, f in figures.items():
         together = statistics.median(f["together"])
         aggregate = statistics.median(f["aggregate"])
@@ -165,7 +186,14 @@ def report(figures: dict[str, dict[str, list[float]]], rows: dict[str, list[list
         base = figures[name.removesuffix("-batch")]
         ratio = statistics.median(a / b for a, b in zip(figures[name]["together"], base["together"], strict=True))
         print(f"{name} / {name.removesuffix('-batch')} (together, per round): {ratio:.2f}x")
-    print(load_line(load))
+
+
+def report_data(data: dict[str, list[list[float]]], args: argparse.Namespace) -> None:
+    print(f"\nThe data plane per generated token ({args.sessions} sessions together, all nodes; medians over rounds)")
+    print(f"{'configuration':<30} {'requests':>9} {'frames':>7} {'frames/request':>15} {'bytes':>9}")
+    for name, per_round in data.items():
+        requests, frames, nbytes = (statistics.median(x) for x in zip(*per_round, strict=True))
+        print(f"{name:<30} {requests:>9.2f} {frames:>7.2f} {frames / max(requests, 1e-9):>15.2f} {nbytes:>9.0f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sessions", type=int, default=4, help="concurrent sessions")
     parser.add_argument("--hop-timeout", type=float, default=60.0,
                         help="SWARMROUTE_HOP_TIMEOUT_S and _TOKEN_TIMEOUT_S (see ``patient``)")
+    parser.add_argument("--link-delay-ms", type=float, default=1.0,
+                        help="one-way delay of the route-2-link configurations' proxies")
     parser.add_argument("--configs", type=lambda v: v.split(","), default=None,
                         help="comma-separated configurations to run (route-1 always runs)")
     return asyncio.run(run(parser.parse_args(argv)))
