@@ -18,6 +18,10 @@ of them in this order, each the same prompt):
                     threads as the reference, and issue #20's target, TTFT <= 1.25x llama-server's;
 * ``route-2s``      route-2 with ``prefill_subchunks = 2`` (issue #26): the prompt's one chunk goes through the hops
                     in two sub-chunks, so the tail computes the first while the head computes the second;
+* ``route-2b``, ``route-2bs``  route-2 and route-2s with the tail's output layer weighed into the layer split
+                    (layers 0:11 and 11:18): the tail's vocabulary-wide output layer costs about as much as 4-5 of
+                    its layers at a short prompt's rows, so the even split leaves the tail the longer half, and two
+                    sub-chunks overlap best when the hops cost alike;
 * ``route-2x2``     the same route with ``--threads 2`` per node: each node with the reference's threads, as two
                     2-core machines would be (in one lone session's prefill only one node computes at a time, so
                     they do not compete for the cores here). A short prompt is one prefill chunk, which the hops
@@ -60,11 +64,14 @@ from tests.bench.route_procs import MODEL_ID, ProcessRoute, delta, load_line, sc
 WORDS = ("apple", "river", "stone", "cloud", "maple", "tiger", "piano", "candle", "garden", "rocket", "violet",
          "harbor", "copper", "meadow", "falcon", "lantern", "orchid", "glacier", "saddle", "willow")
 TARGET = 1.25
-ROUTES = (("route-1", [2]), ("route-2", [1, 1]), ("route-2s", [1, 1]), ("route-2x2", [2, 2]))
-"""Each configuration's nodes, by their ``--threads``."""
-NODE_SETTINGS = {"route-2s": {"prefill_subchunks": 2}}
-"""Each configuration's node settings beyond the defaults (issue #26: a short prompt in two sub-chunks)."""
 """Issue #20: route-2's short-prompt TTFT at most this times llama-server's."""
+ROUTES = (("route-1", [2]), ("route-2", [1, 1]), ("route-2s", [1, 1]), ("route-2b", [1, 1]), ("route-2bs", [1, 1]),
+          ("route-2x2", [2, 2]))
+"""Each configuration's nodes, by their ``--threads``."""
+NODE_SETTINGS = {"route-2s": {"prefill_subchunks": 2}, "route-2bs": {"prefill_subchunks": 2}}
+"""Each configuration's node settings beyond the defaults (issue #26: a short prompt in two sub-chunks)."""
+LAYERS = {"route-2b": [(0, 11), (11, 18)], "route-2bs": [(0, 11), (11, 18)]}
+"""Layer splits other than near-even: the tail, which also computes the output layer, gets fewer layers."""
 
 
 def prompt_of(round_: int) -> str:
@@ -130,7 +137,7 @@ async def run(args: argparse.Namespace) -> int:
         try:
             for name, threads in ROUTES:
                 routes[name] = await asyncio.to_thread(ProcessRoute, model, threads, Path(tmp) / name,
-                                                       node_settings=NODE_SETTINGS.get(name))
+                                                       node_settings=NODE_SETTINGS.get(name), layers=LAYERS.get(name))
             async with llama_server(model, threads=2, ctx=1024) as server:
                 clients = {"llama-server": openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused",
                                                               max_retries=0, timeout=120)}
@@ -173,10 +180,11 @@ def report(ttft: dict[str, list[float]], breakdown: dict[str, Breakdown], load: 
     print(f"{'configuration':<34} {'TTFT ms':>8} {'p25-p75':>13} {'vs llama-server':>16}")
     labels = {"llama-server": "llama-server (2 threads)", "route-1": "route-1 (1 node x 2 threads)",
               "route-2": "route-2 (2 nodes x 1 thread)", "route-2s": "route-2s (the same, 2 sub-chunks)",
+              "route-2b": "route-2b (layers 0:11, 11:18)", "route-2bs": "route-2bs (0:11, 11:18, 2 sub-chunks)",
               "route-2x2": "route-2x2 (2 nodes x 2 threads)"}
     for name, values in ttft.items():
         q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
-        note = f"  target <= {TARGET:.2f}x" if name in ("route-2", "route-2s") else ""
+        note = f"  target <= {TARGET:.2f}x" if name in ("route-2", "route-2s", "route-2b", "route-2bs") else ""
         print(f"{labels[name]:<34} {med[name]:>8.1f} {q[0]:>6.1f}-{q[2]:<6.1f} {med[name] / reference:>15.2f}x{note}")
     rows: list[tuple[str, Callable[[Breakdown], float]]] = [
         ("client+HTTP (client - gateway TTFT)", lambda b: b.median("client") - b.median("gateway")),
@@ -200,6 +208,7 @@ def report(ttft: dict[str, list[float]], breakdown: dict[str, Breakdown], load: 
         print(f"{label:<42} " + " ".join(f"{value(breakdown[name]):>9.1f}" for name, _ in ROUTES))
     print(f"\nroute-2 / llama-server = {med['route-2'] / reference:.2f}x (target <= {TARGET:.2f}x); "
           f"route-2s (sub-chunks) / llama-server = {med['route-2s'] / reference:.2f}x; "
+          f"route-2bs (0:11, 11:18, sub-chunks) / llama-server = {med['route-2bs'] / reference:.2f}x; "
           f"route-1 / llama-server = {med['route-1'] / reference:.2f}x; "
           f"route-2x2 / llama-server = {med['route-2x2'] / reference:.2f}x")
     print(load_line(load))
