@@ -6,8 +6,10 @@ frame on in the next turn. Without batching, each is a request of its own (its H
 and answer, all in Python); batched, the peer gets them in one read and queues every session's step before its
 worker takes the next pass. Each entry keeps its own answer: the batch answers per entry, and one session's refusal
 fails only that session's request. A lone frame goes out as it always did (``/v1/sessions/{id}/frames`` or
-``/tokens``), byte for byte, so a peer that predates batches is reached the same way as long as sessions run one at
-a time; a route with batching on needs every node to be of this version or later.
+``/tokens``), byte for byte. A peer that predates batches answers a batch with a whole-request 404 (it has no
+``/v1/batch``; a node that has it never answers a whole batch with a 404, its entries' refusals are inside its
+200): the batcher then sends that batch's entries one by one, and every later frame for that peer too (``lone``),
+so a route may mix versions.
 
 Only requests whose order is causal are batched (decode frames and token frames: each exists because its
 predecessor was computed downstream, ``actors.node.outbox``); prefill chunks, verify windows and control requests are
@@ -68,6 +70,8 @@ class FrameBatcher:
         self._peers: dict[str, _Peer] = {}
         """Endpoint -> what waits for the end of this loop turn."""
         self._sending: set[asyncio.Task[None]] = set()
+        self.lone: set[str] = set()
+        """Endpoints that answered a batch with a 404: peers that predate batches, sent one frame per request."""
         self.requests = 0
         """Requests written (a batch counts once): what the benchmarks compare."""
         self.frames = 0
@@ -90,21 +94,25 @@ class FrameBatcher:
 
     def _flush(self, endpoint: str) -> None:
         peer = self._peers.pop(endpoint)
+        size = 1 if endpoint in self.lone else MAX_BATCH
+        for at in range(0, len(peer.entries), size):
+            self._post(peer.node, endpoint, peer.wait, peer.entries[at:at + size])
+
+    def _post(self, node: str, endpoint: str, wait: float, entries: list[_Entry]) -> None:
+        """Write ``entries`` as one request (a lone entry to its own path), settled by a task of its own."""
         link = self._link_of(endpoint)
-        for at in range(0, len(peer.entries), MAX_BATCH):
-            entries = peer.entries[at:at + MAX_BATCH]
-            if len(entries) == 1:
-                e = entries[0]
-                headers = {HEADER_SESSION_TOKEN: e.token} if e.token else None
-                answer = link.post_now(e.path, e.body, e.content_type, peer.wait, headers)
-            else:
-                body = frames.encode_batch([(e.body, e.token) for e in entries])
-                answer = link.post_now(BATCH_PATH, body, BATCH_CONTENT_TYPE, peer.wait)
-            self.requests += 1
-            self.frames += len(entries)
-            task = asyncio.ensure_future(self._settle(peer.node, endpoint, peer.wait, answer, entries))
-            self._sending.add(task)
-            task.add_done_callback(self._sending.discard)
+        if len(entries) == 1:
+            e = entries[0]
+            headers = {HEADER_SESSION_TOKEN: e.token} if e.token else None
+            answer = link.post_now(e.path, e.body, e.content_type, wait, headers)
+        else:
+            body = frames.encode_batch([(e.body, e.token) for e in entries])
+            answer = link.post_now(BATCH_PATH, body, BATCH_CONTENT_TYPE, wait)
+        self.requests += 1
+        self.frames += len(entries)
+        task = asyncio.ensure_future(self._settle(node, endpoint, wait, answer, entries))
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
 
     async def _settle(self, node: str, endpoint: str, wait: float,
                       answer: Callable[[], Coroutine[Any, Any, tuple[int, bytes]]], entries: list[_Entry]) -> None:
@@ -115,6 +123,14 @@ class FrameBatcher:
                 _fail(e, HopError(node, "timeout", f"node {node} did not answer POST {e.path} within {wait:g}s")
                       if exc.timeout else HopError(node, "unreachable", f"node {node} unreachable at {endpoint}: "
                                                                          f"{exc}"))
+            return
+        if len(entries) > 1 and status == 404:  # a peer without /v1/batch: these and later frames go one by one
+            if endpoint not in self.lone:
+                log.info("node %s at %s takes no frame batches (404): its frames go one per request", node, endpoint)
+                self.lone.add(endpoint)
+            self.frames -= len(entries)  # counted again as they are written alone
+            for e in entries:
+                self._post(node, endpoint, wait, [e])
             return
         if len(entries) == 1 or status >= 400:  # a lone request, or a batch refused as a whole
             for e in entries:

@@ -19,6 +19,9 @@ import httpx
 import openai
 import pytest
 from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from actors.node.hop_api import HopApi
 from bus import frame as frames
@@ -145,6 +148,35 @@ async def test_a_bad_batch_is_a_400_and_an_unreachable_peer_fails_every_entry(ho
              for _ in range(2)]
     results = await asyncio.gather(*sends, return_exceptions=True)
     assert all(isinstance(r, HopError) and r.kind == "unreachable" for r in results)
+
+
+async def test_a_peer_without_batches_gets_each_frame_alone_from_then_on() -> None:
+    """A node that predates batches (no ``/v1/batch``: a plain 404) still gets every frame, one per request."""
+    got: list[tuple[str, bytes]] = []
+
+    async def take(request: Request) -> Response:
+        got.append((request.url.path, await request.body()))
+        return JSONResponse({"position": 1})
+
+    old = HttpServer(Starlette(routes=[Route("/v1/sessions/{sid}/frames", take, methods=["POST"]),
+                                       Route("/v1/sessions/{sid}/tokens", take, methods=["POST"])]))
+    await old.start()
+    client = NodeClient(timeout_s=5.0, batch_frames=True)
+    b = client.batcher
+    assert b is not None
+    try:
+        first = [b.send("old", old.url, f"/v1/sessions/{sid}/frames", frame(sid=sid), FRAME_CONTENT_TYPE, 5.0, "")
+                 for sid in (SID, OTHER)]
+        await asyncio.gather(*first)
+        assert sorted(path for path, _ in got) == sorted(f"/v1/sessions/{sid}/frames" for sid in (SID, OTHER))
+        assert b.lone == {old.url} and (b.requests, b.frames) == (3, 2)  # the refused batch, then one each
+        later = [b.send("old", old.url, f"/v1/sessions/{SID}/frames", frame(), FRAME_CONTENT_TYPE, 5.0, ""),
+                 b.send("old", old.url, f"/v1/sessions/{SID}/tokens", token_frame(), TOKEN_CONTENT_TYPE, 5.0, "")]
+        await asyncio.gather(*later)
+        assert len(got) == 4 and (b.requests, b.frames) == (5, 4)  # no second batch tried
+    finally:
+        await client.aclose()
+        await old.stop()
 
 
 # ---- real stub nodes --------------------------------------------------------------------------------------------
