@@ -8,6 +8,8 @@ used by the gateway's and the node's HTTP edge, ``bus.http_edge``) and ``error_f
     ├── BadRequestError (400, invalid_request_error)
     │   ├── ContextLengthError       prompt + max_tokens exceed the context
     │   ├── FrameError               activation frame with wrong size, dtype, position or session
+    │   ├── StaleEpochError          a frame, route update or replay of an older route epoch: its sender was
+    │   │                            routed around (a repair, an eviction)
     │   └── SnapshotError            a KV snapshot that fails its hash or belongs to another model, range or session
     ├── AuthenticationError (401)
     │   └── CapabilityError          session capability missing, forged or expired (node API)
@@ -79,6 +81,13 @@ class ContextLengthError(BadRequestError):
 
 class FrameError(BadRequestError):
     code = "invalid_frame"
+
+
+class StaleEpochError(BadRequestError):
+    """A frame, route update or replay of an older epoch of the session's route than the receiver's: the sender
+    was routed around by a repair (an evicted node is still alive and may still send)."""
+
+    code = "stale_epoch"
 
 
 class SnapshotError(BadRequestError):
@@ -282,8 +291,8 @@ _BY_STATUS: dict[int, type[SwarmrouteError]] = {
                                 MethodNotAllowedError, PayloadTooLargeError, CapacityError, NoRouteError,
                                 RouteFailedError, BackendError)}
 _BY_CODE: dict[tuple[int, str], type[SwarmrouteError]] = {
-    (cls.status, cls.code): cls for cls in (ContextLengthError, FrameError, CapabilityError, ModelNotFoundError,
-                                            SessionNotFoundError, NodeStoppingError, ModelLoadError,
+    (cls.status, cls.code): cls for cls in (ContextLengthError, FrameError, StaleEpochError, CapabilityError,
+                                            ModelNotFoundError, SessionNotFoundError, NodeStoppingError, ModelLoadError,
                                             BackendCrashedError, ArtifactError, FetchCancelled)}
 """The classes a status alone does not name; ``HopError`` (it needs a node) and ``PeerStatusError`` are never
 rebuilt from a peer's answer."""

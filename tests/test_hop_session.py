@@ -14,8 +14,9 @@ import pytest
 
 from actors.backend import StepInput
 from actors.node.hop_session import HopSession
-from schemas.errors import BadRequestError, FrameError, SessionNotFoundError
+from schemas.errors import BadRequestError, FrameError, SessionNotFoundError, StaleEpochError
 from schemas.frame import FrameKind, SampledToken
+from schemas.route import RouteUpdate
 from schemas.session import FailureReason, SessionPhase, TokenEvent
 from tests.support.sessions import Rig, header, hidden_rows, new_session_id, reference, rig, route, stub
 
@@ -121,6 +122,34 @@ async def test_a_successor_failing_is_reported_to_the_head_and_the_session_close
     assert [(node, r.node_id, r.kind, r.message) for node, r in middle.peers.reports] == [
         ("a", "c", "unreachable", "connection reset by c")]
     assert middle.closed == [s] and not middle.backend.open_sessions  # its KV freed
+
+
+async def test_a_frame_of_an_older_epoch_is_refused_and_computes_nothing(tail: Rig) -> None:
+    """A repair cut the tail back to 4 and went on as epoch 1; a frame the routed-around middle still sent (an
+    evicted node is alive) would put the tail a position ahead of the replacement's replay."""
+    sid, s = await hop(tail, 2, prompt=6)
+    await position(s.on_frame(header(sid, PREFILL, 0, 4), hidden_rows(4, seed=1), 1024))
+    await s.update_route(RouteUpdate(session_id=sid, epoch=1, route=route(sid, *RANGES), hop_index=2,
+                                     truncate_to=4, generated=[], quiet_below=4))
+    with pytest.raises(StaleEpochError, match="epoch 0; .* is at epoch 1") as err:
+        s.on_frame(header(sid, PREFILL, 4, 2, sample=True), hidden_rows(2, seed=2), 512)
+    assert err.value.code == "stale_epoch" and s.position == 4 and s.frames_received == 1
+    assert await position(s.on_frame(header(sid, PREFILL, 4, 2, sample=True, epoch=1), hidden_rows(2, seed=2),
+                                     512)) == 6  # the replacement's frame of the same positions
+    with pytest.raises(StaleEpochError):
+        await s.update_route(RouteUpdate(session_id=sid, epoch=1, route=route(sid, *RANGES), hop_index=2)
+                             .model_copy(update={"epoch": 0}))
+
+
+async def test_a_hop_routed_around_closes_without_a_report(middle: Rig) -> None:
+    """Its successor refused a frame of an older epoch: the head repaired the route without this node, and a
+    report would read as that successor failing."""
+    sid, s = await hop(middle, 1, prompt=4)
+    middle.peers.refuse("c", "refused", peer_error=StaleEpochError("frame of epoch 0; the session is at epoch 1"))
+    await position(s.on_frame(header(sid, PREFILL, 0, 4, sample=True), hidden_rows(4), 1024))
+    await middle.until(lambda: middle.closed, "the session closing")
+    assert middle.closed == [s] and not middle.backend.open_sessions
+    assert not middle.peers.reports
 
 
 async def test_a_tail_that_cannot_reach_the_head_says_it_on_nats(tail: Rig) -> None:

@@ -26,6 +26,7 @@ from schemas.errors import (
     FrameError,
     HopError,
     SessionNotFoundError,
+    StaleEpochError,
     SwarmrouteError,
 )
 from schemas.frame import FrameHeader, FrameKind, HopStamp, SampledToken, SampledWindow
@@ -47,6 +48,7 @@ class HopSession(NodeSession):
         """Validate, compute and queue the forward of one frame; returns the new KV position of its choice, or an
         awaitable of it when the step had to queue for the backend's worker. Frames of one choice run in arrival
         order; different choices' frames queue side by side, so the engine batches them."""
+        self._check_epoch(header)
         if header.position_shape != self.hidden_shape:
             raise FrameError(f"frame position shape {list(header.position_shape)} does not match this model's "
                              f"{list(self.hidden_shape)}")
@@ -60,6 +62,14 @@ class HopSession(NodeSession):
         if choice.frame_step is not None:
             return self._on_frame_later(choice, header, hidden, nbytes)
         return self._run_frame(choice, header, hidden, nbytes)
+
+    def _check_epoch(self, header: FrameHeader) -> None:
+        """Refuse a frame of an older epoch than this hop's: its sender was routed around. An evicted node is still
+        alive (issue #28), and a frame it computed after the cut below would put this hop a position ahead of
+        the replacement's replay (checked again when the frame's step starts: the cut may land while it waits)."""
+        if header.epoch < self.recovery.epoch:
+            raise StaleEpochError(f"frame of epoch {header.epoch}; session {self.id} is at epoch "
+                                  f"{self.recovery.epoch} (its sender was routed around)")
 
     async def _on_frame_later(self, choice: Choice, header: FrameHeader, hidden: Hidden, nbytes: int) -> int:
         while choice.frame_step is not None:
@@ -185,6 +195,7 @@ class HopSession(NodeSession):
         """Check a frame against its choice and count it; the step that computes it."""
         if self.closed:  # a frame that waited for its predecessor while the session closed
             raise SessionNotFoundError(f"session {self.id} closed on node {self.rt.node_id}")
+        self._check_epoch(header)
         if header.start_position < choice.position and self.reused and not self.frames_received:
             # Prefix reuse: the head reused less than this hop could (the least any hop had), so this hop drops
             # the rest first; the worker runs the cut before the step (calls go ahead of steps).
@@ -294,8 +305,8 @@ class HopSession(NodeSession):
         while choice.frame_step is not None:
             await asyncio.wait([choice.frame_step])
         if update.epoch < self.recovery.epoch:
-            raise BadRequestError(f"route update of epoch {update.epoch}; session {self.id} is at epoch "
-                                  f"{self.recovery.epoch}", code="stale_epoch")
+            raise StaleEpochError(f"route update of epoch {update.epoch}; session {self.id} is at epoch "
+                                  f"{self.recovery.epoch}")
         if update.epoch > self.recovery.epoch:
             self.recovery.epoch = update.epoch
             self.retarget(update.route, update.hop_index)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Literal
@@ -29,11 +30,12 @@ from actors.node.route_open import RouteOpening
 from actors.node.runtime import NodeRuntime
 from actors.node.spin import ArrivalSpinner
 from bus import frame as frames
-from schemas.errors import BadRequestError, FrameError, HopError, SwarmrouteError
+from schemas.errors import BadRequestError, FrameError, HopError, StaleEpochError, SwarmrouteError
 from schemas.frame import FrameHeader, FrameKind, HopStamp, SampledToken, SampledWindow
 from schemas.route import Hop, ReplayRequest, Route
 from schemas.session import FailureReason, SessionOpen, SessionPhase, TokenEvent, TokenLogprobs
 
+log = logging.getLogger(__name__)
 StepFuture = asyncio.Future[tuple[StepOutput, StepTiming]]
 
 
@@ -328,6 +330,12 @@ class NodeSession:
         self.outbox.send(send, causal=kind is FrameKind.DECODE if causal is None else causal)
 
     async def _outbox_failed(self, exc: HopError) -> None:
+        if isinstance(exc.peer_error, StaleEpochError):
+            # The successor went on to a newer epoch of the route without this node: it was routed around (an
+            # evicted node is alive). The head owns the session; a report would read as its successor failing.
+            log.info("session %s: routed around by a repair (%s); closing it here", self.id[:8], exc)
+            await self.close()
+            return
         await self._report(FailureReason(node_id=exc.node, phase=self.phase, kind=exc.kind, message=str(exc)))
 
     async def _report(self, reason: FailureReason) -> None:
@@ -345,8 +353,8 @@ class NodeSession:
             raise BadRequestError(f"session {self.id} on node {self.rt.node_id} can replay {held}, not from "
                                   f"{request.start}", code="journal_too_short")
         if request.epoch != self.recovery.epoch:
-            raise BadRequestError(f"replay for epoch {request.epoch}; session {self.id} is at epoch "
-                                  f"{self.recovery.epoch}", code="stale_epoch")
+            raise StaleEpochError(f"replay for epoch {request.epoch}; session {self.id} is at epoch "
+                                  f"{self.recovery.epoch}")
         for e in entries:
             self._send_frame(e.kind, e.start, e.hidden, e.sample, e.step, (), tokens=e.tokens, causal=False)
         return sum(int(e.hidden.shape[0]) for e in entries)

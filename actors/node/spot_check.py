@@ -38,6 +38,8 @@ from schemas.settings import Settings
 from schemas.spot_check import CheckerReply, CheckerRequest, Dispute, DisputeReply, SpotReceipt, SpotRole, SpotVerdict
 
 log = logging.getLogger(__name__)
+SCRATCH_PREFIX = "spot-"
+"""The id prefix of the scratch sessions a check recomputes a receipt in (they are no client's sessions)."""
 MAX_CHECKS = 2
 """Recomputations one node runs at once (as checker or referee); more receipts are refused with a 429."""
 POST_TIMEOUT_S = 10.0
@@ -229,7 +231,7 @@ class SpotChecks:
                            if tail and f.sample]
         except ValueError as exc:
             raise BadRequestError(str(exc)) from None
-        sid = f"spot-{uuid.uuid4().hex[:16]}"
+        sid = f"{SCRATCH_PREFIX}{uuid.uuid4().hex[:16]}"
         prompt = [t for f in receipt.frames for t in (f.tokens or [])]
         await self._engine.call(lambda: self._backend.open_session(sid, prompt_tokens=prompt,
                                                                    sampling=SamplingParams(temperature=0)))

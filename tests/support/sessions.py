@@ -31,7 +31,7 @@ from actors.node.session import NodeSession
 from bus import frame as frames
 from bus.nodeclient import NodeClient
 from bus.subjects import Subjects
-from schemas.errors import HopError
+from schemas.errors import HopError, SwarmrouteError
 from schemas.frame import FrameHeader, FrameKind, SampledToken, WireDType
 from schemas.node import LayerRange
 from schemas.route import Hop, Route
@@ -77,9 +77,12 @@ class Peers:
         self.held = asyncio.Event()
         return self.held
 
-    def refuse(self, node: str, message: str = "connection reset") -> None:
-        """The next request's answer is a ``HopError`` from ``node``."""
-        self._refusals.append(HopError(node, "unreachable", message))
+    def refuse(self, node: str, message: str = "connection reset", *,
+               peer_error: SwarmrouteError | None = None) -> None:
+        """The next request's answer is a ``HopError`` from ``node``: unreachable, or answering ``peer_error``."""
+        self._refusals.append(HopError(node, "unreachable", message) if peer_error is None else
+                              HopError(node, "http_error", message, peer_status=peer_error.status,
+                                       peer_error=peer_error))
 
     async def _answer(self, node: str) -> None:
         if self.held is not None:
@@ -206,8 +209,8 @@ def hidden_rows(n: int, seed: int = 0) -> Hidden:
 
 
 def header(session_id: str, kind: FrameKind, start: int, n: int, *, sample: bool = False, step: int = 0,
-           choice: int = 0, group: int = 0, shape: tuple[int, ...] = SHAPE) -> FrameHeader:
+           choice: int = 0, group: int = 0, shape: tuple[int, ...] = SHAPE, epoch: int = 0) -> FrameHeader:
     """What an upstream hop would send to this one."""
     return FrameHeader(session_id=frames.session_bytes(session_id), kind=kind, dtype=WireDType.F32,
                        start_position=start, n_positions=n, position_shape=shape, step=step, sample=sample,
-                       choice=choice, group=group)
+                       choice=choice, group=group, epoch=epoch)
