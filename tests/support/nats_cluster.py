@@ -82,8 +82,19 @@ cluster {{
 """
 
 
+def _distinct_ports(size: int) -> list[tuple[int, int, int]]:
+    """(client, route, monitor) per member, no two the same: ``free_port`` may hand out a port twice, and a member
+    that cannot bind its port never starts."""
+    ports: list[int] = []
+    while len(ports) < 3 * size:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return [(ports[i], ports[i + 1], ports[i + 2]) for i in range(0, 3 * size, 3)]
+
+
 def start_cluster(base: Path, *, size: int = 3, auth_conf: Path | None = None) -> NatsCluster:
-    ports = [(free_port(), free_port(), free_port()) for _ in range(size)]
+    ports = _distinct_ports(size)
     routes = [r for _, r, _ in ports]
     members: list[ClusterMember | None] = [None] * size
     errors: list[BaseException] = []
@@ -119,8 +130,9 @@ def start_cluster(base: Path, *, size: int = 3, auth_conf: Path | None = None) -
 
 
 async def wait_jetstream(urls: list[str], *, user: str | None = None, password: str | None = None,
-                         timeout: float = 30.0) -> None:
-    """Until the cluster has a JetStream meta leader (account info answers)."""
+                         timeout: float = 60.0) -> None:
+    """Until the cluster has a JetStream meta leader (account info answers). Seen once in the suite, right after a
+    llama.cpp swarm's teardown: no leader within 30 s (it takes 2-5 s on a quiet machine)."""
     import nats
 
     async with await nats.connect(servers=urls, user=user, password=password) as nc:
